@@ -1,0 +1,27 @@
+"""Weighted combine (spec 0x03C3, 0x0AE). Pure.
+
+The gate is applied exactly once, here, after the expert; accumulation is FP32; the scatter-add key is
+the semantic (origin rank, token) pair, never the physical slot or destination rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_moe.dispatch.records import SemanticRoutes
+
+
+def combine_routes(semantic_rows: torch.Tensor, routes: SemanticRoutes, out_dtype: torch.dtype) -> torch.Tensor:
+    """Scatter-add gated expert rows onto their origin tokens.
+
+    semantic_rows: [R, d] expert outputs in semantic route order (any float dtype)
+    returns:       [T, d] ``out_dtype``
+    """
+    r, d = semantic_rows.shape
+    if r != routes.num_routes:
+        raise ValueError(f"semantic_rows: {r} rows but the handle holds {routes.num_routes} routes")
+    acc = torch.zeros(routes.num_tokens, d, dtype=torch.float32, device=semantic_rows.device)
+    if r:
+        weighted = semantic_rows.to(torch.float32) * routes.gate.to(semantic_rows.device)[:, None]
+        acc.index_add_(0, routes.origin_token.to(semantic_rows.device), weighted)
+    return acc.to(out_dtype)

@@ -1,0 +1,114 @@
+"""In-process exchange: every rank of the group lives in this process (one thread per rank).
+
+Used by unit tests and the single-process reference runs; it runs the same SPMD protocol as the
+Ray and NCCL backends, through a shared mailbox keyed by (tag, source peer, destination peer).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ray_moe.dispatch.exchange.base import Exchange, check_splits, split_rows
+from ray_moe.errors import ExchangeTimeoutError
+from ray_moe.placement.topology import ProcessGroupSpec
+
+
+class _Mailbox:
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, int, int], Any] = {}
+        self._cv = threading.Condition()
+
+    def put(self, key: tuple[str, int, int], value: Any) -> None:
+        with self._cv:
+            if key in self._items:
+                raise RuntimeError(f"exchange tag {key[0]!r} reused from peer {key[1]} to peer {key[2]}")
+            self._items[key] = value
+            self._cv.notify_all()
+
+    def take(self, keys: list[tuple[str, int, int]], timeout: float) -> list[Any]:
+        with self._cv:
+            ok = self._cv.wait_for(lambda: all(k in self._items for k in keys), timeout=timeout)
+            if not ok:
+                missing = [k for k in keys if k not in self._items]
+                raise ExchangeTimeoutError(
+                    f"exchange {keys[0][0]!r}: no message from peer slot(s) {[k[1] for k in missing]} "
+                    f"within {timeout:.1f}s"
+                )
+            return [self._items.pop(k) for k in keys]
+
+
+class LocalExchangeGroup:
+    """A process group whose ranks are threads of this process."""
+
+    def __init__(self, group: ProcessGroupSpec, timeout_s: float = 30.0) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+        self._mailbox = _Mailbox()
+
+    def endpoint(self, rank: int) -> "LocalExchange":
+        return LocalExchange(self, rank)
+
+    def run(self, fn: Callable[[Exchange], Any]) -> list[Any]:
+        """Run ``fn(endpoint)`` once per rank concurrently; results indexed by global rank.
+
+        The first exception of any rank is re-raised after all ranks finish or time out.
+        """
+        ranks = sorted(self.group.peer_order)
+        with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+            futures = {r: pool.submit(fn, self.endpoint(r)) for r in ranks}
+            results: dict[int, Any] = {}
+            errors: list[BaseException] = []
+            for r in ranks:
+                try:
+                    results[r] = futures[r].result()
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+        return [results[r] for r in ranks]
+
+
+class LocalExchange(Exchange):
+    def __init__(self, owner: LocalExchangeGroup, rank: int) -> None:
+        self._owner = owner
+        self.group = owner.group
+        self.rank = rank
+        self.group.peer_of(rank)  # validates membership
+
+    def all_gather(self, tag: str, vec: np.ndarray) -> np.ndarray:
+        me = self.peer
+        box = self._owner._mailbox
+        for dst in range(self.size):
+            box.put((tag, me, dst), np.asarray(vec, dtype=np.int64).copy())
+        rows = box.take([(tag, src, me) for src in range(self.size)], self._owner.timeout_s)
+        return np.stack(rows)
+
+    def all_to_all_v(
+        self,
+        tag: str,
+        tensors: Mapping[str, torch.Tensor],
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+    ) -> dict[str, torch.Tensor]:
+        check_splits("send_splits", tensors, send_splits, self.size)
+        me = self.peer
+        box = self._owner._mailbox
+        chunks = {k: split_rows(t, send_splits) for k, t in tensors.items()}
+        for dst in range(self.size):
+            box.put((tag, me, dst), {k: c[dst] for k, c in chunks.items()})
+        got = box.take([(tag, src, me) for src in range(self.size)], self._owner.timeout_s)
+        out: dict[str, torch.Tensor] = {}
+        for k, t in tensors.items():
+            parts = [g[k] for g in got]
+            for src, (part, want) in enumerate(zip(parts, recv_splits)):
+                if part.shape[0] != int(want):
+                    raise RuntimeError(
+                        f"exchange {tag!r}: peer slot {src} sent {part.shape[0]} rows of {k!r}, expected {int(want)}"
+                    )
+            out[k] = torch.cat(parts, 0) if parts else t[:0]
+        return out

@@ -1,0 +1,249 @@
+"""Typed records at the dispatch stage boundaries (spec 0x01A0, 0x03A, 0x0CB). Pure: no Ray.
+
+route batch -> semantic routes -> source plan -> (count agreement) -> receive plan -> dispatch handle.
+Every tensor field documents its shape and dtype. Records are frozen: a stage produces a new record,
+it never edits one it was given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ray_moe.errors import RouteValidationError
+
+_HANDLE_IDS = itertools.count()
+
+
+def _fresh_handle_id(rank: int, generation: int) -> str:
+    return f"dispatch-h{generation}-r{rank}-{next(_HANDLE_IDS):06d}"
+
+
+@dataclass(frozen=True, eq=False)
+class RouteBatch:
+    """One origin rank's router output for one MoE layer.
+
+    hidden:       [T, d] float (fp32/bf16/fp16)
+    topk_ids:     [T, k] int64  logical expert ids
+    topk_weights: [T, k] float32 combine gates
+    """
+
+    origin_rank: int
+    hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+    def validate(self, num_experts: int, hidden_size: int | None = None) -> None:
+        """Reject malformed input before any state changes or any exchange starts."""
+        h, ids, w = self.hidden, self.topk_ids, self.topk_weights
+        if h.dim() != 2:
+            raise RouteValidationError(f"hidden: expected [T, d], got shape {tuple(h.shape)}")
+        if not h.is_floating_point():
+            raise RouteValidationError(f"hidden: expected a floating dtype, got {h.dtype}")
+        if hidden_size is not None and h.shape[1] != hidden_size:
+            raise RouteValidationError(f"hidden: width {h.shape[1]} != hidden_size={hidden_size}")
+        if ids.dim() != 2 or ids.shape[0] != h.shape[0]:
+            raise RouteValidationError(
+                f"topk_ids: expected [T={h.shape[0]}, k], got shape {tuple(ids.shape)}"
+            )
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise RouteValidationError(f"topk_ids: expected int64, got {ids.dtype}")
+        if w.shape != ids.shape:
+            raise RouteValidationError(
+                f"topk_weights: shape {tuple(w.shape)} != topk_ids shape {tuple(ids.shape)}"
+            )
+        if not w.is_floating_point():
+            raise RouteValidationError(f"topk_weights: expected float32, got {w.dtype}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= num_experts:
+                bad = lo if lo < 0 else hi
+                raise RouteValidationError(
+                    f"topk_ids: expert id {bad} is out of range [0, {num_experts})"
+                )
+            if not bool(torch.isfinite(w).all()):
+                raise RouteValidationError("topk_weights: NaN or infinite gate")
+            if bool((w < 0).any()):
+                raise RouteValidationError(f"topk_weights: negative gate {float(w.min())}")
+            if h.is_floating_point() and not bool(torch.isfinite(h).all()):
+                raise RouteValidationError("hidden: NaN or infinite value")
+
+
+@dataclass(frozen=True, eq=False)
+class SemanticRoutes:
+    """Columnar semantic identity of one origin rank's accepted routes, in semantic order r = t*k + j.
+
+    origin_token:   [R] int64  token row on the origin rank
+    route_slot:     [R] int64  j in [0, k)
+    logical_expert: [R] int64
+    gate:           [R] float32
+    """
+
+    origin_rank: int
+    num_tokens: int
+    top_k: int
+    origin_token: torch.Tensor
+    route_slot: torch.Tensor
+    logical_expert: torch.Tensor
+    gate: torch.Tensor
+
+    @property
+    def num_routes(self) -> int:
+        return int(self.logical_expert.numel())
+
+    @staticmethod
+    def from_batch(batch: RouteBatch) -> "SemanticRoutes":
+        t, k = batch.topk_ids.shape
+        dev = batch.topk_ids.device
+        return SemanticRoutes(
+            origin_rank=batch.origin_rank,
+            num_tokens=int(t),
+            top_k=int(k),
+            origin_token=torch.arange(t, device=dev, dtype=torch.int64).repeat_interleave(k),
+            route_slot=torch.arange(k, device=dev, dtype=torch.int64).repeat(t),
+            logical_expert=batch.topk_ids.reshape(-1).to(torch.int64),
+            gate=batch.topk_weights.reshape(-1).to(torch.float32),
+        )
+
+    def digest(self) -> str:
+        """SHA-256 over the semantic columns (spec 0x01A0: a mutated expert or gate changes it)."""
+        h = hashlib.sha256()
+        h.update(f"{self.origin_rank}:{self.num_tokens}:{self.top_k}".encode())
+        for t in (self.origin_token, self.route_slot, self.logical_expert, self.gate):
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class SourcePlan:
+    """Origin-side dispatch layout of one rank (spec 0x03B, 0x07B).
+
+    physical_slot: [R] int64  slot chosen for semantic route r
+    dest_rank:     [R] int64  global destination rank of route r
+    dest_peer:     [R] int64  peer slot of that rank in the process group
+    send_order:    [R] int64  send position i holds semantic route send_order[i]
+    inverse_send:  [R] int64  semantic route r sits at send position inverse_send[r]
+    send_slot:     [R] int64  physical slot at each send position
+    send_counts:   [P] int64  split vector in peer-slot order (zero-count peers kept)
+    send_offsets:  [P+1] int64 exclusive prefix sum with sentinel
+    counts_by_rank:[P] int64  the row C[p, :] of the global-rank count matrix
+    """
+
+    origin_rank: int
+    physical_slot: torch.Tensor
+    dest_rank: torch.Tensor
+    dest_peer: torch.Tensor
+    send_order: torch.Tensor
+    inverse_send: torch.Tensor
+    send_slot: torch.Tensor
+    send_counts: torch.Tensor
+    send_offsets: torch.Tensor
+    counts_by_rank: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class ReceivePlan:
+    """Destination-side layout of one rank (spec 0x03C1, 0x03C2).
+
+    recv_counts:    [P] int64  source split vector in peer-slot order
+    recv_offsets:   [P+1] int64
+    recv_slot:      [N] int64  physical slot of each received row (source-major order)
+    expert_order:   [N] int64  expert position i holds receive position expert_order[i]
+    slot_ids:       [Q_local] int64 global slot ids of this rank in local slot order
+    expert_counts:  [Q_local] int64 rows per local slot (zero-row slots kept)
+    expert_offsets: [Q_local+1] int64
+    """
+
+    rank: int
+    recv_counts: torch.Tensor
+    recv_offsets: torch.Tensor
+    recv_slot: torch.Tensor
+    expert_order: torch.Tensor
+    slot_ids: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.recv_slot.numel())
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """The paired dispatch/combine state of one rank for one layer invocation (spec 0x0CB).
+
+    Carries the generation coordinates it was planned under; combine must resolve exactly this
+    generation, never the active one. ``count_matrix`` is C[p, u] over global ranks ([P, P] int64).
+    """
+
+    handle_id: str
+    generation: int
+    placement_version: str
+    checkpoint_version: str
+    process_group_id: str
+    pg_epoch: int
+    release_id: str
+    layer: int
+    rank: int
+    routes: SemanticRoutes
+    source: SourcePlan
+    receive: ReceivePlan
+    count_matrix: torch.Tensor
+    semantic_digest: str = ""
+
+    @staticmethod
+    def build(*, snapshot, rank: int, routes: SemanticRoutes, source: SourcePlan, receive: ReceivePlan,
+              count_matrix: torch.Tensor, semantic_digest: str = "") -> "DispatchHandle":
+        return DispatchHandle(
+            handle_id=_fresh_handle_id(rank, snapshot.generation),
+            generation=snapshot.generation,
+            placement_version=snapshot.placement_version,
+            checkpoint_version=snapshot.checkpoint_version,
+            process_group_id=snapshot.process_group_id,
+            pg_epoch=snapshot.pg_epoch,
+            release_id=snapshot.release_id,
+            layer=snapshot.layer,
+            rank=rank,
+            routes=routes,
+            source=source,
+            receive=receive,
+            count_matrix=count_matrix,
+            semantic_digest=semantic_digest,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class NormalDispatchOutput:
+    """Variable (all-to-all-v) dispatch result on one rank: the prefill / throughput mode.
+
+    rows:          [N, d] payload rows in expert-major order (activation dtype, or fp8 e4m3)
+    scales:        [N, S] float32 or None  per-row / per-block scales, permuted with their rows
+    expert_counts: [Q_local] int64 rows per local slot
+    handle:        the paired state for combine
+    """
+
+    rows: torch.Tensor
+    scales: torch.Tensor | None
+    expert_counts: torch.Tensor
+    handle: DispatchHandle
+    counts_list: tuple[int, ...] = field(default=())
+
+
+@dataclass(frozen=True, eq=False)
+class CombineOutput:
+    """Combined output of one rank for one layer: ``hidden`` [T, d] in the input dtype."""
+
+    hidden: torch.Tensor
+    handle_id: str
+    generation: int

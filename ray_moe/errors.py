@@ -1,0 +1,47 @@
+"""Typed errors. Every error names the field and the value that caused it."""
+
+from __future__ import annotations
+
+
+class RayMoEError(Exception):
+    """Base class of ray-moe runtime errors (bad input raises ``ValueError`` subclasses below)."""
+
+
+class RouteValidationError(ValueError):
+    """A route batch, a physical assignment or a handle field is malformed (raised before any exchange)."""
+
+
+class CountAgreementError(RayMoEError):
+    """Peers disagreed on counts or coordinates in the control round; every rank aborts before payload."""
+
+
+class StaleGenerationError(RayMoEError):
+    """A dispatch named a generation that is not eligible for new dispatches (DRAINING, RETIRED, unknown).
+
+    ``active`` carries the generation that is active now, when known, so the caller can replan."""
+
+    def __init__(self, message: str, *, requested: int | None = None, active: int | None = None):
+        super().__init__(message)
+        self.requested = requested
+        self.active = active
+
+
+class GenerationError(RayMoEError):
+    """An illegal registry transition: retire with live leases, release twice, unknown lease, ..."""
+
+
+class ExchangeTimeoutError(RayMoEError):
+    """A peer did not deliver within the exchange watchdog (a dead or stuck rank)."""
+
+
+class ExpertUnavailableError(RayMoEError):
+    """A logical expert has no live replica and no checkpoint to rebuild one from."""
+
+    def __init__(self, message: str, *, expert: int, layer: int = 0):
+        super().__init__(message)
+        self.expert = expert
+        self.layer = layer
+
+
+class AdmissionError(ValueError):
+    """A plan was refused before anything moved (memory budget, layout change under one generation)."""

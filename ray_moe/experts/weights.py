@@ -1,0 +1,280 @@
+"""SwiGLU expert weights: seeded initialisation, Hugging Face style safetensors checkpoints, digests, and
+the stacked per-rank layout the runners consume. Pure torch (no Ray).
+
+One expert computes ``E(x) = (silu(x Wg^T) * (x Wu^T)) Wd^T`` with nn.Linear layout
+``w_gate [f, d]``, ``w_up [f, d]``, ``w_down [d, f]``. Mixtral checkpoint names map
+``w1 -> w_gate``, ``w3 -> w_up``, ``w2 -> w_down``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+MIXTRAL_EXPERT_KEY = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}.weight"
+MIXTRAL_ROUTER_KEY = "model.layers.{layer}.block_sparse_moe.gate.weight"
+_MIXTRAL_NAMES = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype={name!r} is not one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """One logical expert of one layer.
+
+    w_gate: [f, d]   w_up: [f, d]   w_down: [d, f]
+    """
+
+    layer: int
+    expert: int
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
+
+    def digest(self) -> str:
+        """Parameter-state digest: SHA-256 over (layer, expert, dtype, shapes, bytes)."""
+        h = hashlib.sha256()
+        h.update(f"L{self.layer}E{self.expert}:{self.w_gate.dtype}".encode())
+        for t in (self.w_gate, self.w_up, self.w_down):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "ExpertWeights":
+        kw: dict[str, Any] = {"device": device}
+        if dtype is not None:
+            kw["dtype"] = dtype
+        return ExpertWeights(self.layer, self.expert, self.w_gate.to(**kw), self.w_up.to(**kw), self.w_down.to(**kw))
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """One expert on rows ``x`` [n, d] -> [n, d] (no gate applied)."""
+    return (torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+
+@dataclass(eq=False)
+class SlotWeights:
+    """Weights of the physical slots of one rank for one layer, stacked in local slot order.
+
+    w_gate: [Q_local, f, d]   w_up: [Q_local, f, d]   w_down: [Q_local, d, f]
+    experts: logical expert per local slot; digests: parameter digest per local slot.
+    ``cache`` holds runner-specific derived layouts (fused or transposed copies), built once.
+    """
+
+    layer: int
+    slot_ids: tuple[int, ...]
+    experts: tuple[int, ...]
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    digests: tuple[str, ...] = ()
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.w_gate.shape[2])
+
+    @property
+    def ffn_size(self) -> int:
+        return int(self.w_gate.shape[1])
+
+    @staticmethod
+    def stack(layer: int, slot_ids: Sequence[int], experts: Sequence[ExpertWeights], digests: Sequence[str] = ()) -> "SlotWeights":
+        if len(slot_ids) != len(experts):
+            raise ValueError(f"slot_ids: {len(slot_ids)} slots but {len(experts)} expert weights")
+        if not experts:
+            raise ValueError("experts: a rank with no slot has no SlotWeights")
+        return SlotWeights(
+            layer=layer,
+            slot_ids=tuple(int(s) for s in slot_ids),
+            experts=tuple(w.expert for w in experts),
+            w_gate=torch.stack([w.w_gate for w in experts]),
+            w_up=torch.stack([w.w_up for w in experts]),
+            w_down=torch.stack([w.w_down for w in experts]),
+            digests=tuple(digests),
+        )
+
+    def expert_weights(self, local: int) -> ExpertWeights:
+        return ExpertWeights(self.layer, self.experts[local], self.w_gate[local], self.w_up[local], self.w_down[local])
+
+
+class WeightSource(ABC):
+    """Where expert weights come from. Each rank loads only the experts it hosts."""
+
+    hidden_size: int
+    ffn_size: int
+    num_experts: int
+    num_layers: int
+
+    @abstractmethod
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        """Weights of one logical expert."""
+
+    @abstractmethod
+    def router(self, layer: int) -> torch.Tensor:
+        """Router weight [E, d] float32 of one layer."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__}
+
+
+class SeededWeightSource(WeightSource):
+    """Deterministic random weights: expert (layer, e) depends only on (seed, layer, e).
+
+    With ``tagged=True`` the down projection of expert e is scaled by ``(e + 1)``: every expert shares
+    one base function and its output magnitude encodes its own id, so a misplaced slot is visible in the
+    output (used by migration tests).
+    """
+
+    def __init__(self, *, num_layers: int, num_experts: int, hidden_size: int, ffn_size: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, tagged: bool = False) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_size = ffn_size
+        self.seed = seed
+        self.dtype = dtype
+        self.tagged = tagged
+
+    def _gen(self, *key: int) -> torch.Generator:
+        h = hashlib.sha256(":".join(str(k) for k in (self.seed, *key)).encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert={expert} is out of range [0, {self.num_experts})")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range [0, {self.num_layers})")
+        d, f = self.hidden_size, self.ffn_size
+        g = self._gen(layer, -1 if self.tagged else expert)
+        wg = torch.randn(f, d, generator=g) / d**0.5
+        wu = torch.randn(f, d, generator=g) / d**0.5
+        wd = torch.randn(d, f, generator=g) / f**0.5
+        if self.tagged:
+            wd = wd * float(expert + 1)
+        return ExpertWeights(layer, expert, wg.to(self.dtype), wu.to(self.dtype), wd.to(self.dtype))
+
+    def router(self, layer: int) -> torch.Tensor:
+        g = self._gen(layer, 10**6)
+        return torch.randn(self.num_experts, self.hidden_size, generator=g) / self.hidden_size**0.5
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "seeded", "seed": self.seed, "tagged": self.tagged, "dtype": str(self.dtype)}
+
+
+class SafetensorsWeightSource(WeightSource):
+    """A Hugging Face style checkpoint folder (Mixtral names), read lazily per tensor.
+
+    ``index``: ``model.safetensors.index.json`` (weight_map) if present, else every ``*.safetensors``
+    file in the folder is scanned once for its keys.
+    """
+
+    def __init__(self, folder: str, *, dtype: torch.dtype | None = None,
+                 key_pattern: str = MIXTRAL_EXPERT_KEY, router_pattern: str = MIXTRAL_ROUTER_KEY) -> None:
+        from safetensors import safe_open
+
+        self.folder = folder
+        self.dtype = dtype
+        self.key_pattern = key_pattern
+        self.router_pattern = router_pattern
+        self._safe_open = safe_open
+        self._where: dict[str, str] = {}
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as fh:
+                for key, fname in json.load(fh)["weight_map"].items():
+                    self._where[key] = os.path.join(folder, fname)
+        else:
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+            if not files:
+                raise ValueError(f"checkpoint folder={folder!r} holds no *.safetensors file")
+            for fname in files:
+                path = os.path.join(folder, fname)
+                with safe_open(path, framework="pt") as fh:
+                    for key in fh.keys():
+                        self._where[key] = path
+        layers, experts = set(), set()
+        for key in self._where:
+            parts = key.split(".")
+            if "experts" in parts:
+                i = parts.index("experts")
+                experts.add(int(parts[i + 1]))
+                layers.add(int(parts[parts.index("layers") + 1]))
+        if not experts:
+            raise ValueError(f"checkpoint folder={folder!r} holds no expert tensors named like {key_pattern!r}")
+        self.num_experts = max(experts) + 1
+        self.num_layers = max(layers) + 1
+        probe = self._tensor(key_pattern.format(layer=0, expert=0, name="w1"))
+        self.ffn_size, self.hidden_size = int(probe.shape[0]), int(probe.shape[1])
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        path = self._where.get(key)
+        if path is None:
+            raise ValueError(f"checkpoint {self.folder!r} has no tensor {key!r}")
+        with self._safe_open(path, framework="pt") as fh:
+            t = fh.get_tensor(key)
+        return t.to(self.dtype) if self.dtype is not None else t
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        ws = {
+            ours: self._tensor(self.key_pattern.format(layer=layer, expert=expert, name=theirs))
+            for ours, theirs in _MIXTRAL_NAMES.items()
+        }
+        return ExpertWeights(layer, expert, ws["w_gate"], ws["w_up"], ws["w_down"])
+
+    def router(self, layer: int) -> torch.Tensor:
+        return self._tensor(self.router_pattern.format(layer=layer)).to(torch.float32)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "safetensors", "folder": self.folder}
+
+
+def save_checkpoint(source: WeightSource, folder: str, *, shards: int = 1) -> list[str]:
+    """Write every expert and router of ``source`` as a Mixtral-style safetensors folder."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(source.num_layers):
+        tensors[MIXTRAL_ROUTER_KEY.format(layer=layer)] = source.router(layer).contiguous()
+        for e in range(source.num_experts):
+            w = source.expert(layer, e)
+            for ours, theirs in _MIXTRAL_NAMES.items():
+                tensors[MIXTRAL_EXPERT_KEY.format(layer=layer, expert=e, name=theirs)] = getattr(w, ours).contiguous()
+    keys = sorted(tensors)
+    files = []
+    weight_map = {}
+    for i in range(shards):
+        part = keys[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(folder, fname))
+        files.append(fname)
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": weight_map}, fh, indent=1)
+    return files

@@ -1,0 +1,36 @@
+"""Shared fixtures. One local Ray instance per test session (ray.init costs seconds here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+        n = torch.cuda.device_count() if has_cuda else 0
+    except Exception:  # pragma: no cover
+        has_cuda, n = False, 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "multi_gpu" in item.keywords and n < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance shared by every test that needs one (token auth stays on)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=int(os.environ.get("RAY_MOE_TEST_CPUS", "8")), include_dashboard=False,
+                 log_to_driver=False, namespace="ray-moe-tests")
+    yield ray
+    ray.shutdown()
