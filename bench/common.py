@@ -1,0 +1,114 @@
+"""Shared benchmark plumbing: environment description, timers, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import torch
+
+
+def hardware() -> dict[str, Any]:
+    """What ran the benchmark."""
+    info: dict[str, Any] = {
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        import ray
+
+        info["ray"] = ray.__version__
+    except Exception:  # noqa: BLE001
+        info["ray"] = None
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+        from cupy.cuda import nccl
+
+        info["nccl"] = nccl.get_version()
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def host_kind() -> str:
+    """Short label used in result file names: ``cpu`` or ``h200x2`` style."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        short = "h200" if "h200" in name else name.replace("nvidia", "").strip().split()[0]
+        return f"{short}x{torch.cuda.device_count()}"
+    return "cpu"
+
+
+def results_dir() -> str:
+    from ray_moe.env import read_env
+
+    path = read_env().results_dir
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def write_result(name: str, payload: dict[str, Any], *, suffix: str | None = None) -> str:
+    """Write ``bench/results/<name>-<host>.json`` with hardware and timestamp added; returns the path."""
+    body = {
+        "benchmark": name,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": hardware(),
+        **payload,
+    }
+    path = os.path.join(results_dir(), f"{name}-{suffix or host_kind()}.json")
+    with open(path, "w") as fh:
+        json.dump(body, fh, indent=2, sort_keys=False, default=str)
+    return path
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, cuda: bool | None = None) -> dict[str, float]:
+    """Wall time of ``fn`` (CUDA-synchronised when on GPU): median/min/p90 in milliseconds."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    samples.sort()
+    return {
+        "median_ms": statistics.median(samples),
+        "min_ms": samples[0],
+        "p90_ms": samples[min(len(samples) - 1, int(0.9 * len(samples)))],
+        "iters": iters,
+    }
+
+
+def nearest_rank(samples: list[float], q: float) -> float:
+    """Nearest-rank quantile x_(ceil(q n)) (spec 0x0DA)."""
+    import math
+
+    xs = sorted(samples)
+    if not xs:
+        raise ValueError("samples: empty")
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
