@@ -25,6 +25,9 @@ class StaleGenerationError(RayMoEError):
         self.requested = requested
         self.active = active
 
+    def __reduce__(self):  # keep the keyword fields across Ray's pickling
+        return (_rebuild_stale, (str(self), self.requested, self.active))
+
 
 class GenerationError(RayMoEError):
     """An illegal registry transition: retire with live leases, release twice, unknown lease, ..."""
@@ -42,6 +45,29 @@ class ExpertUnavailableError(RayMoEError):
         self.expert = expert
         self.layer = layer
 
+    def __reduce__(self):
+        return (_rebuild_unavailable, (str(self), self.expert, self.layer))
+
 
 class AdmissionError(ValueError):
     """A plan was refused before anything moved (memory budget, layout change under one generation)."""
+
+
+def _rebuild_stale(message: str, requested: int | None, active: int | None) -> StaleGenerationError:
+    return StaleGenerationError(message, requested=requested, active=active)
+
+
+def _rebuild_unavailable(message: str, expert: int, layer: int) -> ExpertUnavailableError:
+    return ExpertUnavailableError(message, expert=expert, layer=layer)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The original exception behind Ray's wrappers (RayTaskError keeps it in ``cause``)."""
+    seen = 0
+    while seen < 8:
+        cause = getattr(exc, "cause", None)
+        if cause is None or cause is exc:
+            return exc
+        exc = cause
+        seen += 1
+    return exc

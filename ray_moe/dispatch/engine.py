@@ -193,7 +193,7 @@ def dispatch(
         )
     # global-rank count matrix C[p, u]
     peer_order = np.asarray(exchange.group.peer_order)
-    c_global = np.zeros((p, p), dtype=np.int64)
+    c_global = np.zeros((snapshot.num_ranks, snapshot.num_ranks), dtype=np.int64)
     c_global[np.ix_(peer_order, peer_order)] = c_peer
     handle = DispatchHandle.build(
         snapshot=snapshot, rank=rank, routes=routes, source=source, receive=receive,

@@ -67,6 +67,7 @@ def plan_source(routes: SemanticRoutes, physical_slot: torch.Tensor, snapshot: P
     """Steps 1-3: send layout of one origin rank. ``physical_slot`` must already pass ``check_assignment``."""
     dev = physical_slot.device
     p = snapshot.num_ranks
+    g = int(snapshot.peer_order.numel())
     q = snapshot.num_slots
     slot_rank = snapshot.slot_rank.to(dev)
     rank_to_peer = snapshot.rank_to_peer.to(dev)
@@ -78,7 +79,7 @@ def plan_source(routes: SemanticRoutes, physical_slot: torch.Tensor, snapshot: P
     send_order = torch.sort(key, stable=True).indices
     inverse_send = inverse_permutation(send_order)
     # 3. split vector in peer-slot order and its offsets
-    send_counts = torch.bincount(dest_peer, minlength=p).to(torch.int64)
+    send_counts = torch.bincount(dest_peer, minlength=g).to(torch.int64)
     counts_by_rank = torch.bincount(dest_rank, minlength=p).to(torch.int64)
     return SourcePlan(
         origin_rank=routes.origin_rank,

@@ -135,8 +135,8 @@ class SourcePlan:
     send_order:    [R] int64  send position i holds semantic route send_order[i]
     inverse_send:  [R] int64  semantic route r sits at send position inverse_send[r]
     send_slot:     [R] int64  physical slot at each send position
-    send_counts:   [P] int64  split vector in peer-slot order (zero-count peers kept)
-    send_offsets:  [P+1] int64 exclusive prefix sum with sentinel
+    send_counts:   [G] int64  split vector in peer-slot order over the G group members (zero-count peers kept)
+    send_offsets:  [G+1] int64 exclusive prefix sum with sentinel
     counts_by_rank:[P] int64  the row C[p, :] of the global-rank count matrix
     """
 
@@ -156,8 +156,8 @@ class SourcePlan:
 class ReceivePlan:
     """Destination-side layout of one rank (spec 0x03C1, 0x03C2).
 
-    recv_counts:    [P] int64  source split vector in peer-slot order
-    recv_offsets:   [P+1] int64
+    recv_counts:    [G] int64  source split vector in peer-slot order
+    recv_offsets:   [G+1] int64
     recv_slot:      [N] int64  physical slot of each received row (source-major order)
     expert_order:   [N] int64  expert position i holds receive position expert_order[i]
     slot_ids:       [Q_local] int64 global slot ids of this rank in local slot order

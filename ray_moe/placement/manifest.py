@@ -147,8 +147,11 @@ class PlacementManifest(BaseModel):
             raise ValueError(
                 f"process_group_id={self.process_group_id!r} but the group given is {group.group_id!r}"
             )
-        if group.size != self.num_ranks:
-            raise ValueError(f"num_ranks={self.num_ranks} but process group {group.group_id!r} has {group.size}")
+        outside = [r for r in group.peer_order if r >= self.num_ranks]
+        if outside:
+            raise ValueError(
+                f"process group {group.group_id!r} member rank {outside[0]} is outside num_ranks={self.num_ranks}"
+            )
         for s in self.slots:
             if s.destination_rank not in group.members:
                 raise ValueError(

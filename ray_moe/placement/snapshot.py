@@ -24,8 +24,8 @@ class PlacementSnapshot:
     slot_local:  [Q] int64   local slot index of q on its rank (manifest order)
     log2phy:     [E, M] int64 physical slots of expert e, padded with -1 (M = max replicas)
     logcnt:      [E] int64   number of valid entries of log2phy[e]
-    peer_order:  [P] int64   global rank at each peer slot of the process group
-    rank_to_peer:[P] int64   peer slot of each global rank
+    peer_order:  [G] int64   global rank at each peer slot of the process group (G members)
+    rank_to_peer:[P] int64   peer slot of each global rank (-1 for ranks outside the group)
     rank_node:   [P] int64   node index of each global rank
     rank_num_slots: tuple[int, ...]  slots hosted per rank
     map_digest:  56-bit digest of the maps, compared by peers in the control round
@@ -97,7 +97,7 @@ class PlacementSnapshot:
             log2phy[e, fill[e]] = s.physical_slot_id
             fill[e] += 1
         peer_order = torch.tensor(group.peer_order, dtype=torch.int64)
-        rank_to_peer = torch.empty_like(peer_order)
+        rank_to_peer = torch.full((manifest.num_ranks,), -1, dtype=torch.int64)  # -1: not a member
         rank_to_peer[peer_order] = torch.arange(group.size, dtype=torch.int64)
         return PlacementSnapshot(
             generation=manifest.generation,

@@ -6,7 +6,6 @@ Ray and NCCL backends, through a shared mailbox keyed by (tag, source peer, dest
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -14,32 +13,8 @@ import numpy as np
 import torch
 
 from ray_moe.dispatch.exchange.base import Exchange, check_splits, split_rows
-from ray_moe.errors import ExchangeTimeoutError
+from ray_moe.dispatch.exchange.mailbox import Mailbox
 from ray_moe.placement.topology import ProcessGroupSpec
-
-
-class _Mailbox:
-    def __init__(self) -> None:
-        self._items: dict[tuple[str, int, int], Any] = {}
-        self._cv = threading.Condition()
-
-    def put(self, key: tuple[str, int, int], value: Any) -> None:
-        with self._cv:
-            if key in self._items:
-                raise RuntimeError(f"exchange tag {key[0]!r} reused from peer {key[1]} to peer {key[2]}")
-            self._items[key] = value
-            self._cv.notify_all()
-
-    def take(self, keys: list[tuple[str, int, int]], timeout: float) -> list[Any]:
-        with self._cv:
-            ok = self._cv.wait_for(lambda: all(k in self._items for k in keys), timeout=timeout)
-            if not ok:
-                missing = [k for k in keys if k not in self._items]
-                raise ExchangeTimeoutError(
-                    f"exchange {keys[0][0]!r}: no message from peer slot(s) {[k[1] for k in missing]} "
-                    f"within {timeout:.1f}s"
-                )
-            return [self._items.pop(k) for k in keys]
 
 
 class LocalExchangeGroup:
@@ -48,7 +23,7 @@ class LocalExchangeGroup:
     def __init__(self, group: ProcessGroupSpec, timeout_s: float = 30.0) -> None:
         self.group = group
         self.timeout_s = timeout_s
-        self._mailbox = _Mailbox()
+        self._mailbox = Mailbox()
 
     def endpoint(self, rank: int) -> "LocalExchange":
         return LocalExchange(self, rank)

@@ -1,0 +1,172 @@
+"""CoordinatorActor: named, one per deployment (``get_if_exists``). A thin shell over ``ControlPlane``.
+
+It owns placement generations, refcount fences, digests, the load window, NCCL unique ids and the
+control timeline. It is never on the per-token path: drivers ask it for the active generation only
+when a shard tells them theirs went stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import ray
+from pydantic import BaseModel
+
+from ray_moe.actors.control import ControlPlane, Fleet
+from ray_moe.config import RuntimeConfig
+from ray_moe.placement.topology import ProcessGroupSpec, Topology
+
+
+def coordinator_name(deployment: str) -> str:
+    return f"ray-moe-coordinator-{deployment}"
+
+
+class RayFleet(Fleet):
+    """Shard actors behind Ray handles; pydantic arguments travel as JSON."""
+
+    def __init__(self, handles: Mapping[int, Any]) -> None:
+        self.handles = dict(handles)
+
+    def ranks(self) -> list[int]:
+        return sorted(self.handles)
+
+    def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
+        refs = {r: getattr(self.handles[r], method).remote(*[_wire(a) for a in a_]) for r, a_ in args.items()}
+        return {r: v for r, v in zip(refs, ray.get(list(refs.values())))}
+
+    def copy_experts(self, dst: int, src: int, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        return ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
+
+
+def _wire(x: Any) -> Any:
+    return x.model_dump_json() if isinstance(x, BaseModel) else x
+
+
+class CoordinatorActor:
+    def __init__(self, cfg_json: str) -> None:
+        self.cfg = RuntimeConfig.model_validate_json(cfg_json)
+        self.plane: ControlPlane | None = None
+        self.handles: dict[int, Any] = {}
+        self.nccl_ids: dict[int, bytes] = {}
+        self.topology_json: str | None = None
+        self.extra: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- setup
+    def attach(self, handles: Mapping[int, Any], topology_json: str, group_json: str, expert_bytes: int) -> None:
+        if self.plane is not None:
+            raise RuntimeError(f"deployment {self.cfg.name!r} already has shards attached")
+        self.handles = dict(handles)
+        self.topology_json = topology_json
+        self.plane = ControlPlane(self.cfg, RayFleet(self.handles), Topology.model_validate_json(topology_json),
+                                  ProcessGroupSpec.model_validate_json(group_json))
+        self.plane.set_expert_bytes(expert_bytes)
+
+    def deploy(self) -> int:
+        return self._plane().deploy_initial()
+
+    def _plane(self) -> ControlPlane:
+        if self.plane is None:
+            raise RuntimeError(f"deployment {self.cfg.name!r} has no shards attached")
+        return self.plane
+
+    def config_json(self) -> str:
+        return self.cfg.model_dump_json()
+
+    def shard_handles(self) -> dict[int, Any]:
+        return dict(self.handles)
+
+    def group_json(self) -> str:
+        return self._plane().group.model_dump_json()
+
+    def topology(self) -> str | None:
+        return self.topology_json
+
+    def put_nccl_id(self, epoch: int, uid: bytes) -> None:
+        self.nccl_ids[epoch] = uid
+
+    def nccl_id(self, epoch: int) -> bytes | None:
+        return self.nccl_ids.get(epoch)
+
+    def is_deployed(self) -> bool:
+        return self.plane is not None and self.plane.active_generation() is not None
+
+    # ---------------------------------------------------------------- queries
+    def active_generation(self) -> int | None:
+        return self._plane().active_generation()
+
+    def manifest_json(self, generation: int | None = None) -> str:
+        return self._plane().manifest(generation).model_dump_json()
+
+    def refcounts(self) -> dict[int, int]:
+        return self._plane().refcounts()
+
+    def generations(self) -> dict[int, str]:
+        reg = self._plane().registry
+        return {g: reg.state(g).value for g in reg.generations()}
+
+    def timeline(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(e) for e in self._plane().timeline()]
+
+    def retired_with_refcount(self) -> list[tuple[int, int]]:
+        return list(self._plane().retired_with_refcount)
+
+    def record_load(self, counts: Any, phase: str, generation: int) -> None:
+        self._plane().record_load(counts, phase=phase, generation=generation)
+
+    def load_matrix(self) -> Any:
+        lm = self._plane().load.snapshot()
+        return {"weight": lm.weight, "provenance": lm.provenance.model_dump(mode="json")}
+
+    def put(self, key: str, value: Any) -> None:
+        """Small shared records (telemetry snapshots from drivers, release records)."""
+        self.extra[key] = value
+
+    def get(self, key: str) -> Any:
+        return self.extra.get(key)
+
+    # ---------------------------------------------------------------- elastic operations
+    def scale(self, expert: int, replicas: int, layer: int | None = None) -> dict[str, Any]:
+        plane = self._plane()
+        new = plane.propose_scale(expert, replicas, layer)
+        return _report(plane.apply(new, reason=f"scale expert {expert} to {replicas} replicas"))
+
+    def rebalance(self, migration_aware: bool = True) -> dict[str, Any]:
+        plane = self._plane()
+        new = plane.propose_rebalance(migration_aware=migration_aware)
+        return _report(plane.apply(new, reason="EPLB rebalance"))
+
+    def apply_manifest(self, manifest_json: str, reason: str) -> dict[str, Any]:
+        from ray_moe.placement.manifest import PlacementManifest
+
+        return _report(self._plane().apply(PlacementManifest.model_validate_json(manifest_json), reason=reason))
+
+    def remove_ranks(self, dead: Sequence[int], group_json: str) -> dict[str, Any]:
+        plane = self._plane()
+        for r in dead:
+            self.handles.pop(int(r), None)
+        plane.fleet = RayFleet(self.handles)
+        return _report(plane.remove_ranks(dead, ProcessGroupSpec.model_validate_json(group_json)))
+
+    def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
+        return self._plane().drain_and_retire(generation, timeout_s=timeout_s)
+
+
+def _report(rep) -> dict[str, Any]:
+    out = {
+        "old_generation": rep.old_generation,
+        "new_generation": rep.new_generation,
+        "reason": rep.reason,
+        "copies": rep.copies,
+        "loads": rep.loads,
+        "drained_s": rep.drained_s,
+        "retired": rep.retired,
+        "timings_s": rep.timings_s,
+    }
+    if rep.plan is not None:
+        out["ledger"] = rep.plan.ledger.model_dump(mode="json")
+    return out
+
+
+def coordinator_class():
+    return ray.remote(max_concurrency=32)(CoordinatorActor)

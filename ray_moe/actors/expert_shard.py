@@ -1,0 +1,164 @@
+"""ExpertShardActor: one per GPU (or per CPU slot locally), pinned by a placement-group bundle.
+
+A thin Ray shell over ``ShardCore``: it owns the core, the mailbox peers deliver into, and the exchange
+endpoint (Ray object store or NCCL through CuPy). Threaded (``max_concurrency``) so that ``deliver``
+and ``abort_step`` run while a ``step`` waits on its peers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Mapping, Sequence
+
+import ray
+import torch
+
+from ray_moe.actors.shard_core import ShardCore, StepRequest, StepResult
+from ray_moe.config import RuntimeConfig
+from ray_moe.dispatch.exchange.mailbox import Mailbox
+from ray_moe.dispatch.exchange.object_store import ObjectStoreExchange, pack, unpack
+from ray_moe.experts.source import weight_source
+from ray_moe.experts.weights import ExpertWeights
+from ray_moe.placement.manifest import PlacementManifest
+from ray_moe.placement.topology import ProcessGroupSpec, Topology
+from ray_moe.types import ExchangeKind
+
+_WEIGHT_NAMES = ("w_gate", "w_up", "w_down")
+
+
+def experts_to_wire(weights: Mapping[tuple[int, int], ExpertWeights]) -> dict[str, Any]:
+    """(layer, expert) -> ExpertWeights as NumPy payloads (zero-copy through the object store)."""
+    return {f"{l}:{e}": pack({n: getattr(w, n) for n in _WEIGHT_NAMES}) for (l, e), w in weights.items()}
+
+
+def experts_from_wire(payload: Mapping[str, Any]) -> dict[tuple[int, int], ExpertWeights]:
+    out = {}
+    for key, body in payload.items():
+        l, e = (int(x) for x in key.split(":"))
+        t = unpack(body)
+        out[(l, e)] = ExpertWeights(l, e, t["w_gate"].clone(), t["w_up"].clone(), t["w_down"].clone())
+    return out
+
+
+class ExpertShardActor:
+    """Remote methods are grouped: setup, control path (coordinator), data path (driver), diagnostics."""
+
+    def __init__(self, rank: int, cfg_json: str) -> None:
+        cfg = RuntimeConfig.model_validate_json(cfg_json)
+        self.cfg = cfg
+        self.rank = rank
+        if cfg.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU as device 0
+            device = torch.device("cuda", 0)
+        else:
+            torch.set_num_threads(1)
+            device = torch.device("cpu")
+        self.device = device
+        self.mailbox = Mailbox()
+        self.core = ShardCore(rank, cfg, weight_source(cfg), device=device)
+        self._nccl = None
+
+    # ---------------------------------------------------------------- setup
+    def node_info(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "node_id": ctx.get_node_id(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "resources": {k: v for k, v in ctx.get_assigned_resources().items()},
+        }
+
+    def set_topology(self, topology_json: str) -> None:
+        self.core.topology = Topology.model_validate_json(topology_json)
+
+    def set_peers(self, peers: Mapping[int, Any], group_json: str) -> None:
+        """Object-store exchange over ``group`` with the given peer actor handles."""
+        group = ProcessGroupSpec.model_validate_json(group_json)
+        self.core.set_exchange(ObjectStoreExchange(self.rank, group, peers, self.mailbox,
+                                                   timeout_s=self.cfg.exchange_timeout_s, device=self.device))
+
+    def nccl_unique_id(self) -> bytes:
+        from ray_moe.dispatch.exchange.nccl import new_unique_id
+
+        return new_unique_id()
+
+    def init_nccl(self, unique_id: bytes, group_json: str) -> bool:
+        from ray_moe.dispatch.exchange.nccl import NcclExchange
+
+        group = ProcessGroupSpec.model_validate_json(group_json)
+        if self.core.exchange is not None:
+            self.core.exchange.close()
+        self.core.set_exchange(NcclExchange(self.rank, group, unique_id, timeout_s=self.cfg.exchange_timeout_s,
+                                            device=self.device))
+        return True
+
+    # ---------------------------------------------------------------- control path
+    def load_experts(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        return self.core.load_experts(keys)
+
+    def export_experts(self, keys: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        return experts_to_wire(self.core.export_experts(keys))
+
+    def fetch_experts(self, source: Any, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        """Copy experts from another shard actor through the object store; returns digests of what arrived."""
+        payload = ray.get(source.export_experts.remote(list(keys)))
+        return self.core.import_experts(experts_from_wire(payload))
+
+    def import_experts(self, payload: Mapping[str, Any]) -> dict[tuple[int, int], str]:
+        return self.core.import_experts(experts_from_wire(payload))
+
+    def prepare_generation(self, manifest_json: str, group_json: str) -> dict[str, Any]:
+        return self.core.prepare_generation(PlacementManifest.model_validate_json(manifest_json),
+                                            ProcessGroupSpec.model_validate_json(group_json))
+
+    def publish(self, generation: int) -> None:
+        self.core.publish(generation)
+
+    def refcount(self, generation: int) -> int:
+        return self.core.refcount(generation)
+
+    def retire(self, generation: int) -> bool:
+        return self.core.retire(generation)
+
+    def drop_experts(self, keys: Sequence[tuple[int, int]]) -> None:
+        self.core.drop_experts(keys)
+
+    # ---------------------------------------------------------------- data path
+    def deliver(self, tag: str, source_peer: int, dest_peer: int, payload: Any) -> None:
+        self.mailbox.put((tag, source_peer, dest_peer), payload)
+
+    def abort_step(self, step_id: str, reason: str) -> None:
+        self.mailbox.abort(step_id + "/", reason)
+        if self._nccl is not None:
+            self._nccl.abort()
+
+    def step(self, req: StepRequest) -> StepResult:
+        try:
+            return self.core.step(req)
+        finally:
+            self.mailbox.forget(req.step_id + "/")
+
+    # ---------------------------------------------------------------- diagnostics
+    def status(self) -> dict[str, Any]:
+        return self.core.status()
+
+    def expert_weights(self, layer: int, expert: int) -> dict[str, Any] | None:
+        w = self.core.expert_weights(layer, expert)
+        return None if w is None else experts_to_wire({(layer, expert): w})
+
+    def held_experts(self) -> list[tuple[int, int]]:
+        return self.core.held_experts()
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def shard_actor_class(cfg: RuntimeConfig):
+    """The Ray actor class with the concurrency this deployment needs."""
+    return ray.remote(max_concurrency=16)(ExpertShardActor)
+
+
+__all__ = ["ExpertShardActor", "shard_actor_class", "experts_to_wire", "experts_from_wire", "ExchangeKind"]

@@ -1,0 +1,356 @@
+"""ShardCore: everything one expert-shard rank does, with no Ray in it.
+
+The Ray actor (``expert_shard.py``) is a thin shell that owns one ShardCore, its mailbox and its
+exchange endpoint. Tests drive ShardCores directly over the in-process exchange.
+
+State owned here:
+* expert weights by (layer, logical expert), content-addressed by digest and shared by every
+  generation that places that expert on this rank (retained copies are never duplicated);
+* per generation: the manifest, one PlacementSnapshot per layer and the stacked SlotWeights per layer;
+* a local GenerationRegistry mirror: a step pins its generation here (exact per-step refcounts), the
+  coordinator publishes / drains / retires through it and reads the refcounts back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ray_moe.config import RuntimeConfig
+from ray_moe.dispatch.engine import ControlStatus, combine, dispatch
+from ray_moe.dispatch.exchange.base import Exchange
+from ray_moe.dispatch.precision import dequantize
+from ray_moe.dispatch.records import RouteBatch
+from ray_moe.errors import GenerationError, RouteValidationError, StaleGenerationError
+from ray_moe.experts.runners import make_runner
+from ray_moe.experts.weights import ExpertWeights, SlotWeights, WeightSource, parse_dtype
+from ray_moe.model import route, zipf_bias
+from ray_moe.placement.manifest import PlacementManifest
+from ray_moe.placement.registry import GenerationRegistry
+from ray_moe.placement.selector import make_selector
+from ray_moe.placement.snapshot import PlacementSnapshot, snapshots_for
+from ray_moe.placement.topology import ProcessGroupSpec, Topology
+from ray_moe.types import GenerationState, Phase
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One rank's share of one model step (all layers).
+
+    hidden:       [T, d] float (NumPy on the wire, any float dtype)
+    topk_ids:     [L, T, k] int64 or None (None: the rank routes with its own router)
+    topk_weights: [L, T, k] float32 or None
+    """
+
+    step_id: str
+    generation: int
+    hidden: Any
+    topk_ids: Any = None
+    topk_weights: Any = None
+    phase: Phase = Phase.PREFILL
+    return_routes: bool = False
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What one rank saw in one layer of one step.
+
+    expert_counts: [E] int64 accepted routes per logical expert from this origin (semantic ledger)
+    rank_routes:   [P] int64 routes this origin sent to each global rank
+    slot_rows:     {global slot id: rows executed here}
+    """
+
+    layer: int
+    accepted: int
+    remote: int
+    inter_node: int
+    expert_counts: np.ndarray
+    rank_routes: np.ndarray
+    slot_rows: dict[int, int]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One rank's output of one step. ``hidden``: [T, d] NumPy in the configured dtype's wire form."""
+
+    rank: int
+    step_id: str
+    generation: int
+    hidden: Any
+    hidden_dtype: str
+    layers: tuple[LayerStats, ...]
+    routes: tuple[tuple[np.ndarray, np.ndarray], ...] | None
+    active_generation: int | None
+    elapsed_s: float
+
+
+@dataclass
+class _Generation:
+    manifest: PlacementManifest
+    snapshots: tuple[PlacementSnapshot, ...]
+    weights: tuple[SlotWeights | None, ...]
+    keys: frozenset[tuple[int, int]] = field(default_factory=frozenset)
+
+
+class ShardCore:
+    """One expert-parallel rank."""
+
+    def __init__(self, rank: int, cfg: RuntimeConfig, source: WeightSource, *, device: str | torch.device = "cpu",
+                 topology: Topology | None = None) -> None:
+        self.rank = rank
+        self.cfg = cfg
+        self.source = source
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(cfg.dtype)
+        self.topology = topology or Topology.single_node(cfg.num_ranks)
+        self.registry = GenerationRegistry()
+        self.runner = make_runner(cfg.runner)
+        self.selector = make_selector(cfg.replica_policy)
+        self.exchange: Exchange | None = None
+        self._experts: dict[tuple[int, int], ExpertWeights] = {}
+        self._digests: dict[tuple[int, int], str] = {}
+        self._gens: dict[int, _Generation] = {}
+        self._lock = threading.RLock()
+        self._step_lock = threading.Lock()
+        self.routers = [source.router(l).to(self.device, torch.float32) for l in range(cfg.num_layers)]
+        self.biases = [zipf_bias(cfg.num_experts, cfg.router_skew, cfg.seed, l).to(self.device)
+                       for l in range(cfg.num_layers)]
+        self.counters: dict[str, int] = {"steps": 0, "stale_rejects": 0, "aborted_steps": 0}
+
+    # ================================================================ control path
+    def set_exchange(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+
+    def load_experts(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        """Load (layer, expert) weights from the weight source; returns their parameter digests."""
+        out = {}
+        for layer, expert in keys:
+            key = (int(layer), int(expert))
+            if key not in self._experts:
+                w = self.source.expert(*key).to(self.device, self.dtype)
+                self._experts[key] = w
+                self._digests[key] = w.digest()
+            out[key] = self._digests[key]
+        return out
+
+    def export_experts(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], ExpertWeights]:
+        """Weights this rank holds, for an actor-to-actor copy (CPU tensors)."""
+        missing = [k for k in keys if tuple(k) not in self._experts]
+        if missing:
+            raise ValueError(f"keys: rank {self.rank} holds no weights for (layer, expert) {missing[0]}")
+        return {tuple(k): self._experts[tuple(k)].to("cpu") for k in keys}
+
+    def import_experts(self, weights: Mapping[tuple[int, int], ExpertWeights]) -> dict[tuple[int, int], str]:
+        """Store copied weights; returns the digests computed from the bytes that arrived."""
+        out = {}
+        for key, w in weights.items():
+            key = (int(key[0]), int(key[1]))
+            w = w.to(self.device, self.dtype)
+            self._experts[key] = w
+            self._digests[key] = w.digest()
+            out[key] = self._digests[key]
+        return out
+
+    def held_experts(self) -> list[tuple[int, int]]:
+        return sorted(self._experts)
+
+    def prepare_generation(self, manifest: PlacementManifest, group: ProcessGroupSpec) -> dict[str, Any]:
+        """Materialise this rank's slots of a new generation (weights must already be held) and verify every
+        slot's parameter digest. Registers the generation PENDING in the local mirror."""
+        with self._lock:
+            snaps = snapshots_for(manifest, self.topology, group)
+            weights: list[SlotWeights | None] = []
+            keys: set[tuple[int, int]] = set()
+            mismatches = []
+            for layer in range(manifest.num_layers):
+                slots = manifest.rank_slots(self.rank, layer)
+                if not slots:
+                    weights.append(None)
+                    continue
+                experts = []
+                for s in slots:
+                    key = (layer, s.logical_expert_id)
+                    if key not in self._experts:
+                        raise ValueError(
+                            f"manifest: slot q{s.physical_slot_id} of layer {layer} needs expert "
+                            f"{s.logical_expert_id} which rank {self.rank} does not hold"
+                        )
+                    if self._digests[key] != s.parameter_digest:
+                        mismatches.append((layer, s.physical_slot_id, s.logical_expert_id))
+                    experts.append(self._experts[key])
+                    keys.add(key)
+                weights.append(SlotWeights.stack(layer, [s.physical_slot_id for s in slots], experts,
+                                                 [s.parameter_digest for s in slots]))
+            if mismatches:
+                raise ValueError(
+                    f"parameter_digest: rank {self.rank} slots {mismatches} hold weights whose digest differs from "
+                    f"the manifest of generation {manifest.generation}; not published"
+                )
+            if manifest.generation not in self._gens:
+                self.registry.register(manifest)
+            self._gens[manifest.generation] = _Generation(manifest, snaps, tuple(weights), frozenset(keys))
+            return {"rank": self.rank, "generation": manifest.generation, "slots": sum(
+                w.num_slots for w in weights if w is not None), "verified": True}
+
+    def publish(self, generation: int) -> None:
+        with self._lock:
+            if generation not in self._gens:
+                raise GenerationError(f"generation={generation} was never prepared on rank {self.rank}")
+            state = self.registry.state(generation)
+            if state == GenerationState.PENDING:
+                self.registry.publish(generation)
+            elif state == GenerationState.DRAINING:
+                self.registry.reactivate(generation)
+
+    def refcount(self, generation: int) -> int:
+        try:
+            return self.registry.refcount(generation)
+        except Exception:  # noqa: BLE001 - unknown generation holds nothing
+            return 0
+
+    def retire(self, generation: int) -> bool:
+        """Retire a drained generation and free weights no live generation uses. False if still pinned."""
+        with self._lock:
+            if generation not in self._gens:
+                return True
+            if self.registry.refcount(generation) > 0:
+                return False
+            state = self.registry.state(generation)
+            if state == GenerationState.ACTIVE:
+                raise GenerationError(f"generation={generation} is ACTIVE on rank {self.rank}; publish a successor first")
+            self.registry.retire(generation)
+            del self._gens[generation]
+            live = set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
+            for key in [k for k in self._experts if k not in live]:
+                del self._experts[key]
+                del self._digests[key]
+            return True
+
+    def drop_experts(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Free staged weights that no generation uses (an aborted migration)."""
+        with self._lock:
+            live = set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
+            for key in keys:
+                key = (int(key[0]), int(key[1]))
+                if key not in live:
+                    self._experts.pop(key, None)
+                    self._digests.pop(key, None)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "rank": self.rank,
+                "active": self.registry.active(),
+                "generations": {g: {"state": self.registry.state(g).value, "refcount": self.registry.refcount(g)}
+                                for g in self._gens},
+                "experts_held": len(self._experts),
+                "weight_bytes": sum(w.nbytes for w in self._experts.values()),
+                "counters": dict(self.counters),
+            }
+
+    def expert_weights(self, layer: int, expert: int) -> ExpertWeights | None:
+        w = self._experts.get((layer, expert))
+        return None if w is None else w.to("cpu")
+
+    # ================================================================ data path
+    def step(self, req: StepRequest) -> StepResult:
+        """Run every layer of one step SPMD with the other ranks (one call per step, not per layer)."""
+        if self.exchange is None:
+            raise RuntimeError(f"rank {self.rank}: no exchange endpoint set")
+        t0 = time.perf_counter()
+        with self._step_lock:
+            return self._step(req, t0)
+
+    def _step(self, req: StepRequest, t0: float) -> StepResult:
+        cfg = self.cfg
+        status = ControlStatus.OK
+        lease = None
+        try:
+            lease = self.registry.acquire_generation(req.generation, holder=req.step_id)
+        except (StaleGenerationError, GenerationError, KeyError, ValueError):
+            status = ControlStatus.STALE_GENERATION
+            self.counters["stale_rejects"] += 1
+        gen = self._gens.get(req.generation) if status == ControlStatus.OK else self._any_generation()
+        if gen is None:
+            raise StaleGenerationError(f"rank {self.rank} holds no generation at all", requested=req.generation)
+        h = _to_tensor(req.hidden, self.device).to(self.dtype)
+        routes_out = []
+        stats = []
+        try:
+            for layer in range(cfg.num_layers):
+                snap = gen.snapshots[layer]
+                if req.topk_ids is not None:
+                    ids = _to_tensor(req.topk_ids[layer], self.device).to(torch.int64)
+                    gates = _to_tensor(req.topk_weights[layer], self.device).to(torch.float32)
+                else:
+                    ids, gates = route(h, self.routers[layer], self.biases[layer], cfg.top_k, cfg.norm_topk)
+                if req.return_routes:
+                    routes_out.append((ids.cpu().numpy(), gates.cpu().numpy()))
+                tag = f"{req.step_id}/L{layer}"
+                out = dispatch(RouteBatch(self.rank, h, ids, gates), snap, self.exchange, selector=self.selector,
+                               tag=tag, payload_format=cfg.payload_format,
+                               status=status if layer == 0 else ControlStatus.OK)
+                x = dequantize(out.rows, out.scales, cfg.payload_format, self.dtype)
+                w = gen.weights[layer]
+                if x.shape[0]:
+                    y_rows = self.runner.run(x, out.counts_list, w)
+                else:
+                    y_rows = x.new_zeros((0, cfg.hidden_size))
+                y = combine(y_rows, out.handle, snap, self.exchange, tag=tag, out_dtype=self.dtype)
+                h = h + y if cfg.residual else y
+                stats.append(_layer_stats(layer, out, snap, self.rank, cfg.num_experts))
+            self.counters["steps"] += 1
+        except BaseException:
+            self.counters["aborted_steps"] += 1
+            raise
+        finally:
+            if lease is not None:
+                self.registry.release(lease)
+        arr, dt = _to_wire(h)
+        return StepResult(self.rank, req.step_id, req.generation, arr, dt, tuple(stats),
+                          tuple(routes_out) if req.return_routes else None, self.registry.active(),
+                          time.perf_counter() - t0)
+
+    def _any_generation(self) -> _Generation | None:
+        active = self.registry.active()
+        if active is not None and active in self._gens:
+            return self._gens[active]
+        return next(iter(self._gens.values()), None)
+
+
+def _layer_stats(layer: int, out, snap: PlacementSnapshot, rank: int, num_experts: int) -> LayerStats:
+    hd = out.handle
+    routes = hd.routes
+    dest = hd.source.dest_rank
+    node = snap.rank_node.to(dest.device)
+    remote = int((dest != rank).sum())
+    inter = int((node[dest] != node[rank]).sum()) if dest.numel() else 0
+    counts = torch.bincount(routes.logical_expert, minlength=num_experts).cpu().numpy()
+    slot_rows = {int(s): int(c) for s, c in zip(hd.receive.slot_ids.tolist(), hd.receive.expert_counts.tolist())}
+    return LayerStats(layer, routes.num_routes, remote, inter, counts, hd.source.counts_by_rank.cpu().numpy(), slot_rows)
+
+
+def _to_tensor(x: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str):
+        from ray_moe.dispatch.exchange.object_store import wire_to_tensor
+
+        return wire_to_tensor(x[0], x[1], device)
+    with np.errstate(all="ignore"):
+        t = torch.from_numpy(np.array(x, copy=not getattr(x, "flags", None) or not x.flags.writeable))
+    return t.to(device)
+
+
+def _to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    from ray_moe.dispatch.exchange.object_store import tensor_to_wire
+
+    return tensor_to_wire(t)
+
+
+__all__ = ["ShardCore", "StepRequest", "StepResult", "LayerStats", "RouteValidationError"]

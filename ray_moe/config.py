@@ -1,0 +1,73 @@
+"""RuntimeConfig: everything a deployment is built from, validated before any actor starts."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ray_moe.types import ExchangeKind, PayloadFormat, ReplicaPolicy, RunnerKind
+
+
+class RuntimeConfig(BaseModel):
+    """Shape and policy of one ray-moe deployment.
+
+    ``slots_per_rank * num_ranks`` physical slots hold the ``num_experts`` logical experts of each layer;
+    the surplus are replicas. ``device="cpu"`` runs the same code path with CPU tensors and the Ray
+    object-store exchange; ``device="cuda"`` pins one GPU per rank and exchanges through NCCL (CuPy).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_ranks: int = Field(ge=1, description="expert-parallel ranks (one ExpertShardActor each)")
+    num_experts: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    ffn_size: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    slots_per_rank: int = Field(ge=1)
+    num_layers: int = Field(default=1, ge=1)
+    device: str = Field(default="cpu", pattern="^(cpu|cuda)$")
+    dtype: str = Field(default="float32", pattern="^(float32|bfloat16|float16)$")
+    seed: int = 0
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="deployment name")
+    runner: RunnerKind = RunnerKind.GROUPED
+    exchange: ExchangeKind | None = Field(default=None, description="None: NCCL on cuda, object store on cpu")
+    replica_policy: ReplicaPolicy = ReplicaPolicy.ROUND_ROBIN
+    payload_format: PayloadFormat = PayloadFormat.NATIVE
+    residual: bool = Field(default=False, description="h <- h + MoE(h) between layers (else h <- MoE(h))")
+    router_skew: float = Field(default=0.0, ge=0.0, description="Zipf exponent of a router bias (0 = none)")
+    norm_topk: bool = True
+    tagged_weights: bool = Field(default=False, description="expert e's output is (e+1) x a shared function")
+    checkpoint: str | None = Field(default=None, description="HF-style safetensors folder (Mixtral names)")
+    num_nodes: int | None = Field(default=None, ge=1, description="spread ranks over this many Ray nodes")
+    placement_strategy: str = Field(default="PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
+    actor_cpus: float = Field(default=0.5, gt=0)
+    exchange_timeout_s: float = Field(default=60.0, gt=0)
+    load_window: int = Field(default=64, ge=1)
+    num_groups: int = Field(default=1, ge=1, description="expert groups for hierarchical EPLB")
+    memory_budget_bytes: int | None = Field(default=None, ge=1, description="per-rank weight budget")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RuntimeConfig":
+        q = self.slots_per_rank * self.num_ranks
+        if q < self.num_experts:
+            raise ValueError(
+                f"slots_per_rank={self.slots_per_rank} x num_ranks={self.num_ranks} = {q} slots cannot hold "
+                f"num_experts={self.num_experts}"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}")
+        if self.payload_format is not PayloadFormat.NATIVE and self.device != "cuda" and self.dtype == "float32":
+            # fp8 on CPU works (torch has the dtype) but is only meaningful against a bf16 baseline
+            pass
+        return self
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots_per_rank * self.num_ranks
+
+    @property
+    def exchange_kind(self) -> ExchangeKind:
+        if self.exchange is not None:
+            return self.exchange
+        return ExchangeKind.NCCL if self.device == "cuda" else ExchangeKind.OBJECT_STORE

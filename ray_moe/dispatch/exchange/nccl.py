@@ -1,0 +1,139 @@
+"""NCCL exchange through CuPy (``cupy.cuda.nccl``): all-to-all-v as grouped send/recv on one communicator.
+
+One communicator per process group; its unique id is created by one rank and handed out by the
+coordinator. Tensors are exchanged as raw bytes (``ncclUint8``), so every dtype (bf16, fp8, int32)
+travels unchanged. NCCL has no timeout: every host wait here polls a CUDA event against a deadline and
+calls ``comm.abort()`` when a peer does not show up, so no rank is left inside a collective.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ray_moe.dispatch.exchange.base import Exchange, check_splits
+from ray_moe.errors import ExchangeTimeoutError
+from ray_moe.placement.topology import ProcessGroupSpec
+
+
+def new_unique_id() -> bytes:
+    """A fresh NCCL unique id (bytes in CuPy 14, a tuple of ints in older CuPy)."""
+    from cupy.cuda import nccl
+
+    uid = nccl.get_unique_id()
+    return bytes(uid) if not isinstance(uid, bytes) else uid
+
+
+class NcclExchange(Exchange):
+    """One rank's endpoint of an NCCL communicator over ``group`` (ranks in peer-slot order)."""
+
+    def __init__(self, rank: int, group: ProcessGroupSpec, unique_id: bytes, *, timeout_s: float,
+                 device: torch.device | str = "cuda") -> None:
+        import cupy
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.rank = rank
+        self.group = group
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        uid = unique_id
+        try:  # CuPy 14 takes bytes; older versions a tuple of ints
+            with cupy.cuda.Device(idx):
+                self.comm = nccl.NcclCommunicator(group.size, uid, group.peer_of(rank))
+        except TypeError:
+            with cupy.cuda.Device(idx):
+                self.comm = nccl.NcclCommunicator(group.size, tuple(uid), group.peer_of(rank))
+        self._aborted = False
+
+    # -------------------------------------------------------------- watchdog
+    def wait(self, what: str) -> None:
+        """Block the host until the current stream's work is done, or abort the communicator."""
+        ev = torch.cuda.Event()
+        ev.record()
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while not ev.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise ExchangeTimeoutError(
+                    f"{what}: NCCL did not complete within {self.timeout_s:.1f}s on rank {self.rank}; communicator aborted"
+                )
+            spins += 1
+            if spins > 2000:
+                time.sleep(5e-5)
+
+    def abort(self) -> None:
+        if not self._aborted:
+            self._aborted = True
+            try:
+                self.comm.abort()
+            except Exception:  # noqa: BLE001 - best effort during failure handling
+                pass
+
+    def close(self) -> None:
+        if not self._aborted:
+            try:
+                self.comm.destroy()
+            except Exception:  # noqa: BLE001
+                pass
+            self._aborted = True
+
+    # -------------------------------------------------------------- collectives
+    def all_gather(self, tag: str, vec: np.ndarray) -> np.ndarray:
+        arr = np.asarray(vec, dtype=np.int64)
+        n = arr.size
+        send = torch.as_tensor(arr, device=self.device)
+        recv = torch.empty(self.size * n, dtype=torch.int64, device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.comm.allGather(send.data_ptr(), recv.data_ptr(), n, self._nccl.NCCL_INT64, stream)
+        self.wait(f"exchange {tag!r} (control all-gather)")
+        return recv.view(self.size, n).cpu().numpy()
+
+    def all_to_all_v(
+        self,
+        tag: str,
+        tensors: Mapping[str, torch.Tensor],
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+    ) -> dict[str, torch.Tensor]:
+        check_splits("send_splits", tensors, send_splits, self.size)
+        nccl = self._nccl
+        me = self.peer
+        send_off = np.concatenate([[0], np.cumsum(np.asarray(send_splits, dtype=np.int64))])
+        recv_off = np.concatenate([[0], np.cumsum(np.asarray(recv_splits, dtype=np.int64))])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        out: dict[str, torch.Tensor] = {}
+        plans = []
+        for key, t in tensors.items():
+            t = t.contiguous()
+            o = torch.empty((int(recv_off[-1]), *t.shape[1:]), dtype=t.dtype, device=self.device)
+            out[key] = o
+            row_bytes = t.element_size() * int(np.prod(t.shape[1:], dtype=np.int64))
+            plans.append((t, o, row_bytes))
+            # the self segment is a device copy, not a collective
+            a, b = int(send_off[me]), int(send_off[me + 1])
+            if b > a:
+                c = int(recv_off[me])
+                o[c:c + (b - a)].copy_(t[a:b])
+        nccl.groupStart()
+        for t, o, row_bytes in plans:
+            if row_bytes == 0:
+                continue
+            for peer in range(self.size):
+                if peer == me:
+                    continue
+                ns = int(send_splits[peer])
+                if ns:
+                    self.comm.send(t.data_ptr() + int(send_off[peer]) * row_bytes, ns * row_bytes,
+                                   nccl.NCCL_UINT8, peer, stream)
+                nr = int(recv_splits[peer])
+                if nr:
+                    self.comm.recv(o.data_ptr() + int(recv_off[peer]) * row_bytes, nr * row_bytes,
+                                   nccl.NCCL_UINT8, peer, stream)
+        nccl.groupEnd()
+        return out

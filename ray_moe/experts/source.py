@@ -1,0 +1,21 @@
+"""Build the weight source a deployment's config names (each rank builds its own, loads only its experts)."""
+
+from __future__ import annotations
+
+from ray_moe.config import RuntimeConfig
+from ray_moe.experts.weights import SafetensorsWeightSource, SeededWeightSource, WeightSource, parse_dtype
+
+
+def weight_source(cfg: RuntimeConfig) -> WeightSource:
+    dtype = parse_dtype(cfg.dtype)
+    if cfg.checkpoint:
+        src = SafetensorsWeightSource(cfg.checkpoint, dtype=dtype)
+        for name, want, got in (("num_experts", cfg.num_experts, src.num_experts),
+                                ("num_layers", cfg.num_layers, src.num_layers),
+                                ("hidden_size", cfg.hidden_size, src.hidden_size),
+                                ("ffn_size", cfg.ffn_size, src.ffn_size)):
+            if want != got:
+                raise ValueError(f"{name}={want} but checkpoint {cfg.checkpoint!r} has {got}")
+        return src
+    return SeededWeightSource(num_layers=cfg.num_layers, num_experts=cfg.num_experts, hidden_size=cfg.hidden_size,
+                              ffn_size=cfg.ffn_size, seed=cfg.seed, dtype=dtype, tagged=cfg.tagged_weights)

@@ -1,0 +1,427 @@
+"""The driver API: ``ray_moe.Runtime``.
+
+    cfg = ray_moe.RuntimeConfig(num_ranks=4, num_experts=8, hidden_size=64, ffn_size=128, top_k=2,
+                                slots_per_rank=3, device="cpu", dtype="float32", seed=0)
+    rt = ray_moe.Runtime.start(cfg)        # joins a running Ray cluster, or starts a local one
+    y = rt.forward(hidden, topk_ids, topk_weights, phase="prefill")   # [T, d] -> [T, d]
+    y = rt.forward(hidden)                 # the runtime's own router (softmax top-k over E)
+    rt.scale(expert=3, replicas=2); rt.rebalance()
+    rt.shutdown()
+
+The driver splits a batch over the live ranks as origin partitions and submits ONE actor call per rank
+per step, for all layers. The coordinator is consulted only when a shard reports the driver's cached
+generation as stale (after a publish); per-step generation pins live on the shards and are exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_moe.actors.coordinator import coordinator_class, coordinator_name
+from ray_moe.actors.expert_shard import experts_from_wire, shard_actor_class
+from ray_moe.actors.shard_core import StepRequest, StepResult
+from ray_moe.config import RuntimeConfig
+from ray_moe.dispatch.exchange.object_store import wire_to_tensor
+from ray_moe.dispatch.records import RouteBatch
+from ray_moe.env import EnvSettings, read_env
+from ray_moe.errors import (
+    ExchangeTimeoutError,
+    RouteValidationError,
+    StaleGenerationError,
+    root_cause,
+)
+from ray_moe.experts.weights import parse_dtype
+from ray_moe.placement.manifest import PlacementManifest
+from ray_moe.placement.topology import NodeInfo, ProcessGroupSpec, RankInfo, Topology
+from ray_moe.types import ExchangeKind, Phase
+
+
+@dataclass
+class RuntimeStats:
+    """Counters and ratios with their denominators (spec 0x0D), kept by the driver."""
+
+    steps: int = 0
+    tokens: int = 0
+    attempted_routes: int = 0
+    accepted_routes: int = 0
+    dropped_routes: int = 0
+    remote_routes: int = 0
+    inter_node_routes: int = 0
+    stale_retries: int = 0
+    failed_steps: int = 0
+    rank_rows: dict[int, int] = field(default_factory=dict)
+    step_ms: list[float] = field(default_factory=list)
+    phase_steps: dict[str, int] = field(default_factory=dict)
+
+    def ratios(self) -> dict[str, dict[str, float | int | None]]:
+        def r(n: int, d: int) -> dict[str, float | int | None]:
+            return {"numerator": n, "denominator": d, "value": (n / d) if d else None}
+
+        return {
+            "drop": r(self.dropped_routes, self.attempted_routes),
+            "remote": r(self.remote_routes, self.accepted_routes),
+            "inter_node": r(self.inter_node_routes, self.accepted_routes),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        from ray_moe.telemetry.quantiles import EvidenceClass, summarize
+
+        lat = summarize(self.step_ms, unit="ms", evidence=EvidenceClass.MEASURED) if self.step_ms else None
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "attempted_routes": self.attempted_routes,
+            "accepted_routes": self.accepted_routes,
+            "ratios": self.ratios(),
+            "stale_retries": self.stale_retries,
+            "failed_steps": self.failed_steps,
+            "rank_rows": dict(sorted(self.rank_rows.items())),
+            "phase_steps": dict(self.phase_steps),
+            "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "max": lat.max, "n": lat.n},
+        }
+
+
+class Runtime:
+    """A ray-moe deployment seen from the driver."""
+
+    def __init__(self, cfg: RuntimeConfig, coordinator: Any, shards: dict[int, Any], group: ProcessGroupSpec,
+                 topology: Topology, pg: Any | None, env: EnvSettings, owns_ray: bool) -> None:
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self.shards = shards
+        self.group = group
+        self.topology = topology
+        self._pg = pg
+        self._env = env
+        self._owns_ray = owns_ray
+        self._generation: int | None = None
+        self._step_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stats = RuntimeStats()
+        self._load = np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64)
+        self._load_steps = 0
+        self.flush_every = 4
+        self.dtype = parse_dtype(cfg.dtype)
+        self.max_attempts = 400
+
+    # ================================================================ lifecycle
+    @classmethod
+    def start(cls, cfg: RuntimeConfig, *, address: str | None = None, num_cpus: int | None = None) -> "Runtime":
+        """Create the coordinator, the placement group and one shard actor per rank; publish generation 0."""
+        env = read_env()
+        owns = False
+        if not ray.is_initialized():
+            addr = address or env.ray_address
+            if addr:
+                ray.init(address=addr, namespace=env.namespace, log_to_driver=False)
+            else:
+                ray.init(num_cpus=num_cpus or max(4, int(np.ceil(cfg.num_ranks * cfg.actor_cpus)) + 2),
+                         namespace=env.namespace, include_dashboard=False, log_to_driver=False)
+                owns = True
+        ns = ray.get_runtime_context().namespace
+        coord = coordinator_class().options(name=coordinator_name(cfg.name), namespace=ns, get_if_exists=True,
+                                            num_cpus=0).remote(cfg.model_dump_json())
+        if ray.get(coord.is_deployed.remote()):
+            raise RuntimeError(f"deployment {cfg.name!r} is already running; use Runtime.connect({cfg.name!r})")
+        gpus = 1 if cfg.device == "cuda" else 0
+        bundle = {"CPU": cfg.actor_cpus, **({"GPU": 1} if gpus else {})}
+        pg = placement_group([dict(bundle) for _ in range(cfg.num_ranks)], strategy=cfg.placement_strategy)
+        ray.get(pg.ready(), timeout=300)
+        actor_cls = shard_actor_class(cfg)
+        shards = {
+            r: actor_cls.options(
+                num_cpus=cfg.actor_cpus, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            ).remote(r, cfg.model_dump_json())
+            for r in range(cfg.num_ranks)
+        }
+        infos = ray.get([shards[r].node_info.remote() for r in range(cfg.num_ranks)])
+        topology = topology_from_nodes(infos)
+        group = ProcessGroupSpec(group_id="ep-group-0", peer_order=tuple(range(cfg.num_ranks)), epoch=0)
+        ray.get([h.set_topology.remote(topology.model_dump_json()) for h in shards.values()])
+        rt = cls(cfg, coord, shards, group, topology, pg, env, owns)
+        rt._connect_exchange(group)
+        expert_bytes = 3 * cfg.hidden_size * cfg.ffn_size * torch.tensor([], dtype=rt.dtype).element_size()
+        ray.get(coord.attach.remote(shards, topology.model_dump_json(), group.model_dump_json(), expert_bytes))
+        rt._generation = ray.get(coord.deploy.remote())
+        return rt
+
+    @classmethod
+    def connect(cls, name: str = "default", *, address: str | None = None) -> "Runtime":
+        """Attach to a running deployment through its named coordinator (``ray-moe status/scale``)."""
+        env = read_env()
+        if not ray.is_initialized():
+            ray.init(address=address or env.ray_address or "auto", namespace=env.namespace, log_to_driver=False)
+        try:
+            coord = ray.get_actor(coordinator_name(name), namespace=ray.get_runtime_context().namespace)
+        except ValueError:
+            raise ValueError(f"name={name!r}: no running ray-moe deployment (coordinator "
+                             f"{coordinator_name(name)!r} not found)") from None
+        cfg = RuntimeConfig.model_validate_json(ray.get(coord.config_json.remote()))
+        shards = ray.get(coord.shard_handles.remote())
+        group = ProcessGroupSpec.model_validate_json(ray.get(coord.group_json.remote()))
+        topo_json = ray.get(coord.topology.remote())
+        topology = Topology.model_validate_json(topo_json) if topo_json else Topology.single_node(cfg.num_ranks)
+        rt = cls(cfg, coord, shards, group, topology, None, env, False)
+        rt._generation = ray.get(coord.active_generation.remote())
+        return rt
+
+    def _connect_exchange(self, group: ProcessGroupSpec) -> None:
+        handles = {r: self.shards[r] for r in group.peer_order}
+        if self.cfg.exchange_kind is ExchangeKind.NCCL:
+            uid = ray.get(handles[group.peer_order[0]].nccl_unique_id.remote())
+            ray.get(self.coordinator.put_nccl_id.remote(group.epoch, uid))
+            ray.get([h.init_nccl.remote(uid, group.model_dump_json()) for h in handles.values()])
+        else:
+            ray.get([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
+
+    def shutdown(self) -> None:
+        """Stop every actor of the deployment and free its placement group."""
+        for h in list(self.shards.values()):
+            try:
+                ray.kill(h)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            ray.kill(self.coordinator)
+        except Exception:  # noqa: BLE001
+            pass
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001
+                pass
+        self.shards = {}
+        if self._owns_ray:
+            ray.shutdown()
+
+    # ================================================================ data path
+    def forward(self, hidden: torch.Tensor | np.ndarray, topk_ids: Any = None, topk_weights: Any = None, *,
+                phase: Phase | str = Phase.PREFILL, return_routes: bool = False) -> Any:
+        """One model step over all layers: [T, d] -> [T, d].
+
+        topk_ids / topk_weights: [T, k] (the same routes for every layer) or [L, T, k]; None routes with the
+        runtime's router. With ``return_routes`` the result is ``(hidden, routes)`` where routes is a list of
+        per-layer ([T, k] ids, [T, k] gates) actually used.
+        """
+        phase = Phase(phase)
+        cfg = self.cfg
+        h = torch.as_tensor(hidden)
+        ids, gates = self._validate(h, topk_ids, topk_weights)
+        h = h.to(self.dtype)
+        ranks = list(self.group.peer_order)
+        parts = torch.tensor_split(torch.arange(h.shape[0]), len(ranks))
+        t0 = time.perf_counter()
+        for attempt in range(self.max_attempts):
+            if self._generation is None:
+                self._refresh_generation()
+            step_id = f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
+            reqs = {}
+            for r, idx in zip(ranks, parts):
+                lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
+                reqs[r] = StepRequest(
+                    step_id=step_id, generation=self._generation, hidden=_wire(h[lo:hi]),
+                    topk_ids=None if ids is None else ids[:, lo:hi].numpy(),
+                    topk_weights=None if gates is None else gates[:, lo:hi].numpy(),
+                    phase=phase, return_routes=return_routes,
+                )
+            try:
+                results = self._run_step(step_id, reqs)
+            except StaleGenerationError:
+                with self._lock:
+                    self._stats.stale_retries += 1
+                self._refresh_generation(backoff=attempt > 0)
+                continue
+            break
+        else:
+            raise StaleGenerationError(f"no generation accepted the step after {self.max_attempts} attempts")
+        out = torch.cat([wire_to_tensor(results[r].hidden, results[r].hidden_dtype) for r in ranks], 0)
+        self._account(results, ranks, phase, h.shape[0], (time.perf_counter() - t0) * 1e3)
+        if return_routes:
+            routes = []
+            for l in range(cfg.num_layers):
+                routes.append((torch.cat([torch.from_numpy(results[r].routes[l][0]) for r in ranks], 0),
+                               torch.cat([torch.from_numpy(results[r].routes[l][1]) for r in ranks], 0)))
+            return out, routes
+        return out
+
+    def _validate(self, h: torch.Tensor, topk_ids: Any, topk_weights: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        cfg = self.cfg
+        if h.dim() != 2 or h.shape[1] != cfg.hidden_size:
+            raise RouteValidationError(f"hidden: expected [T, {cfg.hidden_size}], got shape {tuple(h.shape)}")
+        if not h.is_floating_point():
+            raise RouteValidationError(f"hidden: expected a floating dtype, got {h.dtype}")
+        if (topk_ids is None) != (topk_weights is None):
+            raise RouteValidationError("topk_ids and topk_weights: give both or neither")
+        if topk_ids is None:
+            if not bool(torch.isfinite(h).all()):
+                raise RouteValidationError("hidden: NaN or infinite value")
+            return None, None
+        ids = torch.as_tensor(topk_ids)
+        gates = torch.as_tensor(topk_weights)
+        if ids.dim() == 2:
+            ids = ids.unsqueeze(0).expand(cfg.num_layers, *ids.shape)
+        if gates.dim() == 2:
+            gates = gates.unsqueeze(0).expand(cfg.num_layers, *gates.shape)
+        if ids.dim() != 3 or ids.shape[0] != cfg.num_layers:
+            raise RouteValidationError(f"topk_ids: expected [T, k] or [L={cfg.num_layers}, T, k], got {tuple(ids.shape)}")
+        for l in range(cfg.num_layers):
+            RouteBatch(0, h, ids[l], gates[l]).validate(cfg.num_experts, cfg.hidden_size)
+        if ids.shape[2] != cfg.top_k:
+            raise RouteValidationError(f"topk_ids: k={ids.shape[2]} but the deployment has top_k={cfg.top_k}")
+        return ids.to(torch.int64).contiguous(), gates.to(torch.float32).contiguous()
+
+    def _run_step(self, step_id: str, reqs: dict[int, StepRequest]) -> dict[int, StepResult]:
+        refs = {r: self.shards[r].step.remote(req) for r, req in reqs.items()}
+        pending = list(refs.values())
+        by_ref = {ref: r for r, ref in refs.items()}
+        results: dict[int, StepResult] = {}
+        first_error: BaseException | None = None
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ref = done[0]
+            try:
+                results[by_ref[ref]] = ray.get(ref)
+            except BaseException as exc:  # noqa: BLE001 - classified below
+                cause = root_cause(exc)
+                if first_error is None:
+                    first_error = cause
+                    if not isinstance(cause, (StaleGenerationError,)) and pending:
+                        # a failed or dead rank: release its peers instead of letting them wait for the watchdog
+                        for r in reqs:
+                            if r != by_ref[ref]:
+                                try:
+                                    self.shards[r].abort_step.remote(step_id, f"rank {by_ref[ref]} failed: {type(cause).__name__}")
+                                except Exception:  # noqa: BLE001
+                                    pass
+        if first_error is not None:
+            with self._lock:
+                self._stats.failed_steps += 0 if isinstance(first_error, StaleGenerationError) else 1
+            raise first_error
+        return results
+
+    def _refresh_generation(self, backoff: bool = False) -> None:
+        if backoff:
+            time.sleep(0.002)
+        self._generation = ray.get(self.coordinator.active_generation.remote())
+
+    def _account(self, results: dict[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
+        with self._lock:
+            s = self._stats
+            s.steps += 1
+            s.tokens += tokens
+            s.step_ms.append(ms)
+            s.phase_steps[phase.value] = s.phase_steps.get(phase.value, 0) + 1
+            gen = None
+            for r in ranks:
+                res = results[r]
+                gen = res.generation
+                for ls in res.layers:
+                    s.attempted_routes += ls.accepted
+                    s.accepted_routes += ls.accepted
+                    s.remote_routes += ls.remote
+                    s.inter_node_routes += ls.inter_node
+                    self._load[ls.layer] += ls.expert_counts
+                    for u, c in enumerate(ls.rank_routes.tolist()):
+                        if c:
+                            s.rank_rows[u] = s.rank_rows.get(u, 0) + int(c)
+            self._load_steps += 1
+            if self._load_steps >= self.flush_every and gen is not None:
+                self.coordinator.record_load.remote(self._load.copy(), phase.value, gen)
+                self._load[:] = 0
+                self._load_steps = 0
+
+    def flush_load(self) -> None:
+        """Push the driver's pending load counts to the coordinator's window now."""
+        with self._lock:
+            if self._load_steps and self._generation is not None:
+                ray.get(self.coordinator.record_load.remote(self._load.copy(), Phase.PREFILL.value, self._generation))
+                self._load[:] = 0
+                self._load_steps = 0
+
+    # ================================================================ inspection
+    def placement(self, generation: int | None = None) -> PlacementManifest:
+        return PlacementManifest.model_validate_json(ray.get(self.coordinator.manifest_json.remote(generation)))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._stats.as_dict()
+
+    def refcounts(self) -> dict[int, int]:
+        return ray.get(self.coordinator.refcounts.remote())
+
+    def generations(self) -> dict[int, str]:
+        return ray.get(self.coordinator.generations.remote())
+
+    def timeline(self) -> list[dict[str, Any]]:
+        return ray.get(self.coordinator.timeline.remote())
+
+    def shard_status(self) -> dict[int, dict[str, Any]]:
+        return dict(zip(self.shards, ray.get([h.status.remote() for h in self.shards.values()])))
+
+    def expert_weights(self, expert: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate [f, d], w_up [f, d], w_down [d, f]) of a logical expert, read from a rank hosting it."""
+        if not 0 <= expert < self.cfg.num_experts:
+            raise ValueError(f"expert={expert} is out of range [0, {self.cfg.num_experts})")
+        man = self.placement()
+        for s in man.replicas(expert, layer):
+            payload = ray.get(self.shards[s.destination_rank].expert_weights.remote(layer, expert))
+            if payload is not None:
+                w = experts_from_wire(payload)[(layer, expert)]
+                return w.w_gate, w.w_up, w.w_down
+        raise ValueError(f"expert={expert}: no live rank holds layer {layer}")
+
+    # ================================================================ elastic operations
+    def scale(self, expert: int, replicas: int, layer: int | None = None) -> int:
+        """Give logical ``expert`` exactly ``replicas`` copies; returns the new generation id."""
+        self.flush_load()
+        rep = ray.get(self.coordinator.scale.remote(expert, replicas, layer))
+        self._generation = rep["new_generation"]
+        return rep["new_generation"]
+
+    def rebalance(self, *, migration_aware: bool = True) -> int:
+        """EPLB over the coordinator's load window, migrated live; returns the new generation id."""
+        self.flush_load()
+        rep = ray.get(self.coordinator.rebalance.remote(migration_aware))
+        self._generation = rep["new_generation"]
+        return rep["new_generation"]
+
+
+def _wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    from ray_moe.dispatch.exchange.object_store import tensor_to_wire
+
+    return tensor_to_wire(t)
+
+
+def topology_from_nodes(infos: Sequence[dict[str, Any]]) -> Topology:
+    """Ranks grouped by the Ray node their actor runs on; local rank in rank order; first rank relays."""
+    order: list[str] = []
+    for info in sorted(infos, key=lambda i: i["rank"]):
+        if info["node_id"] not in order:
+            order.append(info["node_id"])
+    names = {nid: f"node-{i}" for i, nid in enumerate(order)}
+    members: dict[str, list[int]] = {names[n]: [] for n in order}
+    ranks = []
+    for info in sorted(infos, key=lambda i: i["rank"]):
+        name = names[info["node_id"]]
+        local = len(members[name])
+        members[name].append(info["rank"])
+        ranks.append(RankInfo(rank=info["rank"], node_id=name, local_rank=local, intra_domain=f"{name}-fabric",
+                              nic=f"{name}-nic", nic_via_rank=None if local == 0 else members[name][0],
+                              ray_node_id=info["node_id"]))
+    nodes = tuple(NodeInfo(node_id=n, ranks=tuple(rs), relay_rank=rs[0]) for n, rs in members.items())
+    return Topology(version="topology-v0", ranks=tuple(ranks), nodes=nodes)
+
+
+__all__ = ["Runtime", "RuntimeConfig", "RuntimeStats", "topology_from_nodes", "ExchangeTimeoutError"]
