@@ -108,7 +108,7 @@ class ShardCore:
         self.device = torch.device(device)
         self.dtype = parse_dtype(cfg.dtype)
         self.topology = topology or Topology.single_node(cfg.num_ranks)
-        self.registry = GenerationRegistry()
+        self.registry = GenerationRegistry(record_leases=False)
         self.runner = make_runner(cfg.runner)
         self.selector = make_selector(cfg.replica_policy)
         self.exchange: Exchange | None = None

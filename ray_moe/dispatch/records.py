@@ -8,18 +8,15 @@ it never edits one it was given.
 from __future__ import annotations
 
 import hashlib
-import itertools
+import uuid
 from dataclasses import dataclass, field
 
 import torch
 
 from ray_moe.errors import RouteValidationError
 
-_HANDLE_IDS = itertools.count()
-
-
 def _fresh_handle_id(rank: int, generation: int) -> str:
-    return f"dispatch-h{generation}-r{rank}-{next(_HANDLE_IDS):06d}"
+    return f"dispatch-h{generation}-r{rank}-{uuid.uuid4().hex[:10]}"
 
 
 @dataclass(frozen=True, eq=False)
