@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_moe.types import ExchangeKind, PayloadFormat, ReplicaPolicy, RunnerKind
+from ray_moe.types import ExchangeKind, ExchangeSchedule, PayloadFormat, ReplicaPolicy, RunnerKind
 
 
 class RuntimeConfig(BaseModel):
@@ -30,6 +30,8 @@ class RuntimeConfig(BaseModel):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="deployment name")
     runner: RunnerKind = RunnerKind.GROUPED
     exchange: ExchangeKind | None = Field(default=None, description="None: NCCL on cuda, object store on cpu")
+    exchange_schedule: ExchangeSchedule = Field(default=ExchangeSchedule.FLAT,
+                                                description="flat all-to-all-v or hierarchical through node relays")
     replica_policy: ReplicaPolicy = ReplicaPolicy.ROUND_ROBIN
     payload_format: PayloadFormat = PayloadFormat.NATIVE
     residual: bool = Field(default=False, description="h <- h + MoE(h) between layers (else h <- MoE(h))")
