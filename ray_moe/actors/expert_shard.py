@@ -22,7 +22,7 @@ from ray_moe.experts.source import weight_source
 from ray_moe.experts.weights import ExpertWeights
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
-from ray_moe.types import ExchangeKind
+from ray_moe.types import ExchangeKind, ExchangeSchedule
 
 _WEIGHT_NAMES = ("w_gate", "w_up", "w_down")
 
@@ -57,7 +57,6 @@ class ExpertShardActor:
         self.device = device
         self.mailbox = Mailbox()
         self.core = ShardCore(rank, cfg, weight_source(cfg), device=device)
-        self._nccl = None
 
     # ---------------------------------------------------------------- setup
     def node_info(self) -> dict[str, Any]:
@@ -77,8 +76,16 @@ class ExpertShardActor:
     def set_peers(self, peers: Mapping[int, Any], group_json: str) -> None:
         """Object-store exchange over ``group`` with the given peer actor handles."""
         group = ProcessGroupSpec.model_validate_json(group_json)
-        self.core.set_exchange(ObjectStoreExchange(self.rank, group, peers, self.mailbox,
-                                                   timeout_s=self.cfg.exchange_timeout_s, device=self.device))
+        self.core.set_exchange(self._schedule(ObjectStoreExchange(
+            self.rank, group, peers, self.mailbox, timeout_s=self.cfg.exchange_timeout_s, device=self.device)))
+
+    def _schedule(self, flat):
+        """Flat all-to-all-v, or the same endpoint routed through node relays (spec 0x07E)."""
+        if self.cfg.exchange_schedule is ExchangeSchedule.HIERARCHICAL:
+            from ray_moe.dispatch.exchange.hierarchical import HierarchicalExchange
+
+            return HierarchicalExchange(flat, self.core.topology)
+        return flat
 
     def nccl_unique_id(self) -> bytes:
         from ray_moe.dispatch.exchange.nccl import new_unique_id
@@ -91,8 +98,8 @@ class ExpertShardActor:
         group = ProcessGroupSpec.model_validate_json(group_json)
         if self.core.exchange is not None:
             self.core.exchange.close()
-        self.core.set_exchange(NcclExchange(self.rank, group, unique_id, timeout_s=self.cfg.exchange_timeout_s,
-                                            device=self.device))
+        self.core.set_exchange(self._schedule(NcclExchange(self.rank, group, unique_id,
+                                                           timeout_s=self.cfg.exchange_timeout_s, device=self.device)))
         return True
 
     # ---------------------------------------------------------------- control path
@@ -132,8 +139,6 @@ class ExpertShardActor:
 
     def abort_step(self, step_id: str, reason: str) -> None:
         self.mailbox.abort(step_id + "/", reason)
-        if self._nccl is not None:
-            self._nccl.abort()
 
     def step(self, req: StepRequest) -> StepResult:
         try:

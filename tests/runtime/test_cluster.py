@@ -42,3 +42,10 @@ def test_two_node_placement_and_topology():
     assert out["max_abs_err"] < 1e-4
     inter = out["stats"]["ratios"]["inter_node"]
     assert inter["denominator"] == 96 and inter["numerator"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_two_node_hierarchical_exchange_equals_reference():
+    out = _run("hierarchical")
+    assert out["max_abs_err"] < 1e-4
+    assert out["stats"]["ratios"]["inter_node"]["numerator"] > 0
