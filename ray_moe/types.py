@@ -92,6 +92,7 @@ class ReplicaPolicy(str, Enum):
     HASH = "hash"
     LEAST_LOAD = "least_load"
     LOCALITY = "locality"
+    EXPLICIT = "explicit"  # a frozen upstream assignment (the spec fixtures)
 
 
 class RouteClass(str, Enum):

@@ -53,7 +53,8 @@ class ControlStatus(IntEnum):
     FAULT = 3
 
 
-_HEADER = 6  # generation, pg_epoch, layer, status, num_routes, map_digest
+_HEADER = 8  # generation, pg_epoch, layer, status, num_routes, map_digest, hidden_width, dtype_code
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
 
 @dataclass(frozen=True)
@@ -66,16 +67,19 @@ class ControlRecord:
     status: ControlStatus
     num_routes: int
     map_digest: int
+    hidden_width: int
+    dtype_code: int
     send_counts: tuple[int, ...]  # peer-slot order
 
     def to_array(self) -> np.ndarray:
-        head = [self.generation, self.pg_epoch, self.layer, int(self.status), self.num_routes, self.map_digest]
+        head = [self.generation, self.pg_epoch, self.layer, int(self.status), self.num_routes, self.map_digest,
+                self.hidden_width, self.dtype_code]
         return np.asarray(head + list(self.send_counts), dtype=np.int64)
 
     @staticmethod
     def from_array(a: np.ndarray) -> "ControlRecord":
         return ControlRecord(int(a[0]), int(a[1]), int(a[2]), ControlStatus(int(a[3])), int(a[4]), int(a[5]),
-                             tuple(int(x) for x in a[_HEADER:]))
+                             int(a[6]), int(a[7]), tuple(int(x) for x in a[_HEADER:]))
 
 
 def agree(records: list[ControlRecord], group_ranks: tuple[int, ...], tag: str) -> np.ndarray:
@@ -97,7 +101,7 @@ def agree(records: list[ControlRecord], group_ranks: tuple[int, ...], tag: str) 
         raise CountAgreementError(f"{tag}: rank(s) {bad} aborted the step before payload exchange")
     first = records[0]
     for i, r in enumerate(records):
-        for name in ("generation", "pg_epoch", "layer", "map_digest"):
+        for name in ("generation", "pg_epoch", "layer", "map_digest", "hidden_width", "dtype_code"):
             if getattr(r, name) != getattr(first, name):
                 raise CountAgreementError(
                     f"{tag}: rank {group_ranks[i]} reports {name}={getattr(r, name)} but rank {group_ranks[0]} "
@@ -136,16 +140,19 @@ def dispatch(
     rank = exchange.rank
     # 1. semantic routes, validated before anything is exchanged
     error: Exception | None = None
-    routes = SemanticRoutes.from_batch(batch)
     physical = torch.zeros(0, dtype=torch.int64)
     try:
         batch.validate(snapshot.num_experts)
+        if batch.origin_rank != rank:
+            raise RouteValidationError(f"origin_rank={batch.origin_rank} but this endpoint is rank {rank}")
+        routes = SemanticRoutes.from_batch(batch)
         # 2. replica selection + compatibility predicate
         physical = selector.select(routes, snapshot).to(routes.logical_expert.device)
         check_assignment(routes, physical, snapshot)
     except RouteValidationError as exc:
         error = exc
         status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
+        routes = _empty_routes(rank, batch)
     # 3. source plan
     p = exchange.size
     if error is None:
@@ -158,8 +165,10 @@ def dispatch(
         declared = declared.copy()
         declared[(exchange.peer + 1) % p] += count_fault
     # 4. control round: every rank sees the same records and makes the same decision
+    width = int(batch.hidden.shape[1]) if batch.hidden.dim() == 2 else -1
     record = ControlRecord(snapshot.generation, snapshot.pg_epoch, snapshot.layer, status,
-                           routes.num_routes if error is None else 0, snapshot.map_digest, tuple(declared.tolist()))
+                           routes.num_routes if error is None else 0, snapshot.map_digest, width,
+                           _DTYPE_CODES.get(batch.hidden.dtype, 0), tuple(declared.tolist()))
     gathered = exchange.all_gather(f"{tag}/ctl", record.to_array())
     records = [ControlRecord.from_array(row) for row in gathered]
     try:
@@ -202,6 +211,12 @@ def dispatch(
     counts = receive.expert_counts
     return NormalDispatchOutput(rows=x, scales=s, expert_counts=counts, handle=handle,
                                 counts_list=tuple(int(c) for c in counts.tolist()))
+
+
+def _empty_routes(rank: int, batch: RouteBatch) -> SemanticRoutes:
+    z = torch.zeros(0, dtype=torch.int64)
+    return SemanticRoutes(origin_rank=rank, num_tokens=0, top_k=0, origin_token=z, route_slot=z,
+                          logical_expert=z, gate=torch.zeros(0, dtype=torch.float32))
 
 
 def check_handle(handle: DispatchHandle) -> None:

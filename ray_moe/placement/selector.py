@@ -182,7 +182,7 @@ class LocalityFirstSelector(ReplicaSelector):
 class ExplicitSelector(ReplicaSelector):
     """A frozen assignment handed over from upstream (the spec's Loop 2 fixture): slots given per origin."""
 
-    policy = ReplicaPolicy.HASH
+    policy = ReplicaPolicy.EXPLICIT
 
     def __init__(self, slots_by_origin: dict[int, torch.Tensor]) -> None:
         self._slots = slots_by_origin
@@ -196,6 +196,8 @@ class ExplicitSelector(ReplicaSelector):
 
 def make_selector(policy: ReplicaPolicy | str) -> ReplicaSelector:
     policy = ReplicaPolicy(policy)
+    if policy is ReplicaPolicy.EXPLICIT:
+        raise ValueError("policy='explicit' needs the assignment: construct ExplicitSelector(slots_by_origin)")
     return {
         ReplicaPolicy.ROUND_ROBIN: RoundRobinSelector,
         ReplicaPolicy.HASH: HashSelector,

@@ -54,7 +54,8 @@ class PlacementSnapshot:
     def __post_init__(self) -> None:
         if not self.map_digest:
             h = hashlib.sha256()
-            h.update(f"{self.generation}:{self.layer}:{self.pg_epoch}:{self.process_group_id}".encode())
+            h.update(f"{self.generation}:{self.layer}:{self.pg_epoch}:{self.process_group_id}:"
+                     f"{self.checkpoint_version}:{self.release_id}".encode())
             for t in (self.phy2log, self.slot_rank, self.slot_local, self.peer_order):
                 h.update(t.cpu().numpy().tobytes())
             object.__setattr__(self, "map_digest", int.from_bytes(h.digest()[:7], "little"))

@@ -29,7 +29,7 @@ class LocalExchangeGroup:
         return LocalExchange(self, rank)
 
     def run(self, fn: Callable[[Exchange], Any]) -> list[Any]:
-        """Run ``fn(endpoint)`` once per rank concurrently; results indexed by global rank.
+        """Run ``fn(endpoint)`` once per member rank concurrently; results in ascending member-rank order.
 
         The first exception of any rank is re-raised after all ranks finish or time out.
         """
