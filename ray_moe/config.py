@@ -46,6 +46,8 @@ class RuntimeConfig(BaseModel):
     load_window: int = Field(default=64, ge=1)
     num_groups: int = Field(default=1, ge=1, description="expert groups for hierarchical EPLB")
     memory_budget_bytes: int | None = Field(default=None, ge=1, description="per-rank weight budget")
+    rebuild_from_checkpoint: bool = Field(
+        default=True, description="when a rank dies, rebuild experts with no surviving copy from the checkpoint")
 
     @model_validator(mode="after")
     def _check(self) -> "RuntimeConfig":

@@ -49,6 +49,17 @@ class ExpertUnavailableError(RayMoEError):
         return (_rebuild_unavailable, (str(self), self.expert, self.layer))
 
 
+class RankDeadError(RayMoEError):
+    """A shard actor is gone (its process died or was killed); ``ranks`` names the dead ranks."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self):
+        return (_rebuild_dead, (str(self), self.ranks))
+
+
 class AdmissionError(ValueError):
     """A plan was refused before anything moved (memory budget, layout change under one generation)."""
 
@@ -59,6 +70,10 @@ def _rebuild_stale(message: str, requested: int | None, active: int | None) -> S
 
 def _rebuild_unavailable(message: str, expert: int, layer: int) -> ExpertUnavailableError:
     return ExpertUnavailableError(message, expert=expert, layer=layer)
+
+
+def _rebuild_dead(message: str, ranks: tuple[int, ...]) -> RankDeadError:
+    return RankDeadError(message, ranks=ranks)
 
 
 def root_cause(exc: BaseException) -> BaseException:

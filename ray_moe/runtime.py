@@ -35,8 +35,10 @@ from ray_moe.config import RuntimeConfig
 from ray_moe.dispatch.exchange.object_store import wire_to_tensor
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.env import EnvSettings, read_env
+from ray_moe.dispatch.exchange.mailbox import ExchangeAborted
 from ray_moe.errors import (
     ExchangeTimeoutError,
+    RankDeadError,
     RouteValidationError,
     StaleGenerationError,
     root_cause,
@@ -114,6 +116,15 @@ class Runtime:
         self.flush_every = 4
         self.dtype = parse_dtype(cfg.dtype)
         self.max_attempts = 400
+        from ray_moe.telemetry.metrics import Telemetry
+
+        self._step_lock = threading.RLock()  # held across one step; elastic rank changes take it to quiesce
+        self._node_infos: list[dict[str, Any]] = []
+        self._extra_pgs: dict[int, Any] = {}
+        self.lost_ranks: list[int] = []
+        self.telemetry = Telemetry(f"driver-{uuid.uuid4().hex[:6]}")
+        self.release_id = cfg.name
+        self._exporter = None
 
     # ================================================================ lifecycle
     @classmethod
@@ -151,6 +162,7 @@ class Runtime:
         group = ProcessGroupSpec(group_id="ep-group-0", peer_order=tuple(range(cfg.num_ranks)), epoch=0)
         ray.get([h.set_topology.remote(topology.model_dump_json()) for h in shards.values()])
         rt = cls(cfg, coord, shards, group, topology, pg, env, owns)
+        rt._node_infos = list(infos)
         rt._connect_exchange(group)
         expert_bytes = 3 * cfg.hidden_size * cfg.ffn_size * torch.tensor([], dtype=rt.dtype).element_size()
         ray.get(coord.attach.remote(shards, topology.model_dump_json(), group.model_dump_json(), expert_bytes))
@@ -216,14 +228,19 @@ class Runtime:
         per-layer ([T, k] ids, [T, k] gates) actually used.
         """
         phase = Phase(phase)
-        cfg = self.cfg
         h = torch.as_tensor(hidden)
         ids, gates = self._validate(h, topk_ids, topk_weights)
         h = h.to(self.dtype)
-        ranks = list(self.group.peer_order)
-        parts = torch.tensor_split(torch.arange(h.shape[0]), len(ranks))
+        with self._step_lock:
+            return self._forward(h, ids, gates, phase, return_routes)
+
+    def _forward(self, h: torch.Tensor, ids: torch.Tensor | None, gates: torch.Tensor | None, phase: Phase,
+                 return_routes: bool) -> Any:
+        cfg = self.cfg
         t0 = time.perf_counter()
         for attempt in range(self.max_attempts):
+            ranks = list(self.group.peer_order)
+            parts = torch.tensor_split(torch.arange(h.shape[0]), len(ranks))
             if self._generation is None:
                 self._refresh_generation()
             step_id = f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
@@ -242,6 +259,12 @@ class Runtime:
                 with self._lock:
                     self._stats.stale_retries += 1
                 self._refresh_generation(backoff=attempt > 0)
+                continue
+            except (RankDeadError, ExchangeAborted, ExchangeTimeoutError) as exc:
+                dead = self._dead_ranks()
+                if not dead:
+                    raise exc
+                self._handle_dead(dead)
                 continue
             break
         else:
@@ -295,6 +318,8 @@ class Runtime:
                 results[by_ref[ref]] = ray.get(ref)
             except BaseException as exc:  # noqa: BLE001 - classified below
                 cause = root_cause(exc)
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    cause = RankDeadError(f"rank {by_ref[ref]} died during step {step_id}", ranks=(by_ref[ref],))
                 if first_error is None:
                     first_error = cause
                     if not isinstance(cause, (StaleGenerationError,)) and pending:
@@ -310,6 +335,86 @@ class Runtime:
                 self._stats.failed_steps += 0 if isinstance(first_error, StaleGenerationError) else 1
             raise first_error
         return results
+
+    # ================================================================ elastic ranks
+    def _dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """Ranks of the current group whose actor no longer answers."""
+        refs = {r: self.shards[r].ping.remote() for r in self.group.peer_order}
+        dead = []
+        for r, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(r)
+        return dead
+
+    def _regroup(self, members: Sequence[int]) -> ProcessGroupSpec:
+        """A new process group (next epoch) over ``members``; their exchange endpoints are rebuilt."""
+        group = ProcessGroupSpec(group_id=self.group.group_id, peer_order=tuple(members), epoch=self.group.epoch + 1)
+        self._connect_exchange(group)
+        return group
+
+    def _handle_dead(self, dead: Sequence[int]) -> None:
+        """A shard died mid-serving: regroup the survivors and publish a generation without the dead ranks
+        (experts left with no copy are rebuilt from the checkpoint, or the error names the expert)."""
+        survivors = [r for r in self.group.peer_order if r not in set(dead)]
+        group = self._regroup(survivors)
+        rep = ray.get(self.coordinator.remove_ranks.remote(list(dead), group.model_dump_json()))
+        for r in dead:
+            self.shards.pop(r, None)
+        self.lost_ranks.extend(dead)
+        self.group = group
+        self._generation = rep["new_generation"]
+
+    def add_rank(self, *, rebalance: bool = True) -> int:
+        """Scale out: start one more ExpertShardActor, regroup, and (with load observed) rebalance onto it.
+        Returns the new rank id."""
+        cfg = self.cfg
+        rank = self.topology.num_ranks
+        gpus = 1 if cfg.device == "cuda" else 0
+        pg = placement_group([{"CPU": cfg.actor_cpus, **({"GPU": 1} if gpus else {})}])
+        ray.get(pg.ready(), timeout=300)
+        actor = shard_actor_class(cfg).options(
+            num_cpus=cfg.actor_cpus, num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(rank, cfg.model_dump_json())
+        info = ray.get(actor.node_info.remote())
+        self.flush_load()
+        with self._step_lock:
+            self._node_infos.append(info)
+            self.topology = topology_from_nodes(self._node_infos)
+            self.shards[rank] = actor
+            self._extra_pgs[rank] = pg
+            ray.get([h.set_topology.remote(self.topology.model_dump_json()) for h in self.shards.values()])
+            group = self._regroup([*self.group.peer_order, rank])
+            rep = ray.get(self.coordinator.regroup.remote(
+                {r: self.shards[r] for r in group.peer_order}, self.topology.model_dump_json(),
+                group.model_dump_json(), rebalance))
+            self.group = group
+            self._generation = rep["new_generation"]
+        return rank
+
+    def remove_rank(self, rank: int) -> int:
+        """Scale in: move ``rank``'s slots away while traffic flows, then (quiesced) regroup without it and
+        stop its actor. Returns the new generation id."""
+        if rank not in self.group.peer_order:
+            raise ValueError(f"rank={rank} is not a live member of the group {list(self.group.peer_order)}")
+        if len(self.group.peer_order) == 1:
+            raise ValueError(f"rank={rank} is the last rank; shut the deployment down instead")
+        ray.get(self.coordinator.evacuate_rank.remote(rank))
+        with self._step_lock:
+            survivors = [r for r in self.group.peer_order if r != rank]
+            group = self._regroup(survivors)
+            rep = ray.get(self.coordinator.regroup.remote(
+                {r: self.shards[r] for r in survivors}, self.topology.model_dump_json(), group.model_dump_json(), False))
+            self.group = group
+            self._generation = rep["new_generation"]
+            handle = self.shards.pop(rank)
+        ray.kill(handle)
+        pg = self._extra_pgs.pop(rank, None)
+        if pg is not None:
+            remove_placement_group(pg)
+        return self._generation
 
     def _refresh_generation(self, backoff: bool = False) -> None:
         if backoff:
@@ -337,10 +442,56 @@ class Runtime:
                         if c:
                             s.rank_rows[u] = s.rank_rows.get(u, 0) + int(c)
             self._load_steps += 1
-            if self._load_steps >= self.flush_every and gen is not None:
+            flush = self._load_steps >= self.flush_every and gen is not None
+            if flush:
                 self.coordinator.record_load.remote(self._load.copy(), phase.value, gen)
                 self._load[:] = 0
                 self._load_steps = 0
+        # telemetry with numerators and denominators (spec 0x0D); bounded labels only (0x0DB)
+        from ray_moe.telemetry.metrics import MetricName
+
+        acc = sum(ls.accepted for r in ranks for ls in results[r].layers)
+        rem = sum(ls.remote for r in ranks for ls in results[r].layers)
+        inter = sum(ls.inter_node for r in ranks for ls in results[r].layers)
+        base = {"release": self.release_id, "phase": phase.value}
+        tel = self.telemetry
+        tel.add_ratio(MetricName.ROUTE_DROP_RATIO, base, 0, acc)
+        tel.add_ratio(MetricName.REMOTE_ROUTE_RATIO, base, rem, acc)
+        tel.add_ratio(MetricName.INTER_NODE_ROUTE_RATIO, {**base, "topology": self.topology.version}, inter, acc)
+        tel.observe_step_latency(base, ms / 1e3)
+        if flush:
+            self.publish_telemetry()
+
+    def publish_telemetry(self) -> None:
+        """Export this driver's telemetry to Prometheus (ray.util.metrics) and share it with ``ray-moe status``."""
+        snap = self.telemetry.snapshot()
+        try:
+            if self._exporter is None:
+                from ray_moe.telemetry.prometheus import PrometheusExporter
+
+                self._exporter = PrometheusExporter()
+            self._exporter.export(snap)
+        except Exception:  # noqa: BLE001 - metrics export must never fail a step
+            pass
+        self.coordinator.put.remote(f"telemetry/{self.telemetry.source}", snap.model_dump_json())
+
+    def telemetry_snapshot(self) -> dict[str, Any] | None:
+        """Merged telemetry of every driver of this deployment (as shared through the coordinator)."""
+        snap = self._merged_telemetry()
+        return None if snap is None else snap.model_dump(mode="json")
+
+    def telemetry_table(self) -> str:
+        snap = self._merged_telemetry()
+        return "" if snap is None else snap.render_table()
+
+    def _merged_telemetry(self):
+        from ray_moe.telemetry.metrics import TelemetrySnapshot, merge_snapshots
+
+        if self.telemetry.snapshot().ratios:
+            self.publish_telemetry()
+        blobs = ray.get(self.coordinator.telemetry_snapshots.remote())
+        snaps = [TelemetrySnapshot.model_validate_json(b) for b in blobs]
+        return merge_snapshots(snaps) if snaps else None
 
     def flush_load(self) -> None:
         """Push the driver's pending load counts to the coordinator's window now."""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ray_moe.config import RuntimeConfig
-from ray_moe.errors import AdmissionError, ExpertUnavailableError, GenerationError
+from ray_moe.errors import AdmissionError, ExpertUnavailableError, GenerationError, RankDeadError
 from ray_moe.placement.initial import spread_assignment
 from ray_moe.placement.load import LoadWindow
 from ray_moe.placement.manifest import PlacementManifest, manifest_from_assignment
@@ -131,7 +131,18 @@ class ControlPlane:
         return self.registry.manifest(g)
 
     def live_ranks(self) -> list[int]:
-        return [r for r in self.group.peer_order]
+        """Members of the current process group not known to be dead."""
+        return [r for r in self.group.peer_order if r not in self.dead_ranks]
+
+    def _call_live(self, method: str, per_rank: Callable[[int], tuple]) -> dict[int, Any]:
+        """``fleet.call`` on the live ranks; a rank found dead is recorded and skipped (control-path reads)."""
+        for _ in range(8):
+            try:
+                return self.fleet.call(method, {r: per_rank(r) for r in self.live_ranks()})
+            except RankDeadError as exc:
+                self.dead_ranks.update(exc.ranks)
+                self.log("rank-dead", None, f"{method}: ranks {list(exc.ranks)} unreachable")
+        raise RankDeadError(f"{method}: ranks keep dying", ranks=tuple(self.dead_ranks))
 
     def refcounts(self) -> dict[int, int]:
         """Exact pins per live generation: coordinator leases + in-flight handles on every shard."""
@@ -140,7 +151,7 @@ class ControlPlane:
             st = self.registry.state(g)
             if st == GenerationState.RETIRED:
                 continue
-            shard = self.fleet.call("refcount", {r: (g,) for r in self.live_ranks()})
+            shard = self._call_live("refcount", lambda r: (g,))
             out[g] = self.registry.refcount(g) + sum(shard.values())
         return out
 
@@ -388,7 +399,7 @@ class ControlPlane:
         """Wait until no lease or in-flight handle pins ``generation``, then retire it everywhere."""
         deadline = self._clock() + timeout_s
         while True:
-            shard = self.fleet.call("refcount", {r: (generation,) for r in self.live_ranks()})
+            shard = self._call_live("refcount", lambda r: (generation,))
             total = self.registry.refcount(generation) + sum(shard.values())
             if total == 0:
                 break
@@ -397,7 +408,7 @@ class ControlPlane:
                 return False
             time.sleep(0.002)
         self.log("drained", generation, "refcount 0 on coordinator and every shard")
-        done = self.fleet.call("retire", {r: (generation,) for r in self.live_ranks()})
+        done = self._call_live("retire", lambda r: (generation,))
         if not all(done.values()):
             self.log("retire-refused", generation, f"shards still pinned: {[r for r, ok in done.items() if not ok]}")
             return False
@@ -441,8 +452,9 @@ class ControlPlane:
             return self.apply(new, reason=f"lost ranks {sorted(dead)}", sources_alive=lambda r: r in live)
 
     def _has_checkpoint(self) -> bool:
-        # seeded weights are a deterministic checkpoint; a safetensors folder is one too
-        return True
+        """Seeded weights and a safetensors folder are both checkpoints every rank can read; a deployment can
+        declare that it may not rebuild from them (e.g. weights fine-tuned in place)."""
+        return self.cfg.rebuild_from_checkpoint
 
 
 def _ledger_line(plan: MigrationPlan) -> str:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from ray_moe.actors.control import ControlPlane, Fleet
 from ray_moe.config import RuntimeConfig
+from ray_moe.errors import RankDeadError
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
 
 
@@ -33,10 +34,27 @@ class RayFleet(Fleet):
 
     def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
         refs = {r: getattr(self.handles[r], method).remote(*[_wire(a) for a in a_]) for r, a_ in args.items()}
-        return {r: v for r, v in zip(refs, ray.get(list(refs.values())))}
+        out: dict[int, Any] = {}
+        dead: list[int] = []
+        first: BaseException | None = None
+        for r, ref in refs.items():
+            try:
+                out[r] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(r)
+            except BaseException as exc:  # noqa: BLE001 - re-raised after every rank answered
+                first = first or exc
+        if dead:
+            raise RankDeadError(f"{method}: shard actor(s) of rank(s) {dead} are dead", ranks=tuple(dead))
+        if first is not None:
+            raise first
+        return out
 
     def copy_experts(self, dst: int, src: int, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
-        return ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
+        try:
+            return ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
+        except ray.exceptions.RayActorError as exc:
+            raise RankDeadError(f"copy rank {src} -> rank {dst}: {exc}", ranks=(src, dst)) from None
 
 
 def _wire(x: Any) -> Any:
@@ -125,6 +143,9 @@ class CoordinatorActor:
     def get(self, key: str) -> Any:
         return self.extra.get(key)
 
+    def telemetry_snapshots(self) -> list[str]:
+        return [v for k, v in sorted(self.extra.items()) if k.startswith("telemetry/")]
+
     # ---------------------------------------------------------------- elastic operations
     def scale(self, expert: int, replicas: int, layer: int | None = None) -> dict[str, Any]:
         plane = self._plane()
@@ -142,11 +163,34 @@ class CoordinatorActor:
         return _report(self._plane().apply(PlacementManifest.model_validate_json(manifest_json), reason=reason))
 
     def remove_ranks(self, dead: Sequence[int], group_json: str) -> dict[str, Any]:
+        """A rank died: publish a generation on the rebuilt group without it (survivors already regrouped)."""
         plane = self._plane()
         for r in dead:
             self.handles.pop(int(r), None)
         plane.fleet = RayFleet(self.handles)
         return _report(plane.remove_ranks(dead, ProcessGroupSpec.model_validate_json(group_json)))
+
+    def evacuate_rank(self, rank: int) -> dict[str, Any]:
+        """Scale in, step 1: publish a generation with no slot on ``rank`` (it still takes part, with zero rows)."""
+        plane = self._plane()
+        return _report(plane.apply(plane.propose_without([rank]), reason=f"evacuate rank {rank}"))
+
+    def regroup(self, handles: Mapping[int, Any], topology_json: str, group_json: str, rebalance: bool) -> dict[str, Any]:
+        """Switch to a new process group (scale in or out) at a quiescent point: publish the active slots (or an
+        EPLB placement over the new members when ``rebalance``) as a new generation under the new group."""
+        plane = self._plane()
+        self.handles = dict(handles)
+        self.topology_json = topology_json
+        plane.fleet = RayFleet(self.handles)
+        plane.topology = Topology.model_validate_json(topology_json)
+        plane.group = ProcessGroupSpec.model_validate_json(group_json)
+        if rebalance and len(plane.load):
+            new = plane.propose_rebalance(migration_aware=True)
+            reason = f"regroup to ranks {list(plane.group.peer_order)} + EPLB"
+        else:
+            new = plane.propose_without([r for r in plane.manifest().slots_ranks() if r not in plane.group.members])
+            reason = f"regroup to ranks {list(plane.group.peer_order)}"
+        return _report(plane.apply(new, reason=reason))
 
     def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
         return self._plane().drain_and_retire(generation, timeout_s=timeout_s)

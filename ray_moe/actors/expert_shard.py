@@ -84,7 +84,9 @@ class ExpertShardActor:
         if self.cfg.exchange_schedule is ExchangeSchedule.HIERARCHICAL:
             from ray_moe.dispatch.exchange.hierarchical import HierarchicalExchange
 
-            return HierarchicalExchange(flat, self.core.topology)
+            if set(flat.group.peer_order) == {r.rank for r in self.core.topology.ranks}:
+                return HierarchicalExchange(flat, self.core.topology)
+            # a group that lost or gained ranks against the topology runs flat until the topology is rebuilt
         return flat
 
     def nccl_unique_id(self) -> bytes:

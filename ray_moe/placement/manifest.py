@@ -128,6 +128,10 @@ class PlacementManifest(BaseModel):
     def replicas(self, expert: int, layer: int = 0) -> list[SlotSpec]:
         return [s for s in self.layer_slots(layer) if s.logical_expert_id == expert]
 
+    def slots_ranks(self) -> set[int]:
+        """Ranks that host at least one slot (any layer)."""
+        return {s.destination_rank for s in self.slots}
+
     def replica_counts(self, layer: int = 0) -> list[int]:
         c = Counter(s.logical_expert_id for s in self.slots if s.layer == layer)
         return [c[e] for e in range(self.num_experts)]
