@@ -220,22 +220,24 @@ class Runtime:
 
     # ================================================================ data path
     def forward(self, hidden: torch.Tensor | np.ndarray, topk_ids: Any = None, topk_weights: Any = None, *,
-                phase: Phase | str = Phase.PREFILL, return_routes: bool = False) -> Any:
+                phase: Phase | str = Phase.PREFILL, return_routes: bool = False,
+                generation: int | None = None) -> Any:
         """One model step over all layers: [T, d] -> [T, d].
 
         topk_ids / topk_weights: [T, k] (the same routes for every layer) or [L, T, k]; None routes with the
         runtime's router. With ``return_routes`` the result is ``(hidden, routes)`` where routes is a list of
-        per-layer ([T, k] ids, [T, k] gates) actually used.
+        per-layer ([T, k] ids, [T, k] gates) actually used. ``generation`` pins the step to one generation
+        (a candidate in shadow / canary); a pinned step is never replanned onto another generation.
         """
         phase = Phase(phase)
         h = torch.as_tensor(hidden)
         ids, gates = self._validate(h, topk_ids, topk_weights)
         h = h.to(self.dtype)
         with self._step_lock:
-            return self._forward(h, ids, gates, phase, return_routes)
+            return self._forward(h, ids, gates, phase, return_routes, generation)
 
     def _forward(self, h: torch.Tensor, ids: torch.Tensor | None, gates: torch.Tensor | None, phase: Phase,
-                 return_routes: bool) -> Any:
+                 return_routes: bool, pinned: int | None = None) -> Any:
         cfg = self.cfg
         t0 = time.perf_counter()
         for attempt in range(self.max_attempts):
@@ -243,12 +245,13 @@ class Runtime:
             parts = torch.tensor_split(torch.arange(h.shape[0]), len(ranks))
             if self._generation is None:
                 self._refresh_generation()
+            gen = self._generation if pinned is None else pinned
             step_id = f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
             reqs = {}
             for r, idx in zip(ranks, parts):
                 lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
                 reqs[r] = StepRequest(
-                    step_id=step_id, generation=self._generation, hidden=_wire(h[lo:hi]),
+                    step_id=step_id, generation=gen, hidden=_wire(h[lo:hi]),
                     topk_ids=None if ids is None else ids[:, lo:hi].numpy(),
                     topk_weights=None if gates is None else gates[:, lo:hi].numpy(),
                     phase=phase, return_routes=return_routes,
@@ -258,6 +261,8 @@ class Runtime:
             except StaleGenerationError:
                 with self._lock:
                     self._stats.stale_retries += 1
+                if pinned is not None:
+                    raise
                 self._refresh_generation(backoff=attempt > 0)
                 continue
             except (RankDeadError, ExchangeAborted, ExchangeTimeoutError) as exc:
@@ -540,6 +545,41 @@ class Runtime:
         rep = ray.get(self.coordinator.scale.remote(expert, replicas, layer))
         self._generation = rep["new_generation"]
         return rep["new_generation"]
+
+    # ================================================================ candidates and faults (release drills)
+    def stage(self, kind: str = "rebalance", *, expert: int | None = None, replicas: int | None = None,
+              manifest: PlacementManifest | None = None) -> dict[str, Any]:
+        """Materialise and verify a candidate generation without publishing it; steps may pin it with
+        ``forward(..., generation=g)``. Returns the staging report (``new_generation``, ledger, manifest)."""
+        self.flush_load()
+        return ray.get(self.coordinator.stage.remote(kind, expert, replicas,
+                                                     None if manifest is None else manifest.model_dump_json()))
+
+    def promote(self, generation: int, *, retire_prior: bool = False) -> int | None:
+        """Publish a staged candidate; the prior goes DRAINING (kept loaded unless ``retire_prior``)."""
+        prior = ray.get(self.coordinator.promote.remote(generation, retire_prior))
+        self._generation = generation
+        return prior
+
+    def stop_dispatch(self, generation: int) -> None:
+        ray.get(self.coordinator.stop_dispatch.remote(generation))
+
+    def activate(self, generation: int) -> None:
+        ray.get(self.coordinator.activate.remote(generation))
+        self._generation = generation
+
+    def release_graphs(self, generation: int) -> int:
+        return ray.get(self.coordinator.release_graphs.remote(generation))
+
+    def shard_refcount(self, generation: int) -> int:
+        return ray.get(self.coordinator.shard_refcount.remote(generation))
+
+    def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
+        return ray.get(self.coordinator.drain_and_retire.remote(generation, timeout_s))
+
+    def inject_fault(self, kind: str, *, rank: int, count: int = 1, generation: int | None = None) -> None:
+        """Arm a data-path fault on one shard (count | scale | inverse | parity | crash)."""
+        ray.get(self.coordinator.inject_fault.remote(rank, kind, count, generation))
 
     def rebalance(self, *, migration_aware: bool = True) -> int:
         """EPLB over the coordinator's load window, migrated live; returns the new generation id."""

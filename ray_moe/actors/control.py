@@ -322,6 +322,73 @@ class ControlPlane:
               sources_alive: Callable[[int], bool] | None = None) -> ApplyReport:
         """Reserve, materialise, verify, publish, drain, retire (spec 0x08G). Traffic keeps flowing."""
         with self._lock:
+            staged = self.stage(new, reason=reason, sources_alive=sources_alive)
+            old_g = staged.old_generation
+            timings = dict(staged.timings_s)
+            # 5. publish: every shard first, then the registry (drivers refresh from it)
+            t = self._clock()
+            self._publish(new.generation)
+            timings["publish"] = self._clock() - t
+            self.log("publish", new.generation, f"active; generation {old_g} DRAINING")
+            # 6. drain + 7. retire
+            t = self._clock()
+            retired = self.drain_and_retire(old_g, timeout_s=drain_timeout_s)
+            timings["drain_retire"] = self._clock() - t
+            return ApplyReport(old_g, new.generation, reason, staged.plan, staged.copies, staged.loads,
+                               timings["drain_retire"], retired, timings)
+
+    def _publish(self, generation: int) -> None:
+        self._call_live("publish", lambda r: (generation,))
+        if self.registry.state(generation) == GenerationState.DRAINING:
+            self.registry.reactivate(generation)
+        else:
+            self.registry.publish(generation)
+
+    def promote(self, generation: int, *, retire_prior: bool = True, drain_timeout_s: float = 60.0) -> int:
+        """A staged candidate becomes ACTIVE; the prior goes DRAINING (and is retired once drained unless
+        ``retire_prior`` is False, which keeps it loaded as the rollback fallback). Returns the prior id."""
+        with self._lock:
+            prior = self.registry.active()
+            self._publish(generation)
+            self.log("publish", generation, f"candidate promoted; generation {prior} DRAINING")
+            if retire_prior and prior is not None:
+                self.drain_and_retire(prior, timeout_s=drain_timeout_s)
+            return prior
+
+    def stop_dispatch(self, generation: int) -> None:
+        """Stop fence: no new step pins ``generation`` (a candidate is revoked; an ACTIVE one drains)."""
+        with self._lock:
+            self._call_live("stop_dispatch", lambda r: (generation,))
+            if self.registry.state(generation) == GenerationState.ACTIVE:
+                self.registry.mark_draining(generation)
+            self.log("stop-dispatch", generation, "no new dispatch may pin it")
+
+    def activate(self, generation: int) -> None:
+        """Make a loaded generation (ACTIVE, DRAINING) take new dispatch again (rollback's second step)."""
+        with self._lock:
+            if self.registry.state(generation) != GenerationState.ACTIVE:
+                self._publish(generation)
+            self.log("activate", generation, "takes new dispatch")
+
+    def release_graphs(self, generation: int) -> int:
+        freed = sum(self._call_live("release_graphs", lambda r: (generation,)).values())
+        self.log("release-graphs", generation, f"{freed} captured graphs freed")
+        return freed
+
+    def shard_refcount(self, generation: int) -> int:
+        shard = self._call_live("refcount", lambda r: (generation,))
+        try:
+            own = self.registry.refcount(generation)
+        except Exception:  # noqa: BLE001
+            own = 0
+        return own + sum(shard.values())
+
+    def stage(self, new: PlacementManifest, *, reason: str,
+              sources_alive: Callable[[int], bool] | None = None, serve_candidate: bool = False) -> ApplyReport:
+        """Steps 1-4 of publication (plan with admission, reserve, materialise, verify): the candidate is
+        PENDING and verified on every shard ("LOADED"); with ``serve_candidate`` it may serve steps that
+        name it (shadow, canary)."""
+        with self._lock:
             timings: dict[str, float] = {}
             old_g = self.registry.active()
             if old_g is None:
@@ -375,25 +442,20 @@ class ControlPlane:
                 timings["verify"] = self._clock() - t
                 self.log("verify", new.generation, "all slot digests verified")
             except BaseException as exc:
-                self.fleet.call("drop_experts", {u: (sorted(k),) for u, k in staged.items() if u in self.live_ranks()})
+                try:
+                    self.fleet.call("drop_experts", {u: (sorted(k),) for u, k in staged.items() if u in self.live_ranks()})
+                except RankDeadError as dead:
+                    self.dead_ranks.update(dead.ranks)
                 try:
                     self.registry.abandon(new.generation)
                 except Exception:  # noqa: BLE001
                     pass
                 self.log("abort", new.generation, f"{type(exc).__name__}: {exc}")
                 raise
-            # 5. publish: every shard first, then the registry (drivers refresh from it)
-            t = self._clock()
-            self.fleet.call("publish", {r: (new.generation,) for r in self.live_ranks()})
-            self.registry.publish(new.generation)
-            timings["publish"] = self._clock() - t
-            self.log("publish", new.generation, f"active; generation {old_g} DRAINING")
-            # 6. drain + 7. retire
-            t = self._clock()
-            retired = self.drain_and_retire(old_g, timeout_s=drain_timeout_s)
-            timings["drain_retire"] = self._clock() - t
-            return ApplyReport(old_g, new.generation, reason, plan, copies, loads, timings["drain_retire"], retired,
-                               timings)
+            if serve_candidate:
+                self._call_live("allow_candidate", lambda r: (new.generation,))
+                self.log("candidate", new.generation, "serves steps that name it (shadow / canary)")
+            return ApplyReport(old_g, new.generation, reason, plan, copies, loads, 0.0, False, timings)
 
     def drain_and_retire(self, generation: int, *, timeout_s: float = 60.0) -> bool:
         """Wait until no lease or in-flight handle pins ``generation``, then retire it everywhere."""

@@ -195,6 +195,67 @@ class CoordinatorActor:
     def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
         return self._plane().drain_and_retire(generation, timeout_s=timeout_s)
 
+    # ---------------------------------------------------------------- candidates (releases in flight)
+    def stage(self, kind: str, expert: int | None = None, replicas: int | None = None,
+              manifest_json: str | None = None) -> dict[str, Any]:
+        """Plan, materialise and verify a candidate generation without publishing it; it may then serve
+        steps that name it (shadow / canary). ``kind``: scale | rebalance | manifest."""
+        plane = self._plane()
+        if kind == "scale":
+            new = plane.propose_scale(int(expert), int(replicas))
+        elif kind == "rebalance":
+            new = plane.propose_rebalance(migration_aware=True)
+        elif kind == "manifest":
+            from ray_moe.placement.manifest import PlacementManifest
+
+            new = PlacementManifest.model_validate_json(manifest_json)
+        else:
+            raise ValueError(f"kind={kind!r} is not one of scale, rebalance, manifest")
+        rep = plane.stage(new, reason=f"candidate ({kind})", serve_candidate=True)
+        out = _report(rep)
+        out["manifest_json"] = new.model_dump_json()
+        return out
+
+    def promote(self, generation: int, retire_prior: bool = False) -> int | None:
+        return self._plane().promote(generation, retire_prior=retire_prior)
+
+    def stop_dispatch(self, generation: int) -> None:
+        self._plane().stop_dispatch(generation)
+
+    def activate(self, generation: int) -> None:
+        self._plane().activate(generation)
+
+    def release_graphs(self, generation: int) -> int:
+        return self._plane().release_graphs(generation)
+
+    def shard_refcount(self, generation: int) -> int:
+        return self._plane().shard_refcount(generation)
+
+    def inject_fault(self, rank: int, kind: str, count: int = 1, generation: int | None = None) -> None:
+        ray.get(self.handles[rank].inject_fault.remote(kind, count, generation))
+        self._plane().log("fault-armed", generation, f"{kind} x{count} on rank {rank}")
+
+    def log(self, event: str, generation: int | None, detail: str) -> None:
+        self._plane().log(event, generation, detail)
+
+    # ---------------------------------------------------------------- release lifecycle (owned here)
+    def release(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call one ``ReleaseRegistry`` method (register, transition, begin_canary, promote, stop_new_dispatch,
+        activate, retire, get, records, timeline, active, candidate); pydantic results travel as JSON."""
+        if method not in _RELEASE_METHODS:
+            raise ValueError(f"method={method!r} is not one of {sorted(_RELEASE_METHODS)}")
+        from ray_moe.release.lifecycle import ReleaseRegistry
+
+        if "releases" not in self.extra:
+            self.extra["releases"] = ReleaseRegistry()
+        out = getattr(self.extra["releases"], method)(*args, **kwargs)
+        return out
+
+
+_RELEASE_METHODS = frozenset({"register", "transition", "begin_canary", "set_canary_fraction", "promote",
+                              "stop_new_dispatch", "activate", "retire", "get", "records", "timeline", "active",
+                              "candidate", "canary_fraction"})
+
 
 def _report(rep) -> dict[str, Any]:
     out = {

@@ -135,6 +135,18 @@ class ExpertShardActor:
     def drop_experts(self, keys: Sequence[tuple[int, int]]) -> None:
         self.core.drop_experts(keys)
 
+    def allow_candidate(self, generation: int) -> None:
+        self.core.allow_candidate(generation)
+
+    def stop_dispatch(self, generation: int) -> None:
+        self.core.stop_dispatch(generation)
+
+    def release_graphs(self, generation: int) -> int:
+        return self.core.release_graphs(generation)
+
+    def inject_fault(self, kind: str, count: int = 1, generation: int | None = None) -> None:
+        self.core.inject_fault(kind, count, generation)
+
     # ---------------------------------------------------------------- data path
     def deliver(self, tag: str, source_peer: int, dest_peer: int, payload: Any) -> None:
         self.mailbox.put((tag, source_peer, dest_peer), payload)

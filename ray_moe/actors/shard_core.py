@@ -121,6 +121,11 @@ class ShardCore:
         self.biases = [zipf_bias(cfg.num_experts, cfg.router_skew, cfg.seed, l).to(self.device)
                        for l in range(cfg.num_layers)]
         self.counters: dict[str, int] = {"steps": 0, "stale_rejects": 0, "aborted_steps": 0}
+        # candidate generations (a release in SHADOW / CANARY) serve pinned steps while still PENDING
+        self._candidates: set[int] = set()
+        self._candidate_pins: dict[int, int] = {}
+        # fault injection (spec 0x0E): kind -> (remaining count, generation filter or None)
+        self._faults: dict[str, tuple[int, int | None]] = {}
 
     # ================================================================ control path
     def set_exchange(self, exchange: Exchange) -> None:
@@ -208,22 +213,68 @@ class ShardCore:
                 self.registry.reactivate(generation)
 
     def refcount(self, generation: int) -> int:
+        """In-flight handles pinning ``generation`` here (registry leases + candidate pins)."""
+        with self._lock:
+            pins = self._candidate_pins.get(generation, 0)
         try:
-            return self.registry.refcount(generation)
+            return self.registry.refcount(generation) + pins
         except Exception:  # noqa: BLE001 - unknown generation holds nothing
-            return 0
+            return pins
+
+    # ---------------------------------------------------------------- candidates and faults
+    def allow_candidate(self, generation: int) -> None:
+        """A prepared PENDING generation may serve steps that name it explicitly (shadow, canary)."""
+        with self._lock:
+            if generation not in self._gens or self.registry.state(generation) != GenerationState.PENDING:
+                raise GenerationError(f"generation={generation} is not a prepared PENDING candidate on rank {self.rank}")
+            self._candidates.add(generation)
+
+    def stop_dispatch(self, generation: int) -> None:
+        """The stop fence: no new step may pin ``generation`` (candidate revoked, or ACTIVE -> DRAINING)."""
+        with self._lock:
+            self._candidates.discard(generation)
+            if generation in self._gens and self.registry.state(generation) == GenerationState.ACTIVE:
+                self.registry.mark_draining(generation)
+
+    def release_graphs(self, generation: int) -> int:
+        """Free captured decode graphs keyed to ``generation``; returns how many were freed."""
+        return self._free_graphs(generation)
+
+    def _free_graphs(self, generation: int) -> int:
+        return 0
+
+    def inject_fault(self, kind: str, count: int = 1, generation: int | None = None) -> None:
+        """Arm a fault for the next ``count`` steps (of ``generation`` only, if given)."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"kind={kind!r} is not one of {sorted(FAULT_KINDS)}")
+        with self._lock:
+            self._faults[kind] = (int(count), generation)
+
+    def _take_fault(self, kind: str, generation: int) -> bool:
+        with self._lock:
+            left, gen = self._faults.get(kind, (0, None))
+            if left <= 0 or (gen is not None and gen != generation):
+                return False
+            self._faults[kind] = (left - 1, gen)
+            self.counters[f"fault_{kind}"] = self.counters.get(f"fault_{kind}", 0) + 1
+            return True
 
     def retire(self, generation: int) -> bool:
         """Retire a drained generation and free weights no live generation uses. False if still pinned."""
         with self._lock:
             if generation not in self._gens:
                 return True
-            if self.registry.refcount(generation) > 0:
+            if self.refcount(generation) > 0:
                 return False
             state = self.registry.state(generation)
             if state == GenerationState.ACTIVE:
                 raise GenerationError(f"generation={generation} is ACTIVE on rank {self.rank}; publish a successor first")
-            self.registry.retire(generation)
+            self._candidates.discard(generation)
+            self._free_graphs(generation)
+            if state == GenerationState.PENDING:
+                self.registry.abandon(generation)
+            else:
+                self.registry.retire(generation)
             del self._gens[generation]
             live = set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
             for key in [k for k in self._experts if k not in live]:
@@ -270,11 +321,18 @@ class ShardCore:
         cfg = self.cfg
         status = ControlStatus.OK
         lease = None
+        candidate_pin = False
         try:
             lease = self.registry.acquire_generation(req.generation, holder=req.step_id)
         except (StaleGenerationError, GenerationError, KeyError, ValueError):
-            status = ControlStatus.STALE_GENERATION
-            self.counters["stale_rejects"] += 1
+            with self._lock:
+                if req.generation in self._candidates:
+                    self._candidate_pins[req.generation] = self._candidate_pins.get(req.generation, 0) + 1
+                    candidate_pin = True
+            if not candidate_pin:
+                status = ControlStatus.STALE_GENERATION
+                self.counters["stale_rejects"] += 1
+        g = req.generation
         gen = self._gens.get(req.generation) if status == ControlStatus.OK else self._any_generation()
         if gen is None:
             raise StaleGenerationError(f"rank {self.rank} holds no generation at all", requested=req.generation)
@@ -292,16 +350,25 @@ class ShardCore:
                 if req.return_routes:
                     routes_out.append((ids.cpu().numpy(), gates.cpu().numpy()))
                 tag = f"{req.step_id}/L{layer}"
+                if self._take_fault("crash", g):
+                    raise RuntimeError(f"injected fault: rank {self.rank} failed serving generation {g}")
                 out = dispatch(RouteBatch(self.rank, h, ids, gates), snap, self.exchange, selector=self.selector,
                                tag=tag, payload_format=cfg.payload_format,
-                               status=status if layer == 0 else ControlStatus.OK)
+                               status=status if layer == 0 else ControlStatus.OK,
+                               count_fault=1 if layer == 0 and self._take_fault("count", g) else 0,
+                               scale_fault=layer == 0 and self._take_fault("scale", g))
                 x = dequantize(out.rows, out.scales, cfg.payload_format, self.dtype)
                 w = gen.weights[layer]
                 if x.shape[0]:
                     y_rows = self.runner.run(x, out.counts_list, w)
                 else:
                     y_rows = x.new_zeros((0, cfg.hidden_size))
-                y = combine(y_rows, out.handle, snap, self.exchange, tag=tag, out_dtype=self.dtype)
+                if self._take_fault("parity", g):
+                    y_rows = y_rows * 1.01  # a runner whose output drifted from its reference
+                handle = out.handle
+                if self._take_fault("inverse", g):
+                    handle = _corrupt_inverse(handle)
+                y = combine(y_rows, handle, snap, self.exchange, tag=tag, out_dtype=self.dtype)
                 h = h + y if cfg.residual else y
                 stats.append(_layer_stats(layer, out, snap, self.rank, cfg.num_experts))
             self.counters["steps"] += 1
@@ -311,6 +378,9 @@ class ShardCore:
         finally:
             if lease is not None:
                 self.registry.release(lease)
+            if candidate_pin:
+                with self._lock:
+                    self._candidate_pins[g] -= 1
         arr, dt = _to_wire(h)
         return StepResult(self.rank, req.step_id, req.generation, arr, dt, tuple(stats),
                           tuple(routes_out) if req.return_routes else None, self.registry.active(),
@@ -321,6 +391,24 @@ class ShardCore:
         if active is not None and active in self._gens:
             return self._gens[active]
         return next(iter(self._gens.values()), None)
+
+
+FAULT_KINDS = frozenset({"count", "scale", "inverse", "parity", "crash"})
+"""Faults a shard can inject into its own data path (the ten of spec 0x0E are composed from these and from
+control-path faults injected at the coordinator)."""
+
+
+def _corrupt_inverse(handle):
+    """A handle whose inverse send permutation swaps two routes (or is truncated when there are < 2)."""
+    import dataclasses
+
+    src = handle.source
+    inv = src.inverse_send.clone()
+    if inv.numel() >= 2:
+        inv[[0, 1]] = inv[[1, 0]]
+    else:
+        inv = inv[:0]
+    return dataclasses.replace(handle, source=dataclasses.replace(src, inverse_send=inv))
 
 
 def _layer_stats(layer: int, out, snap: PlacementSnapshot, rank: int, num_experts: int) -> LayerStats:

@@ -53,7 +53,7 @@ class ControlStatus(IntEnum):
     FAULT = 3
 
 
-_HEADER = 8  # generation, pg_epoch, layer, status, num_routes, map_digest, hidden_width, dtype_code
+_HEADER = 9  # generation, pg_epoch, layer, status, num_routes, map_digest, hidden_width, dtype_code, scale_cols
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
 
@@ -69,17 +69,18 @@ class ControlRecord:
     map_digest: int
     hidden_width: int
     dtype_code: int
+    scale_cols: int  # FP32 scales per payload row (0 for a native payload)
     send_counts: tuple[int, ...]  # peer-slot order
 
     def to_array(self) -> np.ndarray:
         head = [self.generation, self.pg_epoch, self.layer, int(self.status), self.num_routes, self.map_digest,
-                self.hidden_width, self.dtype_code]
+                self.hidden_width, self.dtype_code, self.scale_cols]
         return np.asarray(head + list(self.send_counts), dtype=np.int64)
 
     @staticmethod
     def from_array(a: np.ndarray) -> "ControlRecord":
         return ControlRecord(int(a[0]), int(a[1]), int(a[2]), ControlStatus(int(a[3])), int(a[4]), int(a[5]),
-                             int(a[6]), int(a[7]), tuple(int(x) for x in a[_HEADER:]))
+                             int(a[6]), int(a[7]), int(a[8]), tuple(int(x) for x in a[_HEADER:]))
 
 
 def agree(records: list[ControlRecord], group_ranks: tuple[int, ...], tag: str) -> np.ndarray:
@@ -101,6 +102,12 @@ def agree(records: list[ControlRecord], group_ranks: tuple[int, ...], tag: str) 
         raise CountAgreementError(f"{tag}: rank(s) {bad} aborted the step before payload exchange")
     first = records[0]
     for i, r in enumerate(records):
+        if r.scale_cols != first.scale_cols:
+            raise CountAgreementError(
+                f"{tag}: rank {group_ranks[i]} declares {r.scale_cols} FP8 scales per row but rank {group_ranks[0]} "
+                f"declares {first.scale_cols}: scale count mismatch, payload rejected before expert compute "
+                f"(before it moved)"
+            )
         for name in ("generation", "pg_epoch", "layer", "map_digest", "hidden_width", "dtype_code"):
             if getattr(r, name) != getattr(first, name):
                 raise CountAgreementError(
@@ -130,12 +137,15 @@ def dispatch(
     payload_format: PayloadFormat = PayloadFormat.NATIVE,
     status: ControlStatus = ControlStatus.OK,
     count_fault: int = 0,
+    scale_fault: bool = False,
 ) -> NormalDispatchOutput:
     """Variable dispatch of one rank's routes (the normal / prefill mode).
 
     ``status`` lets the caller refuse the step (e.g. a stale generation) while still taking part in the
     control round, so every peer aborts together. ``count_fault`` perturbs the declared split vector
-    (fault injection: peers then disagree and all abort before payload).
+    (fault injection: peers then disagree and all abort before payload). ``scale_fault`` declares one FP8
+    scale column too many (fault injection: the payload is rejected on every rank before expert compute,
+    in fact before it moves).
     """
     rank = exchange.rank
     # 1. semantic routes, validated before anything is exchanged
@@ -166,9 +176,10 @@ def dispatch(
         declared[(exchange.peer + 1) % p] += count_fault
     # 4. control round: every rank sees the same records and makes the same decision
     width = int(batch.hidden.shape[1]) if batch.hidden.dim() == 2 else -1
+    scale_cols = scales_per_row(payload_format, max(width, 0)) + (1 if scale_fault else 0)
     record = ControlRecord(snapshot.generation, snapshot.pg_epoch, snapshot.layer, status,
                            routes.num_routes if error is None else 0, snapshot.map_digest, width,
-                           _DTYPE_CODES.get(batch.hidden.dtype, 0), tuple(declared.tolist()))
+                           _DTYPE_CODES.get(batch.hidden.dtype, 0), scale_cols, tuple(declared.tolist()))
     gathered = exchange.all_gather(f"{tag}/ctl", record.to_array())
     records = [ControlRecord.from_array(row) for row in gathered]
     try:
@@ -195,10 +206,12 @@ def dispatch(
     order = receive.expert_order
     x = got["x"].index_select(0, order)
     s = got["scale"].index_select(0, order) if "scale" in got else None
-    if s is not None and s.shape[1] != scales_per_row(payload_format, x.shape[1]):
+    if (s is None) != (payload_format is PayloadFormat.NATIVE) or (
+            s is not None and s.shape[1] != scales_per_row(payload_format, x.shape[1])):
+        got_s = 0 if s is None else s.shape[1]
         raise CountAgreementError(
-            f"{tag}: received {s.shape[1]} scales per row, payload format {payload_format.value} needs "
-            f"{scales_per_row(payload_format, x.shape[1])}; rejected before expert compute"
+            f"{tag}: received {got_s} scales per row, payload format {payload_format.value} needs "
+            f"{scales_per_row(payload_format, x.shape[1])}; payload rejected before expert compute"
         )
     # global-rank count matrix C[p, u]
     peer_order = np.asarray(exchange.group.peer_order)

@@ -130,14 +130,17 @@ def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(g, inplace=True).mul_(u)
 
 
-def grouped_swiglu(x: torch.Tensor, bounds: Sequence[int], weights: SlotWeights, *, use_grouped_mm: bool) -> torch.Tensor:
+def grouped_swiglu(x: torch.Tensor, bounds: Sequence[int], weights: SlotWeights, *,
+                   use_grouped_mm: bool) -> torch.Tensor:
     """SwiGLU of every slot on its segment of ``x``.
 
     x: [R, d]; bounds: len Q inclusive end row of each slot's segment (non-decreasing, last == R)
     -> [R, d] in the dtype of ``x``.
     """
     if len(bounds) != weights.num_slots or bounds[-1] != x.shape[0]:
-        raise ValueError(f"bounds={list(bounds)}: expected {weights.num_slots} segment ends finishing at row {x.shape[0]}")
+        raise ValueError(
+            f"bounds={list(bounds)}: expected {weights.num_slots} segment ends finishing at row {x.shape[0]}"
+        )
     wg, wu = gate_up_operands(weights)
     wd = down_operand(weights)
     if use_grouped_mm:
