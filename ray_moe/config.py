@@ -46,6 +46,10 @@ class RuntimeConfig(BaseModel):
     load_window: int = Field(default=64, ge=1)
     num_groups: int = Field(default=1, ge=1, description="expert groups for hierarchical EPLB")
     memory_budget_bytes: int | None = Field(default=None, ge=1, description="per-rank weight budget")
+    decode_token_capacity: int = Field(default=32, ge=1, description="C_T: decode tokens per rank in the bucket")
+    decode_slot_capacity: int | None = Field(default=None, ge=1, description="C_q per slot (None: 2x even share)")
+    decode_buckets: bool = Field(default=True, description="decode steps use the fixed-capacity bucket path")
+    cuda_graphs: bool = Field(default=True, description="capture and replay decode buckets as CUDA graphs")
     rebuild_from_checkpoint: bool = Field(
         default=True, description="when a rank dies, rebuild experts with no surviving copy from the checkpoint")
 

@@ -65,6 +65,8 @@ class RuntimeStats:
     rank_rows: dict[int, int] = field(default_factory=dict)
     step_ms: list[float] = field(default_factory=list)
     phase_steps: dict[str, int] = field(default_factory=dict)
+    graph_replays: int = 0  # decode (step, layer) units served by the bucket path
+    fallbacks: dict[str, int] = field(default_factory=dict)  # decode units that fell back, by reason
 
     def ratios(self) -> dict[str, dict[str, float | int | None]]:
         def r(n: int, d: int) -> dict[str, float | int | None]:
@@ -90,6 +92,8 @@ class RuntimeStats:
             "failed_steps": self.failed_steps,
             "rank_rows": dict(sorted(self.rank_rows.items())),
             "phase_steps": dict(self.phase_steps),
+            "graph_replays": self.graph_replays,
+            "fallbacks": dict(self.fallbacks),
             "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "max": lat.max, "n": lat.n},
         }
 
@@ -434,6 +438,14 @@ class Runtime:
             s.step_ms.append(ms)
             s.phase_steps[phase.value] = s.phase_steps.get(phase.value, 0) + 1
             gen = None
+            first = results[ranks[0]]
+            if phase is Phase.DECODE:
+                for ls in first.layers:  # every rank took the same path (admission is agreed)
+                    if ls.path.startswith("bucket"):
+                        s.graph_replays += 1
+                    else:
+                        why = ls.fallback_reason or "bucket_disabled"
+                        s.fallbacks[why] = s.fallbacks.get(why, 0) + 1
             for r in ranks:
                 res = results[r]
                 gen = res.generation
@@ -464,6 +476,13 @@ class Runtime:
         tel.add_ratio(MetricName.REMOTE_ROUTE_RATIO, base, rem, acc)
         tel.add_ratio(MetricName.INTER_NODE_ROUTE_RATIO, {**base, "topology": self.topology.version}, inter, acc)
         tel.observe_step_latency(base, ms / 1e3)
+        if phase is Phase.DECODE:
+            units = results[ranks[0]].layers
+            replay = sum(1 for ls in units if ls.path.startswith("bucket"))
+            tel.add_ratio(MetricName.GRAPH_REPLAY_RATIO, {**base, "graph": "decode-bucket"}, replay, len(units))
+            reasons = [ls.fallback_reason or "bucket_disabled" for ls in units if not ls.path.startswith("bucket")]
+            tel.add_ratio(MetricName.FALLBACK_STEP_RATIO, {**base, "reason": reasons[0] if reasons else "none"},
+                          1 if reasons else 0, 1)
         if flush:
             self.publish_telemetry()
 

@@ -72,6 +72,8 @@ class LayerStats:
     expert_counts: np.ndarray
     rank_routes: np.ndarray
     slot_rows: dict[int, int]
+    path: str = "variable"  # variable | bucket | bucket-graph
+    fallback_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class ShardCore:
         self._candidate_pins: dict[int, int] = {}
         # fault injection (spec 0x0E): kind -> (remaining count, generation filter or None)
         self._faults: dict[str, tuple[int, int | None]] = {}
+        self._buckets: dict[tuple[int, int], _DecodeBucket] = {}
+        self._last_fallback: str | None = None
 
     # ================================================================ control path
     def set_exchange(self, exchange: Exchange) -> None:
@@ -352,6 +356,16 @@ class ShardCore:
                 tag = f"{req.step_id}/L{layer}"
                 if self._take_fault("crash", g):
                     raise RuntimeError(f"injected fault: rank {self.rank} failed serving generation {g}")
+                if req.phase == Phase.DECODE and cfg.decode_buckets and status == ControlStatus.OK:
+                    done = self._decode_layer(layer, gen, snap, h, ids, gates, tag)
+                    if done is not None:
+                        y, ls = done
+                        h = h + y if cfg.residual else y
+                        stats.append(ls)
+                        continue
+                    reason = self._last_fallback
+                else:
+                    reason = None
                 out = dispatch(RouteBatch(self.rank, h, ids, gates), snap, self.exchange, selector=self.selector,
                                tag=tag, payload_format=cfg.payload_format,
                                status=status if layer == 0 else ControlStatus.OK,
@@ -370,7 +384,7 @@ class ShardCore:
                     handle = _corrupt_inverse(handle)
                 y = combine(y_rows, handle, snap, self.exchange, tag=tag, out_dtype=self.dtype)
                 h = h + y if cfg.residual else y
-                stats.append(_layer_stats(layer, out, snap, self.rank, cfg.num_experts))
+                stats.append(_layer_stats(layer, out, snap, self.rank, cfg.num_experts, reason))
             self.counters["steps"] += 1
         except BaseException:
             self.counters["aborted_steps"] += 1
@@ -386,6 +400,86 @@ class ShardCore:
                           tuple(routes_out) if req.return_routes else None, self.registry.active(),
                           time.perf_counter() - t0)
 
+    # ================================================================ decode buckets
+    def _bucket(self, gen: _Generation, layer: int) -> "_DecodeBucket":
+        """The decode bucket of (generation, layer): key, static geometry, device maps (built once)."""
+        key = (gen.manifest.generation, layer)
+        b = self._buckets.get(key)
+        if b is None:
+            b = _DecodeBucket.build(self, gen, layer)
+            self._buckets[key] = b
+        return b
+
+    def _free_graphs(self, generation: int) -> int:
+        freed = 0
+        for key in [k for k in self._buckets if k[0] == generation]:
+            freed += int(self._buckets.pop(key).graph is not None)
+        return freed
+
+    def _decode_layer(self, layer: int, gen: _Generation, snap: PlacementSnapshot, h: torch.Tensor,
+                      ids: torch.Tensor, gates: torch.Tensor, tag: str):
+        """Admission (spec 0x05D) agreed by every rank, then the bucket path (replaying a captured CUDA graph
+        on GPUs). Returns (y [T, d], stats) or None for the eager variable fallback (reason kept)."""
+        from ray_moe.dispatch.plan import check_assignment
+        from ray_moe.dispatch.records import SemanticRoutes
+        from ray_moe.phases.admission import AdmissionStep, Fallback, FallbackReason, admit_decode_graph
+
+        cfg = self.cfg
+        bucket = self._bucket(gen, layer)
+        batch = RouteBatch(self.rank, h, ids, gates)
+        # 1. select replicas for the valid routes (padding never gets a slot)
+        ok = True
+        try:
+            batch.validate(snap.num_experts, cfg.hidden_size)
+            routes = SemanticRoutes.from_batch(batch)
+            phys = self.selector.select(routes, snap).to(h.device)
+            check_assignment(routes, phys, snap)
+        except RouteValidationError:
+            ok = False
+            phys = torch.zeros(0, dtype=torch.int64, device=h.device)
+        t = int(h.shape[0]) if ok else -1
+        slot_counts = torch.bincount(phys, minlength=snap.num_slots).cpu().numpy() if ok else np.zeros(snap.num_slots)
+        # 2. decode control round: every rank reports its bucket key digest, readiness, tokens and slot counts
+        digest = bucket.key_digest ^ (1 if self._take_fault("graph_key", gen.manifest.generation) else 0)
+        vec = np.concatenate([[gen.manifest.generation, snap.pg_epoch, layer, snap.map_digest, digest,
+                               int(bucket.ready), t], slot_counts.astype(np.int64)])
+        rows = self.exchange.all_gather(f"{tag}/ctl-decode", vec.astype(np.int64))
+        peers = self.exchange.group.peer_order
+        if any(int(r[6]) < 0 for r in rows):
+            return self._fallback("bad_input", "a rank rejected its decode input")
+        for i, r in enumerate(rows):
+            if int(r[0]) != gen.manifest.generation or int(r[3]) != snap.map_digest:
+                from ray_moe.errors import CountAgreementError
+
+                raise CountAgreementError(f"{tag}: rank {peers[i]} planned decode under another generation or map; "
+                                          f"aborted before payload exchange")
+        # 3. the admission predicate, evaluated identically on every rank
+        if any(int(r[4]) != bucket.key_digest for r in rows):
+            bad = [peers[i] for i, r in enumerate(rows) if int(r[4]) != bucket.key_digest]
+            return self._fallback(FallbackReason.GRAPH_KEY_MISMATCH.value, f"ranks {bad} hold a graph of another key")
+        rank_tokens = [0] * snap.num_ranks
+        for i, r in enumerate(rows):
+            rank_tokens[peers[i]] = int(r[6])
+        slot_routes = tuple(int(x) for x in np.sum(np.stack([r[7:] for r in rows]), 0))
+        step = AdmissionStep(Phase.DECODE, bucket.key, tuple(rank_tokens), slot_routes)
+        ready = _Readiness(all(int(r[5]) == 1 for r in rows))
+        outcome = admit_decode_graph(step, bucket.desc, ready)
+        if isinstance(outcome, Fallback):
+            return self._fallback(outcome.reason.value, outcome.detail)
+        # 4. replay: stage this step's valid state into the stable buffers, run the fixed-shape layer
+        y, path = bucket.run(self, h, phys, gates.reshape(-1), tag)
+        slot_rows = bucket.slot_rows(slot_routes)
+        dest = snap.slot_rank.to(phys.device)[phys]
+        self.counters["bucket_replays"] = self.counters.get("bucket_replays", 0) + 1
+        return y, _route_stats(layer, routes.logical_expert, dest, snap, self.rank, cfg.num_experts, slot_rows,
+                               path, None)
+
+    def _fallback(self, reason: str, detail: str):
+        self._last_fallback = reason
+        key = f"fallback_{reason}"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        return None
+
     def _any_generation(self) -> _Generation | None:
         active = self.registry.active()
         if active is not None and active in self._gens:
@@ -393,9 +487,106 @@ class ShardCore:
         return next(iter(self._gens.values()), None)
 
 
-FAULT_KINDS = frozenset({"count", "scale", "inverse", "parity", "crash"})
+FAULT_KINDS = frozenset({"count", "scale", "inverse", "parity", "crash", "graph_key"})
 """Faults a shard can inject into its own data path (the ten of spec 0x0E are composed from these and from
 control-path faults injected at the coordinator)."""
+
+
+class _Readiness:
+    """Duck-typed stable-buffer check for ``admit_decode_graph``: every rank's buffers at their addresses."""
+
+    def __init__(self, ok: bool) -> None:
+        self._ok = ok
+
+    def ready(self, bucket) -> bool:  # noqa: ARG002 - the bucket is this rank's own
+        return self._ok
+
+
+class _DecodeBucket:
+    """One rank's decode bucket for one (generation, layer): the immutable graph key, the static geometry,
+    device copies of the maps, stable input/output buffers and (on CUDA) the captured graph."""
+
+    def __init__(self) -> None:
+        self.graph = None
+        self.ready = True
+
+    @staticmethod
+    def build(core: "ShardCore", gen: "_Generation", layer: int) -> "_DecodeBucket":
+        from ray_moe.dispatch.bucket import BucketShape, default_slot_capacity, pair_capacity
+        from ray_moe.phases.buckets import DecodeBucket, GraphKey
+
+        cfg = core.cfg
+        snap = gen.snapshots[layer]
+        group = core.exchange.group
+        c_t = cfg.decode_token_capacity
+        c_q = cfg.decode_slot_capacity or default_slot_capacity(c_t, cfg.top_k, group.size, snap.num_slots)
+        caps_by_rank = [c_q * int(snap.rank_num_slots[r]) for r in group.peer_order]
+        b = _DecodeBucket()
+        b.key = GraphKey.for_snapshot(
+            snap, hidden_size=cfg.hidden_size, top_k=cfg.top_k, activation_dtype=core.dtype, gate_dtype=torch.float32,
+            dispatch_backend=cfg.exchange_kind, runner_backend="padded",
+            rank_token_capacities=[c_t] * snap.num_ranks, slot_route_capacities=[c_q] * snap.num_slots,
+        )
+        b.desc = DecodeBucket.build(b.key)
+        import hashlib
+
+        b.key_digest = int.from_bytes(hashlib.sha256(repr(b.key).encode()).digest()[:7], "little")
+        q_local = int(snap.rank_num_slots[core.rank])
+        b.shape = BucketShape(group.size, c_t, cfg.top_k, pair_capacity(c_t, cfg.top_k, caps_by_rank), q_local, c_q,
+                              cfg.hidden_size)
+        dev = core.device
+        b.maps = (snap.slot_rank.to(dev), snap.rank_to_peer.to(dev), snap.slot_local.to(dev))
+        b.local_ids = snap.rank_slot_ids(core.rank).tolist()
+        w = gen.weights[layer]
+        b.weights = None if w is None else (w.w_gate, w.w_up, w.w_down)
+        b.capture = core.device.type == "cuda" and cfg.cuda_graphs and type(core.exchange).__name__ == "NcclExchange"
+        # stable buffers: their addresses are what a captured graph reads and writes
+        b.h = torch.zeros(c_t, cfg.hidden_size, dtype=core.dtype, device=dev)
+        b.slots = torch.full((c_t * cfg.top_k,), -1, dtype=torch.int64, device=dev)
+        b.gates = torch.zeros(c_t * cfg.top_k, dtype=torch.float32, device=dev)
+        b.out = None
+        return b
+
+    def _experts(self, rows: torch.Tensor) -> torch.Tensor:
+        from ray_moe.dispatch.bucket import padded_swiglu
+
+        return padded_swiglu(rows, *self.weights)
+
+    def _layer(self, core: "ShardCore", tag: str) -> torch.Tensor:
+        from ray_moe.dispatch.bucket import run_bucket_layer
+
+        return run_bucket_layer(self.h, self.slots, self.gates, shape=self.shape, maps=self.maps,
+                                experts=self._experts if self.weights is not None else (lambda r: r),
+                                exchange=core.exchange, tag=tag)
+
+    def run(self, core: "ShardCore", h: torch.Tensor, phys: torch.Tensor, gates: torch.Tensor,
+            tag: str) -> tuple[torch.Tensor, str]:
+        """Stage the valid rows (padding stays masked: slot -1, gate 0, zero hidden) and run the layer."""
+        t, r = h.shape[0], phys.numel()
+        self.h[:t].copy_(h)
+        self.h[t:].zero_()
+        self.slots[:r].copy_(phys)
+        self.slots[r:].fill_(-1)
+        self.gates[:r].copy_(gates)
+        self.gates[r:].zero_()
+        if not self.capture:
+            return self._layer(core, tag)[:t], "bucket"
+        if self.graph is None:
+            # warm up on a side stream (every rank together: admission was agreed), then capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._layer(core, tag + "/warmup")
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.out = self._layer(core, tag + "/capture")
+            self.graph = g
+        self.graph.replay()
+        return self.out[:t].clone(), "bucket-graph"
+
+    def slot_rows(self, slot_routes) -> dict[int, int]:
+        return {q: int(slot_routes[q]) for q in self.local_ids}
 
 
 def _corrupt_inverse(handle):
@@ -411,16 +602,22 @@ def _corrupt_inverse(handle):
     return dataclasses.replace(handle, source=dataclasses.replace(src, inverse_send=inv))
 
 
-def _layer_stats(layer: int, out, snap: PlacementSnapshot, rank: int, num_experts: int) -> LayerStats:
+def _layer_stats(layer: int, out, snap: PlacementSnapshot, rank: int, num_experts: int,
+                 fallback_reason: str | None = None) -> LayerStats:
     hd = out.handle
-    routes = hd.routes
-    dest = hd.source.dest_rank
+    slot_rows = {int(s): int(c) for s, c in zip(hd.receive.slot_ids.tolist(), hd.receive.expert_counts.tolist())}
+    return _route_stats(layer, hd.routes.logical_expert, hd.source.dest_rank, snap, rank, num_experts, slot_rows,
+                        "variable", fallback_reason)
+
+
+def _route_stats(layer: int, experts: torch.Tensor, dest: torch.Tensor, snap: PlacementSnapshot, rank: int,
+                 num_experts: int, slot_rows: dict[int, int], path: str, fallback_reason: str | None) -> LayerStats:
     node = snap.rank_node.to(dest.device)
     remote = int((dest != rank).sum())
     inter = int((node[dest] != node[rank]).sum()) if dest.numel() else 0
-    counts = torch.bincount(routes.logical_expert, minlength=num_experts).cpu().numpy()
-    slot_rows = {int(s): int(c) for s, c in zip(hd.receive.slot_ids.tolist(), hd.receive.expert_counts.tolist())}
-    return LayerStats(layer, routes.num_routes, remote, inter, counts, hd.source.counts_by_rank.cpu().numpy(), slot_rows)
+    counts = torch.bincount(experts, minlength=num_experts).cpu().numpy()
+    rank_routes = torch.bincount(dest, minlength=snap.num_ranks).cpu().numpy()
+    return LayerStats(layer, int(experts.numel()), remote, inter, counts, rank_routes, slot_rows, path, fallback_reason)
 
 
 def _to_tensor(x: Any, device: torch.device) -> torch.Tensor:
