@@ -196,9 +196,10 @@ class Runtime:
     def _connect_exchange(self, group: ProcessGroupSpec) -> None:
         handles = {r: self.shards[r] for r in group.peer_order}
         if self.cfg.exchange_kind is ExchangeKind.NCCL:
-            uid = ray.get(handles[group.peer_order[0]].nccl_unique_id.remote())
+            first = handles[group.peer_order[0]]
+            uid, mid = ray.get([first.nccl_unique_id.remote(), first.nccl_unique_id.remote()])
             ray.get(self.coordinator.put_nccl_id.remote(group.epoch, uid))
-            ray.get([h.init_nccl.remote(uid, group.model_dump_json()) for h in handles.values()])
+            ray.get([h.init_nccl.remote(uid, group.model_dump_json(), mid) for h in handles.values()])
         else:
             ray.get([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from ray_moe.actors.control import ControlPlane, Fleet
 from ray_moe.config import RuntimeConfig
 from ray_moe.errors import RankDeadError
+from ray_moe.types import ExchangeKind
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
 
 
@@ -24,10 +25,12 @@ def coordinator_name(deployment: str) -> str:
 
 
 class RayFleet(Fleet):
-    """Shard actors behind Ray handles; pydantic arguments travel as JSON."""
+    """Shard actors behind Ray handles; pydantic arguments travel as JSON. With ``nccl`` set, expert copies
+    go GPU to GPU over the shards' migration communicator; otherwise through the object store."""
 
-    def __init__(self, handles: Mapping[int, Any]) -> None:
+    def __init__(self, handles: Mapping[int, Any], *, nccl: bool = False) -> None:
         self.handles = dict(handles)
+        self.nccl = nccl
 
     def ranks(self) -> list[int]:
         return sorted(self.handles)
@@ -52,6 +55,11 @@ class RayFleet(Fleet):
 
     def copy_experts(self, dst: int, src: int, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
         try:
+            if self.nccl:
+                send = self.handles[src].send_experts.remote(list(keys), dst)
+                recv = self.handles[dst].recv_experts.remote(list(keys), src)
+                ray.get(send)
+                return ray.get(recv)
             return ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
         except ray.exceptions.RayActorError as exc:
             raise RankDeadError(f"copy rank {src} -> rank {dst}: {exc}", ranks=(src, dst)) from None
@@ -76,7 +84,7 @@ class CoordinatorActor:
             raise RuntimeError(f"deployment {self.cfg.name!r} already has shards attached")
         self.handles = dict(handles)
         self.topology_json = topology_json
-        self.plane = ControlPlane(self.cfg, RayFleet(self.handles), Topology.model_validate_json(topology_json),
+        self.plane = ControlPlane(self.cfg, RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL), Topology.model_validate_json(topology_json),
                                   ProcessGroupSpec.model_validate_json(group_json))
         self.plane.set_expert_bytes(expert_bytes)
 
@@ -167,7 +175,7 @@ class CoordinatorActor:
         plane = self._plane()
         for r in dead:
             self.handles.pop(int(r), None)
-        plane.fleet = RayFleet(self.handles)
+        plane.fleet = RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL)
         return _report(plane.remove_ranks(dead, ProcessGroupSpec.model_validate_json(group_json)))
 
     def evacuate_rank(self, rank: int) -> dict[str, Any]:
@@ -181,7 +189,7 @@ class CoordinatorActor:
         plane = self._plane()
         self.handles = dict(handles)
         self.topology_json = topology_json
-        plane.fleet = RayFleet(self.handles)
+        plane.fleet = RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL)
         plane.topology = Topology.model_validate_json(topology_json)
         plane.group = ProcessGroupSpec.model_validate_json(group_json)
         if rebalance and len(plane.load):

@@ -57,6 +57,8 @@ class ExpertShardActor:
         self.device = device
         self.mailbox = Mailbox()
         self.core = ShardCore(rank, cfg, weight_source(cfg), device=device)
+        self._migration = None
+        self._migration_stream = None
 
     # ---------------------------------------------------------------- setup
     def node_info(self) -> dict[str, Any]:
@@ -94,15 +96,67 @@ class ExpertShardActor:
 
         return new_unique_id()
 
-    def init_nccl(self, unique_id: bytes, group_json: str) -> bool:
+    def init_nccl(self, unique_id: bytes, group_json: str, migration_id: bytes | None = None) -> bool:
+        """Data-path communicator over ``group`` (and a second one for weight migration, so copies never
+        interleave with step collectives on one communicator)."""
         from ray_moe.dispatch.exchange.nccl import NcclExchange
 
         group = ProcessGroupSpec.model_validate_json(group_json)
         if self.core.exchange is not None:
             self.core.exchange.close()
+        if self._migration is not None:
+            self._migration.close()
+            self._migration = None
         self.core.set_exchange(self._schedule(NcclExchange(self.rank, group, unique_id,
                                                            timeout_s=self.cfg.exchange_timeout_s, device=self.device)))
+        if migration_id is not None:
+            self._migration = NcclExchange(self.rank, group, migration_id, timeout_s=self.cfg.exchange_timeout_s,
+                                           device=self.device)
+            self._migration_stream = torch.cuda.Stream()
         return True
+
+    # ---------------------------------------------------------------- weight migration over NCCL
+    def send_experts(self, keys: Sequence[tuple[int, int]], dest_rank: int) -> int:
+        """Send the (layer, expert) weights to ``dest_rank`` over the migration communicator; bytes sent."""
+        ws = self.core.export_experts([tuple(k) for k in keys], device=True)
+        tensors = [t for k in keys for t in (ws[tuple(k)].w_gate, ws[tuple(k)].w_up, ws[tuple(k)].w_down)]
+        with torch.cuda.stream(self._migration_stream):
+            self._migration_stream.wait_stream(torch.cuda.default_stream())
+            n = self._migration.send(tensors, dest_rank)
+            self._migration.wait(f"send experts to rank {dest_rank}")
+        return n
+
+    def recv_experts(self, keys: Sequence[tuple[int, int]], source_rank: int) -> dict[tuple[int, int], str]:
+        """Receive (layer, expert) weights from ``source_rank``; digests computed from what arrived."""
+        f, d = self.cfg.ffn_size, self.cfg.hidden_size
+        dt = self.core.dtype
+        specs = [((f, d), dt), ((f, d), dt), ((d, f), dt)] * len(keys)
+        with torch.cuda.stream(self._migration_stream):
+            ts = self._migration.recv(specs, source_rank)
+            self._migration.wait(f"receive experts from rank {source_rank}")
+        weights = {(int(k[0]), int(k[1])): ExpertWeights(int(k[0]), int(k[1]), ts[3 * i], ts[3 * i + 1], ts[3 * i + 2])
+                   for i, k in enumerate(keys)}
+        return self.core.import_experts(weights)
+
+    def raw_send(self, nbytes: int, dest_rank: int) -> float:
+        """Baseline: send ``nbytes`` of a scratch buffer to ``dest_rank`` on the migration communicator; seconds."""
+        import time as _time
+
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(self._migration_stream):
+            t0 = _time.perf_counter()
+            self._migration.send([buf], dest_rank)
+            self._migration.wait("raw send")
+        return _time.perf_counter() - t0
+
+    def raw_recv(self, nbytes: int, source_rank: int) -> float:
+        import time as _time
+
+        with torch.cuda.stream(self._migration_stream):
+            t0 = _time.perf_counter()
+            self._migration.recv([((nbytes,), torch.uint8)], source_rank)
+            self._migration.wait("raw recv")
+        return _time.perf_counter() - t0
 
     # ---------------------------------------------------------------- control path
     def load_experts(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:

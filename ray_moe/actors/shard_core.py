@@ -147,12 +147,12 @@ class ShardCore:
             out[key] = self._digests[key]
         return out
 
-    def export_experts(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], ExpertWeights]:
-        """Weights this rank holds, for an actor-to-actor copy (CPU tensors)."""
+    def export_experts(self, keys: Sequence[tuple[int, int]], *, device: bool = False) -> dict[tuple[int, int], ExpertWeights]:
+        """Weights this rank holds, for an actor-to-actor copy (CPU tensors, or device tensors for NCCL)."""
         missing = [k for k in keys if tuple(k) not in self._experts]
         if missing:
             raise ValueError(f"keys: rank {self.rank} holds no weights for (layer, expert) {missing[0]}")
-        return {tuple(k): self._experts[tuple(k)].to("cpu") for k in keys}
+        return {tuple(k): (self._experts[tuple(k)] if device else self._experts[tuple(k)].to("cpu")) for k in keys}
 
     def import_experts(self, weights: Mapping[tuple[int, int], ExpertWeights]) -> dict[tuple[int, int], str]:
         """Store copied weights; returns the digests computed from the bytes that arrived."""

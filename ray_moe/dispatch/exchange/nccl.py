@@ -137,3 +137,36 @@ class NcclExchange(Exchange):
                                    nccl.NCCL_UINT8, peer, stream)
         nccl.groupEnd()
         return out
+
+    # -------------------------------------------------------------- point-to-point (weight migration)
+    def send(self, tensors: Sequence[torch.Tensor], dest_rank: int) -> int:
+        """Send ``tensors`` (in order) to ``dest_rank`` in one NCCL group; returns the bytes sent."""
+        nccl = self._nccl
+        peer = self.group.peer_of(dest_rank)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        total = 0
+        tensors = [t.contiguous() for t in tensors]
+        nccl.groupStart()
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if n:
+                self.comm.send(t.data_ptr(), n, nccl.NCCL_UINT8, peer, stream)
+            total += n
+        nccl.groupEnd()
+        self._keep = tensors  # alive until the caller waits
+        return total
+
+    def recv(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], source_rank: int) -> list[torch.Tensor]:
+        """Receive tensors of the given (shape, dtype) from ``source_rank`` in one NCCL group."""
+        nccl = self._nccl
+        peer = self.group.peer_of(source_rank)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
+        nccl.groupStart()
+        for t in out:
+            n = t.numel() * t.element_size()
+            if n:
+                self.comm.recv(t.data_ptr(), n, nccl.NCCL_UINT8, peer, stream)
+        nccl.groupEnd()
+        return out
+
