@@ -183,26 +183,44 @@ class GroupedDescriptors:
 class GroupedRunner(ExpertRunner):
     """Variable grouped GEMM: every useful row executes exactly once, no padding (spec 0x04C).
 
-    use_grouped_mm: None picks ``torch._grouped_mm`` where ``grouped_mm_available`` says so, False
-    forces the per-slot loop over the same weight views (used to test the fallback).
+    use_grouped_mm: None chooses per call (below), True forces ``torch._grouped_mm``, False forces the
+    per-slot loop over the same weight views.
+
+    Kernel choice when ``use_grouped_mm`` is None (measured on H200, bf16; bench/runners.py): one
+    grouped launch wins when there are many small segments (DeepSeek-like, 32 slots: 2-3.6x the loop),
+    but cuBLAS per-slot GEMMs win when there are few active slots or every active segment is large
+    (Mixtral-like prefill, ~1k rows x 8 experts: the loop runs at 86% of dense peak and grouped_mm
+    loses 10-14% on tile-misaligned groups). So the runner takes the loop when
+    ``active <= loop_max_active`` or ``min active rows >= loop_min_rows``, else grouped_mm.
     """
 
     kind = RunnerKind.GROUPED
 
-    def __init__(self, use_grouped_mm: bool | None = None) -> None:
+    def __init__(self, use_grouped_mm: bool | None = None, *, loop_max_active: int = 8,
+                 loop_min_rows: int = 512) -> None:
         if use_grouped_mm not in (None, True, False):
             raise ValueError(f"use_grouped_mm={use_grouped_mm!r} must be None, True or False")
+        if loop_max_active < 0 or loop_min_rows < 1:
+            raise ValueError(f"loop_max_active={loop_max_active}, loop_min_rows={loop_min_rows}: must be >= 0, >= 1")
         self.use_grouped_mm = use_grouped_mm
+        self.loop_max_active = loop_max_active
+        self.loop_min_rows = loop_min_rows
 
-    def backend(self, x: torch.Tensor, weights: SlotWeights) -> str:
-        """``"grouped_mm"`` or ``"loop"``: what ``run`` uses for these rows and weights."""
+    def backend(self, x: torch.Tensor, weights: SlotWeights, counts: Sequence[int] | None = None) -> str:
+        """``"grouped_mm"`` or ``"loop"``: what ``run`` uses for these rows, counts and weights."""
         ok = grouped_mm_available(x.device, x.dtype, weights.hidden_size, weights.ffn_size)
         if self.use_grouped_mm is True and not ok:
             raise ValueError(
                 f"use_grouped_mm=True but torch._grouped_mm cannot take dtype {x.dtype} on {x.device} "
                 f"with d={weights.hidden_size}, f={weights.ffn_size}"
             )
-        return "grouped_mm" if ok and self.use_grouped_mm is not False else "loop"
+        if not ok or self.use_grouped_mm is False:
+            return "loop"
+        if self.use_grouped_mm is None and counts is not None:
+            active = [int(c) for c in counts if c]
+            if len(active) <= self.loop_max_active or (active and min(active) >= self.loop_min_rows):
+                return "loop"
+        return "grouped_mm"
 
     def run(self, x: torch.Tensor, counts: Sequence[int], weights: SlotWeights) -> torch.Tensor:
         """x: [N, d] expert-major rows; counts: len Q_local -> [N, d]."""
@@ -210,7 +228,7 @@ class GroupedRunner(ExpertRunner):
         if x.shape[0] == 0:
             return torch.empty_like(x)
         bounds = list(accumulate(counts))
-        return grouped_swiglu(x, bounds, weights, use_grouped_mm=self.backend(x, weights) == "grouped_mm")
+        return grouped_swiglu(x, bounds, weights, use_grouped_mm=self.backend(x, weights, counts) == "grouped_mm")
 
     def descriptors(self, counts: Sequence[int], d: int, f: int) -> GroupedDescriptors:
         """The teaching descriptor table for ``counts`` (zero-row slots get no descriptor)."""
