@@ -54,7 +54,7 @@ class ControlStatus(IntEnum):
 
 
 _HEADER = 9  # generation, pg_epoch, layer, status, num_routes, map_digest, hidden_width, dtype_code, scale_cols
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def dispatch(
     scale_cols = scales_per_row(payload_format, max(width, 0)) + (1 if scale_fault else 0)
     record = ControlRecord(snapshot.generation, snapshot.pg_epoch, snapshot.layer, status,
                            routes.num_routes if error is None else 0, snapshot.map_digest, width,
-                           _DTYPE_CODES.get(batch.hidden.dtype, 0), scale_cols, tuple(declared.tolist()))
+                           DTYPE_CODES.get(batch.hidden.dtype, 0), scale_cols, tuple(declared.tolist()))
     gathered = exchange.all_gather(f"{tag}/ctl", record.to_array())
     records = [ControlRecord.from_array(row) for row in gathered]
     try:
