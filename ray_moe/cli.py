@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     rbk.add_argument("--ranks", type=int, default=4)
     rbk.add_argument("--steps", type=int, default=24)
     rbk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    rbk.add_argument("--all-faults", action="store_true", help="also inject the ten faults of spec 0x0E")
+    rbk.add_argument("--all-faults", action="store_true", help="inject each data-path fault on every rank (the ten-fault sweep always runs: FaultsOK gates promotion)")
     rbk.set_defaults(fn=cmd_drill)
 
     b = sub.add_parser("bench", help="run a benchmark from bench/")

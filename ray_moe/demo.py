@@ -46,7 +46,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"ray-moe demo: {cfg.num_layers} MoE layers, {cfg.num_experts} experts, top-{cfg.top_k}, "
           f"{cfg.num_ranks} shard actors x {cfg.slots_per_rank} slots, Zipf router skew {cfg.router_skew}")
     if not ray.is_initialized():
-        ray.init(num_cpus=max(4, cfg.num_ranks + 2), include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=max(4, cfg.num_ranks + 2), include_dashboard=False, log_to_driver=False)
     rt = ray_moe.Runtime.start(cfg)
     src = weight_source(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)

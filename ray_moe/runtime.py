@@ -141,7 +141,7 @@ class Runtime:
             if addr:
                 ray.init(address=addr, namespace=env.namespace, log_to_driver=False)
             else:
-                ray.init(num_cpus=num_cpus or max(4, int(np.ceil(cfg.num_ranks * cfg.actor_cpus)) + 2),
+                ray.init(address="local", num_cpus=num_cpus or max(4, int(np.ceil(cfg.num_ranks * cfg.actor_cpus)) + 2),
                          namespace=env.namespace, include_dashboard=False, log_to_driver=False)
                 owns = True
         ns = ray.get_runtime_context().namespace

@@ -30,7 +30,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=int(os.environ.get("RAY_MOE_TEST_CPUS", "8")), include_dashboard=False,
+        # address="local": always a fresh instance, never a cluster another process left running here
+        ray.init(address="local", num_cpus=int(os.environ.get("RAY_MOE_TEST_CPUS", "8")), include_dashboard=False,
                  log_to_driver=False, namespace="ray-moe-tests")
     yield ray
     ray.shutdown()

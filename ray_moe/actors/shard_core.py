@@ -386,6 +386,13 @@ class ShardCore:
                 h = h + y if cfg.residual else y
                 stats.append(_layer_stats(layer, out, snap, self.rank, cfg.num_experts, reason))
             self.counters["steps"] += 1
+        except StaleGenerationError as exc:
+            self.counters["aborted_steps"] += 1
+            if status == ControlStatus.STALE_GENERATION:
+                raise StaleGenerationError(
+                    f"{exc} (rank {self.rank}: step pinned generation {req.generation}, active "
+                    f"{self.registry.active()})", requested=req.generation, active=self.registry.active()) from None
+            raise
         except BaseException:
             self.counters["aborted_steps"] += 1
             raise
