@@ -18,12 +18,19 @@ Paths, all on the same routes, rows and split vectors (per case, measured in the
   plan        the planning overhead alone: engine.dispatch up to and including the control all-gather
               (validation, selection, plan_source, the counts' device->host copy), ended by a planted
               status so every rank aborts before payload.
-  ours_fastcombine  engine.dispatch + a proposed combine (gather instead of scatter for the inverse
-              repack, host split vectors from the count matrix, gated FP32 sum per route slot without an
-              [R, d] FP32 temporary or atomics). Same results as ``combine`` within FP32 rounding; it shows
-              what the combine patch in the report buys.
 
-Stages (``--stages``, default on): the local, communication-free pieces of ``ours`` timed alone on each
+Proposed patches, measured beside them (prototypes in this file; see the report):
+
+  ours_fastcombine  engine.dispatch + ``combine_fast``: inverse repack as a gather, host split vectors
+              from the count matrix, gated FP32 sum per route slot (no [R, d] FP32 temporary, no atomics).
+  ours_fast   ``fast_dispatch`` + ``combine_fast``: the engine's protocol and results (checked equal on
+              every case) with a device-resident snapshot, sync-free counting and ONE device->host copy
+              before the control round instead of ~20 stream syncs.
+  raw_with_slot  raw plus the int32 slot-id tensor in the dispatch round (the engine's metadata cost).
+  raw_selfgroup  raw with the self segment as a send/recv to self inside the NCCL group instead of a
+              device copy queued before it (NCCL only).
+
+Stages (on unless ``--no-stages``): the local, communication-free pieces of ``ours`` timed alone on each
 rank (CUDA events, median), to attribute the gap between ``ours`` and ``raw``.
 
 Timing: CUDA events around one dispatch+return step after a barrier (a control all-gather that also
@@ -47,6 +54,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any, Callable
 
 import numpy as np
@@ -54,17 +62,25 @@ import torch
 
 from bench.common import host_kind, write_result
 from ray_moe.dispatch.combine import combine_routes
-from ray_moe.dispatch.engine import ControlStatus, check_handle, combine, dispatch
+from ray_moe.dispatch.engine import DTYPE_CODES, ControlRecord, ControlStatus, agree, check_handle, combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.plan import (
     check_assignment,
+    exclusive_offsets,
     inverse_permutation,
     plan_receive,
     plan_source,
     semantic_from_send,
     source_major_from_expert,
 )
-from ray_moe.dispatch.records import DispatchHandle, RouteBatch, SemanticRoutes
+from ray_moe.dispatch.records import (
+    DispatchHandle,
+    NormalDispatchOutput,
+    ReceivePlan,
+    RouteBatch,
+    SemanticRoutes,
+    SourcePlan,
+)
 from ray_moe.errors import CountAgreementError
 from ray_moe.placement.manifest import manifest_from_assignment
 from ray_moe.placement.selector import ReplicaSelector, make_selector
@@ -75,7 +91,7 @@ from ray_moe.testing.spmd import exchange_device, run_spmd
 MiB = 1 << 20
 AUTO_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 PER_PEER_RANGE = (0.75 * MiB, 300 * MiB)  # the automatic token list spans ~1 MiB .. 256 MiB per peer
-PATHS = ("ours", "ours_fastcombine", "raw", "torch_dist", "plan")
+PATHS = ("ours", "ours_fastcombine", "ours_fast", "raw", "raw_with_slot", "raw_selfgroup", "torch_dist", "plan")
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,7 @@ class RankContext:
     cfg: BenchConfig
     device: torch.device
     snapshot: PlacementSnapshot
+    dsnap: DeviceSnapshot
     selector: ReplicaSelector
     dist_on: bool
 
@@ -239,6 +256,149 @@ def combine_fast(expert_rows: torch.Tensor, handle: DispatchHandle, exchange: Ex
     return acc.to(out_dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class DeviceSnapshot:
+    """Device-resident copies of the snapshot tensors the data path reads every step (built once per
+    generation and device; today every step copies them from pageable host memory, one stream sync each).
+
+    phy2log [Q], slot_rank [Q], slot_local [Q], rank_to_peer [P], logcnt [E]: int64; log2phy [E, M] int64;
+    local_slot_ids [Q_local] int64: this rank's slots in local order.
+    """
+
+    phy2log: torch.Tensor
+    slot_rank: torch.Tensor
+    slot_local: torch.Tensor
+    rank_to_peer: torch.Tensor
+    logcnt: torch.Tensor
+    log2phy: torch.Tensor
+    local_slot_ids: torch.Tensor
+
+    @staticmethod
+    def build(snap: PlacementSnapshot, rank: int, device: torch.device) -> "DeviceSnapshot":
+        return DeviceSnapshot(*(t.to(device) for t in (snap.phy2log, snap.slot_rank, snap.slot_local,
+                                                        snap.rank_to_peer, snap.logcnt, snap.log2phy,
+                                                        snap.rank_slot_ids(rank))))
+
+
+def _count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """bincount(index, minlength=n) without the host sync CUDA bincount takes to size its output: [n] int64."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+
+
+def fast_dispatch(batch: RouteBatch, snap: PlacementSnapshot, dsnap: DeviceSnapshot, exchange: Exchange, *,
+                  tag: str, selector: ReplicaSelector) -> NormalDispatchOutput:
+    """The dispatch proposed in the report: ``engine.dispatch``'s protocol and results (round-robin
+    replicas, same control record, same payload and handle) with one device->host copy before the control
+    round instead of ~20 stream syncs.
+
+      1. semantic routes; round-robin replica choice on device (no bincount sync, device snapshot)
+      2. source plan on device: send order, split vector, per-rank counts (scatter_add counts)
+      3. value checks of the engine's validation as device flags, copied to the host together with the
+         split vector (ONE sync); any flag set -> ``engine.dispatch`` (which raises the exact error on
+         this rank and aborts every peer in the control round)
+      4. control round and agreement (unchanged)
+      5. payload (rows + int32 slot ids, unchanged)
+      6. receive plan on device: local slot of each row, stable sort, per-slot counts (scatter_add)
+    Shape checks (host-only) stay ``RouteBatch.validate``'s; the receive side's "slot hosted here" check
+    becomes a device flag read at the next sync (``counts_list``).
+    """
+    rank, p, dev = exchange.rank, exchange.size, batch.hidden.device
+    q, num_e = snap.num_slots, snap.num_experts
+    h, ids, w = batch.hidden, batch.topk_ids, batch.topk_weights
+    if h.dim() != 2 or ids.dim() != 2 or ids.shape[0] != h.shape[0] or w.shape != ids.shape:
+        return dispatch(batch, snap, exchange, selector=selector, tag=tag)
+    # 1. routes and replica choice (RoundRobinSelector: replica (i + origin) mod logcnt[e])
+    routes = SemanticRoutes.from_batch(batch)
+    e = routes.logical_expert
+    r = e.numel()
+    ec = e.clamp(0, num_e - 1)
+    order = torch.sort(ec, stable=True).indices
+    per_e = _count(ec, num_e)
+    starts = torch.cumsum(per_e, 0) - per_e
+    pos = torch.empty_like(ec)
+    pos[order] = torch.arange(r, device=dev) - starts[ec[order]]
+    slots = dsnap.log2phy[ec, (pos + rank) % dsnap.logcnt[ec]]
+    # 2. source plan
+    dest_rank = dsnap.slot_rank[slots]
+    dest_peer = dsnap.rank_to_peer[dest_rank]
+    send_order = torch.sort(dest_peer * q + slots, stable=True).indices
+    send_counts = _count(dest_peer, p)
+    # 3. validation flags + split vector: one device->host copy
+    flags = torch.stack([
+        ((e < 0) | (e >= num_e)).any(),
+        (~torch.isfinite(w)).any() | (w < 0).any(),
+        (~torch.isfinite(h)).any(),
+        (dsnap.phy2log[slots] != e).any(),
+    ]).to(torch.int64)
+    host = torch.cat([flags, send_counts]).cpu().numpy()
+    if host[:4].any():
+        return dispatch(batch, snap, exchange, selector=selector, tag=tag)
+    declared = host[4:]
+    # 4. control round
+    record = ControlRecord(generation=snap.generation, pg_epoch=snap.pg_epoch, layer=snap.layer,
+                           status=ControlStatus.OK, num_routes=r, map_digest=snap.map_digest,
+                           hidden_width=int(h.shape[1]), dtype_code=DTYPE_CODES.get(h.dtype, 0), scale_cols=0,
+                           send_counts=tuple(int(c) for c in declared))
+    gathered = exchange.all_gather(f"{tag}/ctl", record.to_array())
+    c_peer = agree([ControlRecord.from_array(row) for row in gathered], exchange.group.peer_order, tag)
+    recv_counts = c_peer[:, exchange.peer]
+    # 5. payload
+    send_slot = slots[send_order]
+    got = exchange.all_to_all_v(f"{tag}/dispatch",
+                                {"x": h.index_select(0, routes.origin_token[send_order]),
+                                 "slot": send_slot.to(torch.int32)},
+                                declared.tolist(), recv_counts.tolist())
+    recv_slot = got["slot"].to(torch.int64)
+    # 6. receive plan
+    local = dsnap.slot_local[recv_slot]
+    expert_order = torch.sort(local, stable=True).indices
+    expert_counts = _count(local, int(dsnap.local_slot_ids.numel()))
+    host_counts = torch.cat([expert_counts, (dsnap.slot_rank[recv_slot] != rank).any().to(torch.int64)[None]]).tolist()
+    if host_counts[-1]:
+        raise RuntimeError(f"{tag}: rank {rank} received a row for a slot it does not host")
+    source = SourcePlan(origin_rank=rank, physical_slot=slots, dest_rank=dest_rank, dest_peer=dest_peer,
+                        send_order=send_order, inverse_send=inverse_permutation(send_order), send_slot=send_slot,
+                        send_counts=send_counts, send_offsets=exclusive_offsets(send_counts),
+                        counts_by_rank=_count(dest_rank, snap.num_ranks))
+    recv_t = torch.as_tensor(np.ascontiguousarray(recv_counts), dtype=torch.int64)
+    receive = ReceivePlan(rank=rank, recv_counts=recv_t, recv_offsets=exclusive_offsets(recv_t), recv_slot=recv_slot,
+                          expert_order=expert_order, slot_ids=dsnap.local_slot_ids, expert_counts=expert_counts,
+                          expert_offsets=exclusive_offsets(expert_counts))
+    c_global = np.zeros((snap.num_ranks, snap.num_ranks), dtype=np.int64)
+    peers = np.asarray(exchange.group.peer_order)
+    c_global[np.ix_(peers, peers)] = c_peer
+    handle = DispatchHandle.build(snapshot=snap, rank=rank, routes=routes, source=source, receive=receive,
+                                  count_matrix=torch.from_numpy(c_global))
+    return NormalDispatchOutput(rows=got["x"].index_select(0, expert_order), scales=None,
+                                expert_counts=expert_counts, handle=handle, counts_list=tuple(host_counts[:-1]))
+
+
+def all_to_all_v_in_group(exchange: Exchange, tensors: dict[str, torch.Tensor], send: list[int],
+                          recv: list[int]) -> dict[str, torch.Tensor]:
+    """``NcclExchange.all_to_all_v`` with the self segment as a send/recv to self inside the NCCL group
+    (NCCL copies it concurrently with the peer transfers) instead of a device copy queued before the group.
+    Prototype of the patch in the report; uses the exchange's communicator."""
+    nccl = exchange._nccl  # noqa: SLF001 - prototype of a patch to NcclExchange
+    so = np.concatenate([[0], np.cumsum(send)])
+    ro = np.concatenate([[0], np.cumsum(recv)])
+    stream = torch.cuda.current_stream(exchange.device).cuda_stream
+    out: dict[str, torch.Tensor] = {}
+    nccl.groupStart()
+    for key, t in tensors.items():
+        o = torch.empty((int(ro[-1]), *t.shape[1:]), dtype=t.dtype, device=exchange.device)
+        out[key] = o
+        row = t.element_size() * int(np.prod(t.shape[1:], dtype=np.int64))
+        for peer in range(exchange.size):
+            if send[peer]:
+                exchange.comm.send(t.data_ptr() + int(so[peer]) * row, int(send[peer]) * row, nccl.NCCL_UINT8, peer,
+                                   stream)
+            if recv[peer]:
+                exchange.comm.recv(o.data_ptr() + int(ro[peer]) * row, int(recv[peer]) * row, nccl.NCCL_UINT8, peer,
+                                   stream)
+    nccl.groupEnd()
+    return out
+
+
 def stage_times(ctx: RankContext, batch: RouteBatch, handle: DispatchHandle, rows: torch.Tensor) -> dict[str, float]:
     """Median ms of each communication-free piece of ``ours`` on this rank (same tensors as the run)."""
     cfg, snap, dev = ctx.cfg, ctx.snapshot, ctx.device
@@ -282,8 +442,12 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
         out = dispatch(batch, snap, ex, selector=ctx.selector, tag=tag)
         return combine(out.rows, out.handle, snap, ex, tag=tag, out_dtype=dtype)
 
-    def ours_fast(tag: str) -> torch.Tensor:
+    def ours_fastcombine(tag: str) -> torch.Tensor:
         out = dispatch(batch, snap, ex, selector=ctx.selector, tag=tag)
+        return combine_fast(out.rows, out.handle, ex, tag=tag, out_dtype=dtype)
+
+    def ours_fast(tag: str) -> torch.Tensor:
+        out = fast_dispatch(batch, snap, ctx.dsnap, ex, tag=tag, selector=ctx.selector)
         return combine_fast(out.rows, out.handle, ex, tag=tag, out_dtype=dtype)
 
     def plan_only(tag: str) -> None:
@@ -305,8 +469,16 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
     samples["ours"] = measure(ctx, f"{case_id}/ours", ours)
     samples["plan"] = measure(ctx, f"{case_id}/plan", plan_only)
     if cfg.proposed:
-        checks["ours_fastcombine_max_rel_err"] = _rel_err(ours_fast(f"{case_id}/fcheck"), want, scale)
-        samples["ours_fastcombine"] = measure(ctx, f"{case_id}/fast", ours_fast)
+        checks["ours_fastcombine_max_rel_err"] = _rel_err(ours_fastcombine(f"{case_id}/fccheck"), want, scale)
+        samples["ours_fastcombine"] = measure(ctx, f"{case_id}/fastcomb", ours_fastcombine)
+        fast = fast_dispatch(batch, snap, ctx.dsnap, ex, tag=f"{case_id}/fdcheck", selector=ctx.selector)
+        checks["fast_dispatch_equals_engine_exact"] = bool(
+            torch.equal(fast.rows, ref.rows) and fast.counts_list == ref.counts_list
+            and torch.equal(fast.handle.source.send_order, ref.handle.source.send_order)
+            and torch.equal(fast.handle.receive.expert_order, ref.handle.receive.expert_order)
+            and torch.equal(fast.handle.count_matrix, ref.handle.count_matrix))
+        checks["ours_fast_max_rel_err"] = _rel_err(ours_fast(f"{case_id}/fcheck"), want, scale)
+        samples["ours_fast"] = measure(ctx, f"{case_id}/fast", ours_fast)
     # 3. raw exchange of the same bytes (pre-packed, no planning)
     g = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 17 * ctx.rank + tokens)
     buf = torch.randn(r_rows, cfg.d, generator=g, device=ctx.device, dtype=torch.float32).to(dtype)
@@ -315,8 +487,22 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
         got = ex.all_to_all_v(f"{tag}/d", {"x": buf}, send, recv)["x"]
         return ex.all_to_all_v(f"{tag}/c", {"y": got}, recv, send)["y"]
 
+    slot_ids = ref.handle.source.send_slot.to(torch.int32)
+
+    def raw_with_slot(tag: str) -> torch.Tensor:
+        got = ex.all_to_all_v(f"{tag}/d", {"x": buf, "slot": slot_ids}, send, recv)["x"]
+        return ex.all_to_all_v(f"{tag}/c", {"y": got}, recv, send)["y"]
+
+    def raw_selfgroup(tag: str) -> torch.Tensor:
+        got = all_to_all_v_in_group(ex, {"x": buf}, send, recv)["x"]
+        return all_to_all_v_in_group(ex, {"y": got}, recv, send)["y"]
+
     checks["raw_round_trip_exact"] = bool(torch.equal(raw(f"{case_id}/rcheck"), buf))
     samples["raw"] = measure(ctx, f"{case_id}/raw", raw)
+    samples["raw_with_slot"] = measure(ctx, f"{case_id}/rawslot", raw_with_slot)
+    if ctx.cuda and hasattr(ex, "comm"):
+        checks["raw_selfgroup_round_trip_exact"] = bool(torch.equal(raw_selfgroup("x"), buf))
+        samples["raw_selfgroup"] = measure(ctx, f"{case_id}/rawself", raw_selfgroup)
     # 4. torch.distributed all_to_all_single, same splits
     if ctx.dist_on:
         import torch.distributed as dist
@@ -352,8 +538,10 @@ def bench_rank(exchange: Exchange, rank: int, cfg_fields: dict[str, Any]) -> dic
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
-    ctx = RankContext(exchange=exchange, rank=rank, cfg=cfg, device=exchange_device(exchange),
-                      snapshot=build_snapshot(exchange.size, cfg.num_experts), selector=make_selector("round_robin"),
+    device = exchange_device(exchange)
+    snapshot = build_snapshot(exchange.size, cfg.num_experts)
+    ctx = RankContext(exchange=exchange, rank=rank, cfg=cfg, device=device, snapshot=snapshot,
+                      dsnap=DeviceSnapshot.build(snapshot, rank, device), selector=make_selector("round_robin"),
                       dist_on=dist_on)
     cases = []
     for i, (phase, tokens) in enumerate(cfg.cases()):
@@ -392,7 +580,7 @@ def aggregate(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, A
                 st.update(algbw_GBps=algbw, busbw_GBps=algbw * (p - 1) / p)
             paths[name] = st
         raw_ms = paths["raw"]["median_ms"]
-        for name in ("ours", "ours_fastcombine"):
+        for name in ("ours", "ours_fastcombine", "ours_fast"):
             if name in paths:
                 paths[name]["frac_of_raw"] = raw_ms / paths[name]["median_ms"] if paths[name]["median_ms"] else 0.0
         stages = {}
@@ -409,26 +597,33 @@ def aggregate(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, A
     return rows
 
 
+SHORT = MappingProxyType({"ours": "ours", "ours_fastcombine": "fastcomb", "ours_fast": "ours_fast", "raw": "raw",
+                          "raw_with_slot": "raw+slot", "raw_selfgroup": "raw_self", "torch_dist": "tdist",
+                          "plan": "plan"})
+
+
 def print_table(cfg: BenchConfig, rows: list[dict[str, Any]]) -> None:
-    names = [n for n in PATHS if n != "plan" and n in rows[0]["paths"]]
-    short = {"ours": "ours", "ours_fastcombine": "fastcomb", "raw": "raw", "torch_dist": "tdist"}
+    names = [n for n in PATHS if n in rows[0]["paths"]]
+    bw = [n for n in ("ours", "ours_fast", "raw", "torch_dist") if n in names]
+    fr = [n for n in ("ours", "ours_fastcombine", "ours_fast") if n in names]
     print(f"\nworld={cfg.world} backend={cfg.backend} d={cfg.d} k={cfg.k} E={cfg.num_experts} dtype={cfg.dtype} "
-          f"iters={cfg.iters}: median over iterations of the slowest rank; dispatch+return per step")
-    head = f"{'phase':7} {'T':>6} {'peer MiB':>9} {'size MiB':>9} |"
-    head += "".join(f" {short[n] + ' ms':>11}" for n in names) + " |"
-    head += "".join(f" {short[n] + ' busBW':>14}" for n in names) + " |"
-    head += f" {'ours/raw':>8} {'fast/raw':>8} {'plan ms':>8}"
+          f"iters={cfg.iters}: dispatch+return per step, median over iterations of the slowest rank (ms)")
+    head = f"{'phase':7} {'T':>6} {'peer MiB':>9} {'size MiB':>9} |" + "".join(f" {SHORT[n]:>9}" for n in names)
     print(head)
     print("-" * len(head))
     for r in rows:
         ps = r["paths"]
-        line = f"{r['phase']:7} {r['tokens_per_rank']:6d} {r['per_peer_bytes'] / MiB:9.2f} {r['size_bytes_per_rank'] / MiB:9.2f} |"
-        line += "".join(f" {ps[n]['median_ms']:11.3f}" for n in names) + " |"
-        line += "".join(f" {ps[n]['busbw_GBps']:9.1f} GB/s" for n in names) + " |"
-        fast = ps.get("ours_fastcombine", {}).get("frac_of_raw")
-        line += f" {ps['ours']['frac_of_raw']:8.2f} {fast if fast is not None else float('nan'):8.2f}"
-        line += f" {ps['plan']['median_ms']:8.3f}"
-        print(line)
+        print(f"{r['phase']:7} {r['tokens_per_rank']:6d} {r['per_peer_bytes'] / MiB:9.2f} "
+              f"{r['size_bytes_per_rank'] / MiB:9.2f} |" + "".join(f" {ps[n]['median_ms']:9.3f}" for n in names))
+    print("\nbus bandwidth (GB/s, algbw * (P-1)/P) and fraction of raw NCCL (raw ms / path ms):")
+    head = f"{'phase':7} {'T':>6} |" + "".join(f" {SHORT[n] + ' bus':>14}" for n in bw) + " |"
+    head += "".join(f" {SHORT[n] + '/raw':>13}" for n in fr)
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ps = r["paths"]
+        print(f"{r['phase']:7} {r['tokens_per_rank']:6d} |" + "".join(f" {ps[n]['busbw_GBps']:14.1f}" for n in bw)
+              + " |" + "".join(f" {ps[n]['frac_of_raw']:13.2f}" for n in fr))
     if rows[0]["stages_ms_max_over_ranks"]:
         keys = list(rows[0]["stages_ms_max_over_ranks"])
         print("\nstages of 'ours' alone (ms, median per rank, max over ranks; no communication):")

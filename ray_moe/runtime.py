@@ -65,6 +65,7 @@ class RuntimeStats:
     rank_rows: dict[int, int] = field(default_factory=dict)
     step_ms: list[float] = field(default_factory=list)
     phase_steps: dict[str, int] = field(default_factory=dict)
+    last_step: dict = field(default_factory=dict)  # wall/shard times and per-layer paths of the last step
     graph_replays: int = 0  # decode (step, layer) units served by the bucket path
     fallbacks: dict[str, int] = field(default_factory=dict)  # decode units that fell back, by reason
 
@@ -93,6 +94,7 @@ class RuntimeStats:
             "rank_rows": dict(sorted(self.rank_rows.items())),
             "phase_steps": dict(self.phase_steps),
             "graph_replays": self.graph_replays,
+            "last_step": dict(self.last_step),
             "fallbacks": dict(self.fallbacks),
             "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "max": lat.max, "n": lat.n},
         }
@@ -309,7 +311,8 @@ class Runtime:
             gates = gates.unsqueeze(0).expand(cfg.num_layers, *gates.shape)
         if ids.dim() != 3 or ids.shape[0] != cfg.num_layers:
             raise RouteValidationError(f"topk_ids: expected [T, k] or [L={cfg.num_layers}, T, k], got {tuple(ids.shape)}")
-        for l in range(cfg.num_layers):
+        same = torch.as_tensor(topk_ids).dim() == 2  # one route set for every layer: validate it once
+        for l in range(1 if same else cfg.num_layers):
             RouteBatch(0, h, ids[l], gates[l]).validate(cfg.num_experts, cfg.hidden_size)
         if ids.shape[2] != cfg.top_k:
             raise RouteValidationError(f"topk_ids: k={ids.shape[2]} but the deployment has top_k={cfg.top_k}")
@@ -440,6 +443,10 @@ class Runtime:
             s.phase_steps[phase.value] = s.phase_steps.get(phase.value, 0) + 1
             gen = None
             first = results[ranks[0]]
+            s.last_step = {"wall_ms": ms, "phase": phase.value,
+                           "shard_elapsed_ms": {r: results[r].elapsed_s * 1e3 for r in ranks},
+                           "paths": [ls.path for ls in first.layers],
+                           "fallback_reasons": [ls.fallback_reason for ls in first.layers if ls.fallback_reason]}
             if phase is Phase.DECODE:
                 for ls in first.layers:  # every rank took the same path (admission is agreed)
                     if ls.path.startswith("bucket"):

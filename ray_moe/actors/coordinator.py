@@ -31,6 +31,7 @@ class RayFleet(Fleet):
     def __init__(self, handles: Mapping[int, Any], *, nccl: bool = False) -> None:
         self.handles = dict(handles)
         self.nccl = nccl
+        self.bytes_copied = 0  # measured bytes that crossed between shards for expert copies
 
     def ranks(self) -> list[int]:
         return sorted(self.handles)
@@ -58,9 +59,11 @@ class RayFleet(Fleet):
             if self.nccl:
                 send = self.handles[src].send_experts.remote(list(keys), dst)
                 recv = self.handles[dst].recv_experts.remote(list(keys), src)
-                ray.get(send)
+                self.bytes_copied += int(ray.get(send))
                 return ray.get(recv)
-            return ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
+            digests, nbytes = ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
+            self.bytes_copied += int(nbytes)
+            return digests
         except ray.exceptions.RayActorError as exc:
             raise RankDeadError(f"copy rank {src} -> rank {dst}: {exc}", ranks=(src, dst)) from None
 
@@ -158,12 +161,18 @@ class CoordinatorActor:
     def scale(self, expert: int, replicas: int, layer: int | None = None) -> dict[str, Any]:
         plane = self._plane()
         new = plane.propose_scale(expert, replicas, layer)
-        return _report(plane.apply(new, reason=f"scale expert {expert} to {replicas} replicas"))
+        b0 = plane.fleet.bytes_copied
+        out = _report(plane.apply(new, reason=f"scale expert {expert} to {replicas} replicas"))
+        out["copied_bytes"] = plane.fleet.bytes_copied - b0
+        return out
 
     def rebalance(self, migration_aware: bool = True) -> dict[str, Any]:
         plane = self._plane()
         new = plane.propose_rebalance(migration_aware=migration_aware)
-        return _report(plane.apply(new, reason="EPLB rebalance"))
+        b0 = plane.fleet.bytes_copied
+        out = _report(plane.apply(new, reason="EPLB rebalance"))
+        out["copied_bytes"] = plane.fleet.bytes_copied - b0
+        return out
 
     def apply_manifest(self, manifest_json: str, reason: str) -> dict[str, Any]:
         from ray_moe.placement.manifest import PlacementManifest

@@ -165,10 +165,11 @@ class ExpertShardActor:
     def export_experts(self, keys: Sequence[tuple[int, int]]) -> dict[str, Any]:
         return experts_to_wire(self.core.export_experts(keys))
 
-    def fetch_experts(self, source: Any, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
-        """Copy experts from another shard actor through the object store; returns digests of what arrived."""
+    def fetch_experts(self, source: Any, keys: Sequence[tuple[int, int]]) -> tuple[dict[tuple[int, int], str], int]:
+        """Copy experts from another shard actor through the object store; (digests of what arrived, bytes)."""
         payload = ray.get(source.export_experts.remote(list(keys)))
-        return self.core.import_experts(experts_from_wire(payload))
+        weights = experts_from_wire(payload)
+        return self.core.import_experts(weights), sum(w.nbytes for w in weights.values())
 
     def import_experts(self, payload: Mapping[str, Any]) -> dict[tuple[int, int], str]:
         return self.core.import_experts(experts_from_wire(payload))

@@ -53,12 +53,15 @@ class ExpertWeights:
         return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
 
     def digest(self) -> str:
-        """Parameter-state digest: SHA-256 over (layer, expert, dtype, shapes, bytes)."""
+        """Parameter-state digest: SHA-256 over (layer, expert, dtype, shapes) and a position-weighted
+        block checksum of every tensor's bytes, reduced where the tensor lives (one pass over device
+        memory, not a host copy). Identical on CPU and CUDA for the same bytes; any changed, swapped or
+        shifted 32-bit word changes it."""
         h = hashlib.sha256()
         h.update(f"L{self.layer}E{self.expert}:{self.w_gate.dtype}".encode())
         for t in (self.w_gate, self.w_up, self.w_down):
             h.update(str(tuple(t.shape)).encode())
-            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            h.update(block_checksum(t).numpy().tobytes())
         return h.hexdigest()
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "ExpertWeights":
@@ -66,6 +69,28 @@ class ExpertWeights:
         if dtype is not None:
             kw["dtype"] = dtype
         return ExpertWeights(self.layer, self.expert, self.w_gate.to(**kw), self.w_up.to(**kw), self.w_down.to(**kw))
+
+
+_BLOCK = 4096
+_MIX_A = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constants (as signed int64)
+_MIX_B = 0xC2B2AE3D27D4EB4F - (1 << 64)
+
+
+def block_checksum(t: torch.Tensor) -> torch.Tensor:
+    """[ceil(nbytes / 16 KiB)] int64 on the CPU: per 4096-word block, sum_i word_i * (i * A + 1), then
+    mixed with the block index; int64 arithmetic wraps, so the result is exact and order-free."""
+    b = t.detach().contiguous().view(torch.uint8).reshape(-1)
+    pad = (-b.numel()) % 4
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    words = b.view(torch.int32).to(torch.int64)
+    nb = -(-words.numel() // _BLOCK)
+    if words.numel() < nb * _BLOCK:
+        words = torch.cat([words, words.new_zeros(nb * _BLOCK - words.numel())])
+    pos = torch.arange(_BLOCK, dtype=torch.int64, device=words.device) * _MIX_A + 1
+    sums = (words.view(nb, _BLOCK) * pos).sum(1)
+    idx = torch.arange(nb, dtype=torch.int64, device=words.device) * _MIX_B + 7
+    return (sums * idx + sums).cpu()
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
