@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ray_moe.config import RuntimeConfig
-from ray_moe.dispatch.engine import ControlStatus, combine, dispatch
+from ray_moe.dispatch.engine import ControlStatus, combine, dispatch, reject_corrupt
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.precision import dequantize
 from ray_moe.dispatch.records import RouteBatch
@@ -343,6 +343,7 @@ class ShardCore:
         h = _to_tensor(req.hidden, self.device).to(self.dtype)
         routes_out = []
         stats = []
+        checks: list = []  # (handle id, device flag): read with the output, before it is published
         try:
             for layer in range(cfg.num_layers):
                 snap = gen.snapshots[layer]
@@ -382,9 +383,14 @@ class ShardCore:
                 handle = out.handle
                 if self._take_fault("inverse", g):
                     handle = _corrupt_inverse(handle)
-                y = combine(y_rows, handle, snap, self.exchange, tag=tag, out_dtype=self.dtype)
+                y = combine(y_rows, handle, snap, self.exchange, tag=tag, out_dtype=self.dtype,
+                            deferred_check=checks)
                 h = h + y if cfg.residual else y
                 stats.append(_layer_stats(layer, out, snap, self.rank, cfg.num_experts, reason))
+            if checks:
+                flags = torch.stack([f for _, f in checks]).tolist()
+                for (hid, _), ok in zip(checks, flags):
+                    reject_corrupt(hid, ok)
             self.counters["steps"] += 1
         except StaleGenerationError as exc:
             self.counters["aborted_steps"] += 1
@@ -586,7 +592,8 @@ class _DecodeBucket:
                 self._layer(core, tag + "/warmup")
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            # thread_local: control-path threads of this actor (digests, copies) may touch CUDA meanwhile
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 self.out = self._layer(core, tag + "/capture")
             self.graph = g
         self.graph.replay()

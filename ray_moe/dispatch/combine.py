@@ -25,3 +25,24 @@ def combine_routes(semantic_rows: torch.Tensor, routes: SemanticRoutes, out_dtyp
         weighted = semantic_rows.to(torch.float32) * routes.gate.to(semantic_rows.device)[:, None]
         acc.index_add_(0, routes.origin_token.to(semantic_rows.device), weighted)
     return acc.to(out_dtype)
+
+
+def combine_from_send(returned: torch.Tensor, source, routes: SemanticRoutes, out_dtype: torch.dtype) -> torch.Tensor:
+    """Gated combine straight from rows in send order (pi_s^-1 fused into the gather).
+
+    returned: [R, d] rows as they came back, in this rank's send order. For dense routes (r = t*k + j,
+    the router's layout) each route slot j is one gather + FP32 multiply-add into the token rows, with no
+    atomics; otherwise the general scatter-add path.
+    """
+    t, k = routes.num_tokens, routes.top_k
+    if not routes.dense or t * k != routes.num_routes or returned.shape[0] != routes.num_routes:
+        return combine_routes(returned[source.inverse_send], routes, out_dtype)
+    d = returned.shape[1]
+    acc = torch.zeros(t, d, dtype=torch.float32, device=returned.device)
+    if t:
+        pos = source.inverse_send.view(t, k)
+        gate = routes.gate.to(returned.device).view(t, k)
+        for j in range(k):
+            acc.addcmul_(returned.index_select(0, pos[:, j]).to(torch.float32), gate[:, j:j + 1])
+    return acc.to(out_dtype)
+

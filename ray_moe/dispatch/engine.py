@@ -22,7 +22,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from ray_moe.dispatch.combine import combine_routes
+from ray_moe.dispatch.combine import combine_from_send
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.plan import (
     check_assignment,
@@ -202,7 +202,7 @@ def dispatch(
     got = exchange.all_to_all_v(f"{tag}/dispatch", payload, declared.tolist(), recv_counts.tolist())
     recv_slot = got["slot"].to(torch.int64)
     # 6. receive plan: (slot, source, send position) order
-    receive = plan_receive(rank, torch.as_tensor(recv_counts, dtype=torch.int64, device=dev), recv_slot, snapshot)
+    receive = plan_receive(rank, torch.as_tensor(recv_counts, dtype=torch.int64), recv_slot, snapshot)
     order = receive.expert_order
     x = got["x"].index_select(0, order)
     s = got["scale"].index_select(0, order) if "scale" in got else None
@@ -219,11 +219,11 @@ def dispatch(
     c_global[np.ix_(peer_order, peer_order)] = c_peer
     handle = DispatchHandle.build(
         snapshot=snapshot, rank=rank, routes=routes, source=source, receive=receive,
-        count_matrix=torch.from_numpy(c_global),
+        count_matrix=torch.from_numpy(c_global), send_splits=tuple(declared.tolist()),
+        recv_splits=tuple(int(x) for x in recv_counts),
     )
-    counts = receive.expert_counts
-    return NormalDispatchOutput(rows=x, scales=s, expert_counts=counts, handle=handle,
-                                counts_list=tuple(int(c) for c in counts.tolist()))
+    return NormalDispatchOutput(rows=x, scales=s, expert_counts=receive.expert_counts, handle=handle,
+                                counts_list=receive.counts_list)
 
 
 def _empty_routes(rank: int, batch: RouteBatch) -> SemanticRoutes:
@@ -232,14 +232,27 @@ def _empty_routes(rank: int, batch: RouteBatch) -> SemanticRoutes:
                           logical_expert=z, gate=torch.zeros(0, dtype=torch.float32))
 
 
-def check_handle(handle: DispatchHandle) -> None:
-    """Reject a corrupt inverse permutation before its output is published (fault 4 of spec 0x0E)."""
+def handle_ok(handle: DispatchHandle) -> torch.Tensor:
+    """Device-side check (no host sync) that the inverse send permutation inverts the send order:
+    a 0-d bool tensor, read together with the output before it is published (fault 4 of spec 0x0E)."""
     src = handle.source
     r = src.send_order.numel()
     if src.inverse_send.numel() != r:
-        raise RouteValidationError(f"handle {handle.handle_id}: inverse_send has {src.inverse_send.numel()} entries for {r} routes")
-    if r and not bool(torch.equal(src.send_order[src.inverse_send], torch.arange(r, device=src.send_order.device))):
-        raise RouteValidationError(f"handle {handle.handle_id}: inverse_send is not the inverse of send_order; output rejected")
+        return torch.zeros((), dtype=torch.bool, device=src.send_order.device)
+    if r == 0:
+        return torch.ones((), dtype=torch.bool, device=src.send_order.device)
+    return (src.send_order[src.inverse_send] == torch.arange(r, device=src.send_order.device)).all()
+
+
+def reject_corrupt(handle_id: str, ok: bool) -> None:
+    if not ok:
+        raise RouteValidationError(f"handle {handle_id}: inverse_send is not the inverse of send_order; "
+                                   f"output rejected before publish")
+
+
+def check_handle(handle: DispatchHandle) -> None:
+    """Reject a corrupt inverse permutation now (one host sync)."""
+    reject_corrupt(handle.handle_id, bool(handle_ok(handle)))
 
 
 def combine(
@@ -250,11 +263,14 @@ def combine(
     *,
     tag: str,
     out_dtype: torch.dtype,
+    deferred_check: list | None = None,
 ) -> torch.Tensor:
     """Return path of one rank: inverse repack, return all-to-all-v, inverse send, gated combine.
 
     expert_rows: [N, d] expert outputs in expert-major order (no gate applied)
     returns:     [T, d] ``out_dtype`` combined output of this rank's origin tokens
+    deferred_check: if a list, the handle check is appended as (handle id, device flag) for the caller
+    to read with the output before publishing it; otherwise it is checked now.
     """
     if snapshot.generation != handle.generation or snapshot.layer != handle.layer:
         raise StaleGenerationError(
@@ -266,10 +282,12 @@ def combine(
         raise RouteValidationError(
             f"expert_rows: {expert_rows.shape[0]} rows but the handle received {handle.receive.num_rows}"
         )
-    check_handle(handle)
+    if deferred_check is None:
+        check_handle(handle)
+    else:
+        deferred_check.append((handle.handle_id, handle_ok(handle)))
     back = source_major_from_expert(expert_rows, handle.receive)
-    recv_counts = handle.receive.recv_counts.tolist()
-    send_counts = handle.source.send_counts.tolist()
+    recv_counts = list(handle.recv_splits) or handle.receive.recv_counts.tolist()
+    send_counts = list(handle.send_splits) or handle.source.send_counts.tolist()
     got = exchange.all_to_all_v(f"{tag}/combine", {"y": back}, recv_counts, send_counts)
-    semantic = semantic_from_send(got["y"], handle.source)
-    return combine_routes(semantic, handle.routes, out_dtype)
+    return combine_from_send(got["y"], handle.source, handle.routes, out_dtype)

@@ -316,7 +316,24 @@ def chunk_bounds(num_tokens: int, chunks: int) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------------------
 
 
-def overlapped_layer(
+def overlapped_layer(batch: RouteBatch, snapshot: PlacementSnapshot, exchange: Exchange, **kwargs) -> OverlapResult:
+    """``_overlapped_layer`` (below, documented there) with the exchange's per-round host wait turned off:
+    the host must keep enqueueing the next chunks while a round is in flight. One watchdog wait at the
+    end still turns a dead peer into an error instead of a hang."""
+    prev = getattr(exchange, "sync_payload", None)
+    if prev is not None:
+        exchange.sync_payload = False
+    try:
+        result = _overlapped_layer(batch, snapshot, exchange, **kwargs)
+        if prev is not None and hasattr(exchange, "wait"):
+            exchange.wait(f"{kwargs.get('tag', 'overlap')}: overlapped step")
+        return result
+    finally:
+        if prev is not None:
+            exchange.sync_payload = prev
+
+
+def _overlapped_layer(
     batch: RouteBatch,
     snapshot: PlacementSnapshot,
     exchange: Exchange,

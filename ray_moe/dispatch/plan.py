@@ -21,6 +21,11 @@ from ray_moe.errors import RouteValidationError
 from ray_moe.placement.snapshot import PlacementSnapshot
 
 
+def count_by(index: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64 histogram of ``index`` (values in [0, n)); a scatter-add, so CUDA never syncs to size it."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+
+
 def exclusive_offsets(counts: torch.Tensor) -> torch.Tensor:
     """[n] int64 -> [n+1] int64 exclusive prefix sum with the total as sentinel."""
     out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
@@ -48,14 +53,15 @@ def check_assignment(routes: SemanticRoutes, physical_slot: torch.Tensor, snapsh
         return
     q = snapshot.num_slots
     bad = (physical_slot < 0) | (physical_slot >= q)
-    if bool(bad.any()):
+    stored = snapshot.on(physical_slot.device).phy2log[physical_slot.clamp(0, q - 1)]
+    wrong = (stored != routes.logical_expert) & ~bad
+    flags = torch.stack([bad.any(), wrong.any()]).tolist()  # one host sync for both checks
+    if flags[0]:
         i = int(torch.nonzero(bad)[0])
         v = int(physical_slot[i])
         what = "log2phy padding -1 used as a slot" if v == -1 else f"out of range [0, {q})"
         raise RouteValidationError(f"physical_slot[{i}]={v}: {what} (route of token {int(routes.origin_token[i])})")
-    stored = snapshot.phy2log.to(physical_slot.device)[physical_slot]
-    wrong = stored != routes.logical_expert
-    if bool(wrong.any()):
+    if flags[1]:
         i = int(torch.nonzero(wrong)[0])
         raise RouteValidationError(
             f"physical_slot[{i}]=q{int(physical_slot[i])} stores logical expert {int(stored[i])}, "
@@ -69,8 +75,9 @@ def plan_source(routes: SemanticRoutes, physical_slot: torch.Tensor, snapshot: P
     p = snapshot.num_ranks
     g = int(snapshot.peer_order.numel())
     q = snapshot.num_slots
-    slot_rank = snapshot.slot_rank.to(dev)
-    rank_to_peer = snapshot.rank_to_peer.to(dev)
+    maps = snapshot.on(dev)
+    slot_rank = maps.slot_rank
+    rank_to_peer = maps.rank_to_peer
     # 1. destination coordinates
     dest_rank = slot_rank[physical_slot]
     dest_peer = rank_to_peer[dest_rank]
@@ -79,8 +86,8 @@ def plan_source(routes: SemanticRoutes, physical_slot: torch.Tensor, snapshot: P
     send_order = torch.sort(key, stable=True).indices
     inverse_send = inverse_permutation(send_order)
     # 3. split vector in peer-slot order and its offsets
-    send_counts = torch.bincount(dest_peer, minlength=g).to(torch.int64)
-    counts_by_rank = torch.bincount(dest_rank, minlength=p).to(torch.int64)
+    send_counts = count_by(dest_peer, g)
+    counts_by_rank = count_by(dest_rank, p)
     return SourcePlan(
         origin_rank=routes.origin_rank,
         physical_slot=physical_slot,
@@ -100,45 +107,51 @@ def plan_receive(
 ) -> ReceivePlan:
     """Steps 4-5: repack source-major received rows into expert-major order.
 
-    recv_counts: [P] int64 source split vector (peer order); recv_slot: [N] int64 slot per received row.
-    Rejects a received row whose slot is not hosted on ``rank`` (a wrong-destination route).
+    recv_counts: [P] int64 source split vector (peer order; host-known); recv_slot: [N] int64 slot per
+    received row. Rejects a received row whose slot is not hosted on ``rank`` (a wrong-destination route).
     """
     dev = recv_slot.device
     n = int(recv_slot.numel())
-    if int(recv_counts.sum()) != n:
-        raise RouteValidationError(f"recv_counts sum {int(recv_counts.sum())} != received rows {n}")
-    slot_ids = snapshot.rank_slot_ids(rank).to(dev)
-    q_local = int(slot_ids.numel())
-    if n:
-        on_rank = snapshot.slot_rank.to(dev)[recv_slot] == rank
-        if not bool(on_rank.all()):
-            i = int(torch.nonzero(~on_rank)[0])
-            raise RouteValidationError(
-                f"recv_slot[{i}]=q{int(recv_slot[i])} is hosted on rank {int(snapshot.slot_rank[recv_slot[i]])}, "
-                f"not on receiving rank {rank}"
-            )
-    local = snapshot.slot_local.to(dev)[recv_slot]
+    total = int(recv_counts.sum())  # recv_counts come from the control round (host), no device sync
+    if total != n:
+        raise RouteValidationError(f"recv_counts sum {total} != received rows {n}")
+    maps = snapshot.on(dev)
+    slot_ids = maps.rank_slots[rank]
+    q_local = int(snapshot.rank_num_slots[rank])
+    local = maps.slot_local[recv_slot]
     # 4. stable sort by local slot: receive order is (source, send position), so ties keep it
     expert_order = torch.sort(local, stable=True).indices
-    # 5. local expert counts and offsets (zero-row slots kept)
-    expert_counts = torch.bincount(local, minlength=q_local).to(torch.int64)
+    # 5. local expert counts and offsets (zero-row slots kept); the "hosted here" check rides on the same
+    #    host copy of the counts that the runner needs anyway
+    off_rank = (maps.slot_rank[recv_slot] != rank).sum() if n else torch.zeros((), dtype=torch.int64, device=dev)
+    counts_and_flag = torch.cat([count_by(local, q_local), off_rank.view(1)]).tolist() if q_local or n else [0]
+    if counts_and_flag[-1]:
+        on_rank = maps.slot_rank[recv_slot] == rank
+        i = int(torch.nonzero(~on_rank)[0])
+        raise RouteValidationError(
+            f"recv_slot[{i}]=q{int(recv_slot[i])} is hosted on rank {int(snapshot.slot_rank[recv_slot[i]])}, "
+            f"not on receiving rank {rank}"
+        )
+    counts_list = tuple(int(c) for c in counts_and_flag[:-1])
+    expert_counts = torch.tensor(counts_list, dtype=torch.int64, device=dev)
+    rc = recv_counts.to(torch.int64).cpu()
     return ReceivePlan(
         rank=rank,
-        recv_counts=recv_counts.to(torch.int64),
-        recv_offsets=exclusive_offsets(recv_counts.to(torch.int64)),
+        recv_counts=rc,
+        recv_offsets=exclusive_offsets(rc),
         recv_slot=recv_slot,
         expert_order=expert_order,
         slot_ids=slot_ids,
         expert_counts=expert_counts,
         expert_offsets=exclusive_offsets(expert_counts),
+        inverse_expert=inverse_permutation(expert_order),
+        counts_list=counts_list,
     )
 
 
 def source_major_from_expert(expert_rows: torch.Tensor, receive: ReceivePlan) -> torch.Tensor:
-    """pi_e^-1: expert-major rows [N, ...] back to source-major receive order."""
-    out = torch.empty_like(expert_rows)
-    out[receive.expert_order] = expert_rows
-    return out
+    """pi_e^-1: expert-major rows [N, ...] back to source-major receive order (a gather, not a scatter)."""
+    return expert_rows.index_select(0, receive.inverse_expert)
 
 
 def semantic_from_send(returned_rows: torch.Tensor, source: SourcePlan) -> torch.Tensor:

@@ -63,18 +63,27 @@ class RouteBatch:
         if not w.is_floating_point():
             raise RouteValidationError(f"topk_weights: expected float32, got {w.dtype}")
         if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
+            lo, hi, gates_finite, gates_nonneg, hidden_finite = self._value_flags()
             if lo < 0 or hi >= num_experts:
-                bad = lo if lo < 0 else hi
+                bad = int(lo) if lo < 0 else int(hi)
                 raise RouteValidationError(
                     f"topk_ids: expert id {bad} is out of range [0, {num_experts})"
                 )
-            if not bool(torch.isfinite(w).all()):
+            if not gates_finite:
                 raise RouteValidationError("topk_weights: NaN or infinite gate")
-            if bool((w < 0).any()):
+            if not gates_nonneg:
                 raise RouteValidationError(f"topk_weights: negative gate {float(w.min())}")
-            if h.is_floating_point() and not bool(torch.isfinite(h).all()):
+            if not hidden_finite:
                 raise RouteValidationError("hidden: NaN or infinite value")
+
+
+    def _value_flags(self) -> list:
+        """[min id, max id, gates finite, gates >= 0, hidden finite] with one host sync."""
+        ids, w, h = self.topk_ids, self.topk_weights, self.hidden
+        vals = torch.stack([ids.min().to(torch.float64), ids.max().to(torch.float64),
+                            torch.isfinite(w).all().to(torch.float64), (w >= 0).all().to(torch.float64),
+                            torch.isfinite(h).all().to(torch.float64)])
+        return vals.tolist()
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,6 +103,7 @@ class SemanticRoutes:
     route_slot: torch.Tensor
     logical_expert: torch.Tensor
     gate: torch.Tensor
+    dense: bool = False  # True when r = t*k + j for every route (the router's layout; from_batch)
 
     @property
     def num_routes(self) -> int:
@@ -111,6 +121,7 @@ class SemanticRoutes:
             route_slot=torch.arange(k, device=dev, dtype=torch.int64).repeat(t),
             logical_expert=batch.topk_ids.reshape(-1).to(torch.int64),
             gate=batch.topk_weights.reshape(-1).to(torch.float32),
+            dense=True,
         )
 
     def digest(self) -> str:
@@ -160,6 +171,7 @@ class ReceivePlan:
     slot_ids:       [Q_local] int64 global slot ids of this rank in local slot order
     expert_counts:  [Q_local] int64 rows per local slot (zero-row slots kept)
     expert_offsets: [Q_local+1] int64
+    inverse_expert: [N] int64 receive position -> expert position (the return gather)
     """
 
     rank: int
@@ -170,6 +182,8 @@ class ReceivePlan:
     slot_ids: torch.Tensor
     expert_counts: torch.Tensor
     expert_offsets: torch.Tensor
+    inverse_expert: torch.Tensor | None = None  # [N] int64: receive position -> expert position
+    counts_list: tuple[int, ...] = ()  # expert_counts on the host
 
     @property
     def num_rows(self) -> int:
@@ -198,10 +212,13 @@ class DispatchHandle:
     receive: ReceivePlan
     count_matrix: torch.Tensor
     semantic_digest: str = ""
+    send_splits: tuple[int, ...] = ()  # host copies of the agreed split vectors (peer order)
+    recv_splits: tuple[int, ...] = ()
 
     @staticmethod
     def build(*, snapshot, rank: int, routes: SemanticRoutes, source: SourcePlan, receive: ReceivePlan,
-              count_matrix: torch.Tensor, semantic_digest: str = "") -> "DispatchHandle":
+              count_matrix: torch.Tensor, semantic_digest: str = "", send_splits: tuple[int, ...] = (),
+              recv_splits: tuple[int, ...] = ()) -> "DispatchHandle":
         return DispatchHandle(
             handle_id=_fresh_handle_id(rank, snapshot.generation),
             generation=snapshot.generation,
@@ -217,6 +234,8 @@ class DispatchHandle:
             receive=receive,
             count_matrix=count_matrix,
             semantic_digest=semantic_digest,
+            send_splits=tuple(int(x) for x in send_splits),
+            recv_splits=tuple(int(x) for x in recv_splits),
         )
 
 

@@ -7,12 +7,26 @@ Built once per generation from a validated manifest; dispatch plans index it, ne
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
+
+
+class DeviceMaps(NamedTuple):
+    """The snapshot's index tensors resident on one device (copied once per generation, not per step)."""
+
+    phy2log: torch.Tensor
+    slot_rank: torch.Tensor
+    slot_local: torch.Tensor
+    log2phy: torch.Tensor
+    logcnt: torch.Tensor
+    rank_to_peer: torch.Tensor
+    rank_node: torch.Tensor
+    rank_slots: dict[int, torch.Tensor]  # global slot ids per rank in local order
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +64,7 @@ class PlacementSnapshot:
     rank_num_slots: tuple[int, ...]
     release_id: str = ""
     map_digest: int = 0
+    _device_cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.map_digest:
@@ -63,6 +78,19 @@ class PlacementSnapshot:
     @property
     def num_slots(self) -> int:
         return int(self.phy2log.numel())
+
+    def on(self, device: torch.device | str) -> DeviceMaps:
+        """Index tensors on ``device``, built once and cached (the snapshot is immutable)."""
+        dev = torch.device(device)
+        key = str(dev)
+        maps = self._device_cache.get(key)
+        if maps is None:
+            ranks = {r: self.rank_slot_ids(r).to(dev) for r in range(self.num_ranks)}
+            maps = DeviceMaps(self.phy2log.to(dev), self.slot_rank.to(dev), self.slot_local.to(dev),
+                              self.log2phy.to(dev), self.logcnt.to(dev), self.rank_to_peer.to(dev),
+                              self.rank_node.to(dev), ranks)
+            self._device_cache[key] = maps
+        return maps
 
     def rank_slot_ids(self, rank: int) -> torch.Tensor:
         """Global physical slot ids hosted on ``rank`` in local slot order: [Q_local] int64."""

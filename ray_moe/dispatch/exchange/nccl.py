@@ -49,6 +49,14 @@ class NcclExchange(Exchange):
             with cupy.cuda.Device(idx):
                 self.comm = nccl.NcclCommunicator(group.size, tuple(uid), group.peer_of(rank))
         self._aborted = False
+        # wait for payload rounds (watchdog) unless a caller batches them (overlap) or a graph is captured
+        self.sync_payload = True
+        # NCCL connects peers lazily, on the host, inside the first collective / send-recv to each peer: a
+        # peer that died before that would block this host forever, before any watchdog runs. Connect every
+        # peer now, under the watchdog, so later rounds only ever wait on the device.
+        self.all_gather("connect/control", np.zeros(1, dtype=np.int64))
+        one = torch.zeros(self.size, 1, dtype=torch.uint8, device=self.device)
+        self.all_to_all_v("connect/p2p", {"x": one}, [1] * self.size, [1] * self.size)
 
     # -------------------------------------------------------------- watchdog
     def wait(self, what: str) -> None:
@@ -103,7 +111,6 @@ class NcclExchange(Exchange):
     ) -> dict[str, torch.Tensor]:
         check_splits("send_splits", tensors, send_splits, self.size)
         nccl = self._nccl
-        me = self.peer
         send_off = np.concatenate([[0], np.cumsum(np.asarray(send_splits, dtype=np.int64))])
         recv_off = np.concatenate([[0], np.cumsum(np.asarray(recv_splits, dtype=np.int64))])
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -115,18 +122,13 @@ class NcclExchange(Exchange):
             out[key] = o
             row_bytes = t.element_size() * int(np.prod(t.shape[1:], dtype=np.int64))
             plans.append((t, o, row_bytes))
-            # the self segment is a device copy, not a collective
-            a, b = int(send_off[me]), int(send_off[me + 1])
-            if b > a:
-                c = int(recv_off[me])
-                o[c:c + (b - a)].copy_(t[a:b])
+        # one NCCL group per round; the self segment is a send/recv to self inside the group (measured
+        # faster than a device copy queued ahead of the group)
         nccl.groupStart()
         for t, o, row_bytes in plans:
             if row_bytes == 0:
                 continue
             for peer in range(self.size):
-                if peer == me:
-                    continue
                 ns = int(send_splits[peer])
                 if ns:
                     self.comm.send(t.data_ptr() + int(send_off[peer]) * row_bytes, ns * row_bytes,
@@ -136,6 +138,8 @@ class NcclExchange(Exchange):
                     self.comm.recv(o.data_ptr() + int(recv_off[peer]) * row_bytes, nr * row_bytes,
                                    nccl.NCCL_UINT8, peer, stream)
         nccl.groupEnd()
+        if self.sync_payload and not torch.cuda.is_current_stream_capturing():
+            self.wait(f"exchange {tag!r} (all-to-all-v)")  # a dead peer raises here, never hangs a later sync
         return out
 
     # -------------------------------------------------------------- point-to-point (weight migration)
