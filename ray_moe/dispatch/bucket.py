@@ -120,7 +120,7 @@ def bucket_dispatch(
     send[send_index] = hidden[token]
     send_slot = torch.full((trash + 1,), -1, dtype=torch.int32, device=dev)
     send_slot[send_index] = slots.to(torch.int32)
-    send_slot[trash] = -1
+    send_slot[trash:].fill_(-1)  # a fill kernel: no host-to-device copy (CUDA-graph capturable)
     # 4. equal-split exchange: every (source, destination) block has C_pair rows
     splits = [cp] * g
     got = exchange.all_to_all_v(f"{tag}/bucket-dispatch", {"x": send[:trash], "slot": send_slot[:trash]}, splits, splits)
