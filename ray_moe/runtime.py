@@ -77,6 +77,10 @@ class RuntimeStats:
             "drop": r(self.dropped_routes, self.attempted_routes),
             "remote": r(self.remote_routes, self.accepted_routes),
             "inter_node": r(self.inter_node_routes, self.accepted_routes),
+            # route classes of spec 0x07C: same GPU + same node (remote GPU) + different node = 1
+            "same_gpu": r(self.accepted_routes - self.remote_routes, self.accepted_routes),
+            "same_node_remote_gpu": r(self.remote_routes - self.inter_node_routes, self.accepted_routes),
+            "different_node": r(self.inter_node_routes, self.accepted_routes),
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -289,6 +293,27 @@ class Runtime:
                 routes.append((torch.cat([torch.from_numpy(results[r].routes[l][0]) for r in ranks], 0),
                                torch.cat([torch.from_numpy(results[r].routes[l][1]) for r in ranks], 0)))
             return out, routes
+        return out
+
+    def forward_mixed(self, hidden: torch.Tensor | np.ndarray, decode_mask: Any, topk_ids: Any = None,
+                      topk_weights: Any = None) -> torch.Tensor:
+        """A mixed outer batch, split by phase before dispatch (spec 0x05E): the prefill rows run as one
+        variable unit, the decode rows as one decode unit (bucket / CUDA graph when admitted); outputs are
+        scattered back to the original row order. decode_mask: [T] bool, True for decode rows."""
+        h = torch.as_tensor(hidden)
+        mask = torch.as_tensor(decode_mask, dtype=torch.bool)
+        if mask.shape != (h.shape[0],):
+            raise RouteValidationError(f"decode_mask: expected shape [{h.shape[0]}], got {tuple(mask.shape)}")
+        ids = None if topk_ids is None else torch.as_tensor(topk_ids)
+        gates = None if topk_weights is None else torch.as_tensor(topk_weights)
+        self._validate(h, ids, gates)  # the whole batch is checked before either unit runs
+        out = torch.empty(h.shape, dtype=self.dtype)
+        for phase, idx in ((Phase.PREFILL, torch.nonzero(~mask).flatten()), (Phase.DECODE, torch.nonzero(mask).flatten())):
+            if idx.numel() == 0:
+                continue
+            sub_ids = None if ids is None else ids.index_select(-2, idx)
+            sub_gates = None if gates is None else gates.index_select(-2, idx)
+            out[idx] = self.forward(h.index_select(0, idx), sub_ids, sub_gates, phase=phase)
         return out
 
     def _validate(self, h: torch.Tensor, topk_ids: Any, topk_weights: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:

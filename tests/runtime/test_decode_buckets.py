@@ -86,3 +86,30 @@ def test_generation_change_invalidates_bucket_key(rt):
     assert rt.stats()["graph_replays"] == replays + 1
     assert rt.generations()[g0] == "RETIRED"
     assert buckets
+
+
+def test_mixed_batch_is_split_by_phase(rt):
+    """12 prefill rows and 3 decode rows (spec 0x05E): two execution units, outputs back in row order."""
+    g = torch.Generator().manual_seed(42)
+    t = 15
+    h = torch.randn(t, rt.cfg.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(rt.cfg.num_experts, generator=g)[:2] for _ in range(t)])
+    w = torch.rand(t, 2, generator=g)
+    mask = torch.zeros(t, dtype=torch.bool)
+    mask[[2, 7, 11]] = True
+    before = rt.stats()
+    y = rt.forward_mixed(h, mask, ids, w)
+    ref = reference_moe(h.double(), ids, w, lambda e: weight_source(rt.cfg).expert(0, e))
+    assert float((y.double() - ref).abs().max()) < 1e-4
+    after = rt.stats()
+    assert after["phase_steps"]["prefill"] == before["phase_steps"].get("prefill", 0) + 1
+    assert after["phase_steps"]["decode"] == before["phase_steps"].get("decode", 0) + 1
+    assert after["graph_replays"] == before["graph_replays"] + 1  # the decode unit took the bucket
+    assert after["accepted_routes"] - before["accepted_routes"] == 2 * t
+
+
+def test_route_class_fractions_add_up(rt):
+    s = rt.stats()["ratios"]
+    den = s["same_gpu"]["denominator"]
+    assert den > 0
+    assert s["same_gpu"]["numerator"] + s["same_node_remote_gpu"]["numerator"] + s["different_node"]["numerator"] == den
