@@ -991,12 +991,14 @@ class _Drill:
             while time.monotonic() < deadline:
                 now = self._aborted()
                 aborted = sorted(r for r in now if now[r] > before.get(r, 0))
-                if len(aborted) == len(now):
+                if len(aborted) == len(now) or (shard_kind == "inverse" and rank in aborted):
                     break
                 time.sleep(0.05)
             served = s.serve(batch)
             retried_ok = served is not None and output_error(served[0], batch.reference)[0]
-            every = len(aborted) == len(before)
+            # count / scale faults abort every rank before payload; a corrupt inverse is caught where the
+            # output is read for publishing: that rank rejects it and the driver publishes no output at all
+            every = (rank in aborted) if shard_kind == "inverse" else len(aborted) == len(before)
             if not (retried_ok and every):
                 outcome = None
             return outcome, (f"rank {rank}: {type(first.cause).__name__}: {str(first.cause)[:240]}; aborted on "
