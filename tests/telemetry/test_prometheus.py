@@ -143,19 +143,37 @@ def _scrape(ray, deadline_s: float) -> str:
 
 
 def test_ray_metrics_endpoint_shows_the_exported_values(ray_session):
-    """Real ray.util.metrics under the shared local Ray; the agent flushes every ~10 s, so poll <= 40 s."""
+    """Real ray.util.metrics under the shared local Ray; the agent flushes every ~10 s, so poll <= 40 s.
+
+    Ray metric objects are process-wide, so this test exports under a release label no other test uses
+    (counters from other tests' exporters must not add into the values asserted here)."""
+    import uuid
+
     exp = PrometheusExporter()
     _, snap = fixture_snapshot()
     points = exp.export(snap)
     assert len(points) > 20
-    text = _scrape(ray_session, 40.0)
-    lines = [l for l in text.splitlines() if l.startswith("ray_moe_")]
-    if not lines:
+    rel = f"scrape-{uuid.uuid4().hex[:8]}"
+    t = Telemetry("scrape-test")
+    t.add_ratio(MetricName.ROUTE_DROP_RATIO, {"release": rel, "phase": "decode"}, 2, 360)
+    t.inc(MetricName.ROUTE_OUTPUT_MISMATCH_TOTAL, {"release": rel, "phase": "decode"}, 2)
+    exp.export(t.snapshot())
+    end = time.monotonic() + 40.0
+    mine: list[str] = []
+    text = ""
+    while time.monotonic() < end:
+        text = _scrape(ray_session, 10.0)
+        mine = [l for l in text.splitlines() if l.startswith("ray_moe_") and f'release="{rel}"' in l]
+        if any(l.startswith("ray_moe_route_output_mismatch_total{") for l in mine) and \
+                any(l.startswith("ray_moe_route_drop_ratio_denominator{") for l in mine):
+            break
+        time.sleep(1.0)
+    if not mine:
         pytest.skip("Ray metrics agent did not publish within 40 s (exporter ran without error)")
-    # other deployments in this Ray session export the same metric names under their own release label
-    mine = [l for l in lines if f'release="{REL}"' in l]
     den = [l for l in mine if l.startswith("ray_moe_route_drop_ratio_denominator{") and 'phase="decode"' in l]
     assert den and float(den[0].rsplit(" ", 1)[1]) == 360.0
+    num = [l for l in mine if l.startswith("ray_moe_route_drop_ratio_numerator{")]
+    assert num and float(num[0].rsplit(" ", 1)[1]) == 2.0
     mism = [l for l in mine if l.startswith("ray_moe_route_output_mismatch_total{")]
     assert mism and float(mism[0].rsplit(" ", 1)[1]) == 2.0
     assert "# TYPE ray_moe_route_output_mismatch_total counter" in text
