@@ -74,6 +74,8 @@ from ray_moe.errors import CountAgreementError, RouteValidationError
 from ray_moe.experts.runners.base import ExpertRunner
 from ray_moe.experts.weights import ExpertWeights, SlotWeights, swiglu
 from ray_moe.phases.overlap import (
+    intersection_measure,
+    union_intervals,
     BufferUse,
     Claim,
     Schedule,
@@ -273,14 +275,14 @@ class OverlapResult:
                             role=b.role) for b in lifetimes.buffers)
         release = check_release(held, schedule_operations(schedule, uses))
         # 4. busy unions and their intersection
-        comp = _union(iv[t.name] for t in self.tasks if t.kind == "compute")
-        comm = _union(iv[t.name] for t in self.tasks if t.kind == "communication")
+        comp = union_intervals(iv[t.name] for t in self.tasks if t.kind == "compute")
+        comm = union_intervals(iv[t.name] for t in self.tasks if t.kind == "communication")
         labels = dict.fromkeys(t.stream for t in self.tasks)
-        busy = tuple((s, _measure(_union(iv[t.name] for t in self.tasks if t.stream == s))) for s in labels)
+        busy = tuple((s, _measure(union_intervals(iv[t.name] for t in self.tasks if t.stream == s))) for s in labels)
         return MeasuredTimeline(
             schedule=schedule, release=release, makespan_ms=schedule.makespan,
             task_sum_ms=sum(e - s for s, e in iv.values()), compute_ms=_measure(comp),
-            communication_ms=_measure(comm), overlap_ms=_intersection(comp, comm), stream_busy_ms=busy,
+            communication_ms=_measure(comm), overlap_ms=intersection_measure(comp, comm), stream_busy_ms=busy,
             tasks=self.tasks,
         )
 
@@ -841,29 +843,7 @@ class _Recorder:
 # ------------------------------------------------------------------------------------------------------
 
 
-def _union(intervals: Any) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for s, e in sorted(i for i in intervals if i[1] > i[0]):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
-
-
 def _measure(intervals: Sequence[tuple[float, float]]) -> float:
     return float(sum(e - s for s, e in intervals))
 
 
-def _intersection(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total

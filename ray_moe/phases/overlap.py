@@ -150,7 +150,8 @@ def _stream_predecessors(tasks: Sequence[Task]) -> dict[str, str | None]:
     return out
 
 
-def _union(intervals: Iterable[Interval]) -> list[Interval]:
+def union_intervals(intervals: Iterable[Interval]) -> list[Interval]:
+    """Merged, sorted union of half-open intervals (empty ones dropped)."""
     merged: list[list[float]] = []
     for s, e in sorted(i for i in intervals if i[1] > i[0]):
         if merged and s <= merged[-1][1]:
@@ -160,7 +161,8 @@ def _union(intervals: Iterable[Interval]) -> list[Interval]:
     return [(s, e) for s, e in merged]
 
 
-def _intersection_measure(a: list[Interval], b: list[Interval]) -> float:
+def intersection_measure(a: list[Interval], b: list[Interval]) -> float:
+    """Total length where two sorted disjoint interval lists overlap."""
     i = j = 0
     total: float = 0
     while i < len(a) and j < len(b):
@@ -244,11 +246,11 @@ class Schedule:
     def busy(self, streams: Iterable[str]) -> list[Interval]:
         """Union of the intervals of the tasks on ``streams``, merged and sorted."""
         ss = set(streams)
-        return _union((e.start, e.end) for e in self.entries if e.task.stream in ss)
+        return union_intervals((e.start, e.end) for e in self.entries if e.task.stream in ss)
 
     def overlap_units(self, a_streams: Iterable[str], b_streams: Iterable[str]) -> float:
         """Measure of (union of a-stream intervals) intersected with (union of b-stream intervals)."""
-        return _intersection_measure(self.busy(a_streams), self.busy(b_streams))
+        return intersection_measure(self.busy(a_streams), self.busy(b_streams))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from ray_moe.types import ReplicaPolicy
 def _rank_within_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Position of each route among the routes of its logical expert, in semantic order: [R] int64."""
     order = torch.sort(experts, stable=True).indices
-    counts = torch.bincount(experts, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))  # not bincount: no device-to-host sync on CUDA
     starts = torch.cumsum(counts, 0) - counts
     pos_sorted = torch.arange(experts.numel(), device=experts.device) - starts[experts[order]]
     pos = torch.empty_like(pos_sorted)
@@ -49,11 +50,10 @@ class RoundRobinSelector(ReplicaSelector):
         e = routes.logical_expert
         if e.numel() == 0:
             return e.clone()
-        dev = e.device
-        logcnt = snapshot.logcnt.to(dev)
+        maps = snapshot.on(e.device)
         pos = _rank_within_expert(e, snapshot.num_experts)
-        j = (pos + routes.origin_rank) % logcnt[e]
-        return snapshot.log2phy.to(dev)[e, j]
+        j = (pos + routes.origin_rank) % maps.logcnt[e]
+        return maps.log2phy[e, j]
 
 
 class HashSelector(ReplicaSelector):
