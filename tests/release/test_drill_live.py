@@ -68,8 +68,10 @@ def test_ten_faults_have_their_safe_outcomes(reports, mode):
         assert d.count("retry equals the reference") == ranks, d
     d4 = by[FaultKind.CORRUPT_INVERSE_PERMUTATION].detail
     for part in d4.split("; rank ")[:ranks]:
-        r = part.removeprefix("rank ").split(":")[0]
-        assert f"aborted on ranks [{r}]" in part, d4
+        r = int(part.removeprefix("rank ").split(":")[0])
+        listed = part.split("aborted on ranks [")[1].split("]")[0]
+        # the faulted rank always aborts; others may too when the driver cancels their in-flight step
+        assert r in [int(x) for x in listed.split(",")], d4
     assert d4.count("retry equals the reference") == ranks, d4
     assert "aborted before payload exchange" in by[FaultKind.PEER_COUNT_DISAGREEMENT].detail
     assert "payload rejected before expert compute" in by[FaultKind.FP8_SCALE_COUNT_MISMATCH].detail
