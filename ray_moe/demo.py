@@ -40,7 +40,7 @@ def run_demo(args: argparse.Namespace) -> int:
     cfg = ray_moe.RuntimeConfig(
         num_ranks=args.ranks, num_experts=args.experts, hidden_size=args.hidden, ffn_size=args.ffn, top_k=args.top_k,
         slots_per_rank=args.slots_per_rank, num_layers=args.layers, residual=True, router_skew=args.skew,
-        seed=args.seed, name=f"demo-{os.getpid()}", runner=args.runner,
+        seed=args.seed, name=f"demo-{os.getpid()}", runner=args.runner, exchange=args.exchange,
     )
     t_start = time.perf_counter()
     print(f"ray-moe demo: {cfg.num_layers} MoE layers, {cfg.num_experts} experts, top-{cfg.top_k}, "
@@ -173,6 +173,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runner", default="grouped", choices=["grouped", "padded", "block", "loop"])
+    p.add_argument("--exchange", default="object_store", choices=["object_store", "gloo"],
+                   help="CPU exchange between shard actors (the Ray object store, or torch.distributed gloo)")
     p.add_argument("--json", default="reports/demo.json")
     p.add_argument("--png", default="reports/demo-rank-load.png")
     p.add_argument("--quiet", action="store_true")

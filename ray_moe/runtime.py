@@ -206,6 +206,9 @@ class Runtime:
             uid, mid = ray.get([first.nccl_unique_id.remote(), first.nccl_unique_id.remote()])
             ray.get(self.coordinator.put_nccl_id.remote(group.epoch, uid))
             ray.get([h.init_nccl.remote(uid, group.model_dump_json(), mid) for h in handles.values()])
+        elif self.cfg.exchange_kind is ExchangeKind.GLOO:
+            endpoint = ray.get(handles[group.peer_order[0]].gloo_endpoint.remote())
+            ray.get([h.init_gloo.remote(endpoint, group.model_dump_json()) for h in handles.values()])
         else:
             ray.get([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
 

@@ -83,6 +83,7 @@ class ExchangeKind(str, Enum):
     LOCAL = "local"
     OBJECT_STORE = "object_store"
     NCCL = "nccl"
+    GLOO = "gloo"  # torch.distributed gloo between CPU actors: one collective per round
 
 
 class ReplicaPolicy(str, Enum):

@@ -91,6 +91,22 @@ class ExpertShardActor:
             # a group that lost or gained ranks against the topology runs flat until the topology is rebuilt
         return flat
 
+    def gloo_endpoint(self) -> tuple[str, int]:
+        from ray_moe.dispatch.exchange.gloo import free_endpoint
+
+        return free_endpoint()
+
+    def init_gloo(self, endpoint: tuple[str, int], group_json: str) -> bool:
+        """Gloo process group over ``group`` (CPU); the rendezvous store lives on peer slot 0's node."""
+        from ray_moe.dispatch.exchange.gloo import GlooExchange
+
+        group = ProcessGroupSpec.model_validate_json(group_json)
+        if self.core.exchange is not None:
+            self.core.exchange.close()
+        self.core.set_exchange(self._schedule(GlooExchange(self.rank, group, tuple(endpoint),
+                                                           timeout_s=self.cfg.exchange_timeout_s)))
+        return True
+
     def nccl_unique_id(self) -> bytes:
         from ray_moe.dispatch.exchange.nccl import new_unique_id
 

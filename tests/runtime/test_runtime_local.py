@@ -150,3 +150,27 @@ def test_shutdown_tears_down_actors(ray_session):
             ray.get(h.ping.remote(), timeout=30)
     with pytest.raises(ValueError, match="test-teardown"):
         ray_moe.Runtime.connect("test-teardown")
+
+
+def test_gloo_exchange_equals_reference(ray_session):
+    """The torch.distributed gloo backend between CPU actors: same outputs, prefill and decode buckets."""
+    cfg = ray_moe.RuntimeConfig(**{**CFG, "name": "test-gloo", "exchange": "gloo", "decode_token_capacity": 8})
+    rt = ray_moe.Runtime.start(cfg)
+    try:
+        src = weight_source(cfg)
+        for tokens, phase in ((40, "prefill"), (12, "decode")):
+            h = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens))
+            ids, w = _routes(tokens, cfg.num_experts, cfg.top_k, tokens)
+            y = rt.forward(h, ids, w, phase=phase)
+            ref = reference_moe(h.double(), ids, w, lambda e: src.expert(0, e))
+            torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-5)
+        assert rt.stats()["graph_replays"] == 1
+        g1 = rt.scale(expert=5, replicas=2)
+        h = torch.randn(9, cfg.hidden_size)
+        ids, w = _routes(9, cfg.num_experts, cfg.top_k, 3)
+        y = rt.forward(h, ids, w)
+        torch.testing.assert_close(y.double(), reference_moe(h.double(), ids, w, lambda e: src.expert(0, e)),
+                                   rtol=1e-4, atol=1e-5)
+        assert rt.placement().generation == g1
+    finally:
+        rt.shutdown()
