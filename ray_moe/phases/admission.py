@@ -23,8 +23,10 @@ from ray_moe.phases.buckets import (
     DecodeBucket,
     ExecutionLedger,
     GraphKey,
+    RowCounts,
     StableBuffers,
     check_counts,
+    check_row_counts,
 )
 from ray_moe.types import Phase
 
@@ -40,7 +42,7 @@ class FallbackReason(str, Enum):
 
 
 @dataclass(frozen=True)
-class AdmissionStep:
+class AdmissionStep(RowCounts):
     """What admission inspects about one execution unit.
 
     phase:       the unit's phase
@@ -62,21 +64,9 @@ class AdmissionStep:
             raise ValueError(f"rank_tokens: {len(t)} entries, key has P={self.key.num_ranks} ranks")
         if len(n) != self.key.num_slots:
             raise ValueError(f"slot_routes: {len(n)} entries, key has Q={self.key.num_slots} slots")
-        if sum(n) != self.key.top_k * sum(t):
-            raise ValueError(
-                f"slot_routes: sum {sum(n)} != k * sum(rank_tokens) = {self.key.top_k} * {sum(t)} "
-                f"(conservation, spec 0x05A)"
-            )
+        t, n = check_row_counts(t, n, self.key.top_k, "conservation, spec 0x05A")
         object.__setattr__(self, "rank_tokens", t)
         object.__setattr__(self, "slot_routes", n)
-
-    @property
-    def input_rows(self) -> int:
-        return sum(self.rank_tokens)
-
-    @property
-    def route_rows(self) -> int:
-        return sum(self.slot_routes)
 
 
 @dataclass(frozen=True)

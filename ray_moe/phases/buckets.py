@@ -80,6 +80,31 @@ def check_counts(name: str, values: Sequence[int], *, positive: bool = False) ->
     return out
 
 
+def check_row_counts(rank_tokens: Sequence[int], slot_routes: Sequence[int], top_k: int,
+                     context: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validated (T_u per rank, n_q per slot) with the conservation law sum n_q = k * sum T_u (0x05A)."""
+    t = check_counts("rank_tokens", rank_tokens)
+    n = check_counts("slot_routes", slot_routes)
+    if sum(n) != top_k * sum(t):
+        raise ValueError(f"slot_routes: sum {sum(n)} != k * sum(rank_tokens) = {top_k} * {sum(t)} ({context})")
+    return t, n
+
+
+class RowCounts:
+    """Mixin for records carrying ``rank_tokens`` [P] and ``slot_routes`` [Q]."""
+
+    rank_tokens: tuple[int, ...]
+    slot_routes: tuple[int, ...]
+
+    @property
+    def input_rows(self) -> int:
+        return sum(self.rank_tokens)
+
+    @property
+    def route_rows(self) -> int:
+        return sum(self.slot_routes)
+
+
 def exclusive_prefix(counts: Sequence[int]) -> tuple[int, ...]:
     """[n] -> [n+1] exclusive prefix sum with the total as sentinel."""
     out = [0]

@@ -37,13 +37,15 @@ from ray_moe.phases.buckets import (
     ExecutionPath,
     GraphKey,
     StableBuffers,
+    RowCounts,
     check_counts,
+    check_row_counts,
 )
 from ray_moe.types import Phase
 
 
 @dataclass(frozen=True)
-class PhaseProfile:
+class PhaseProfile(RowCounts):
     """Row shape of one workload (spec 0x05A).
 
     phase:         PREFILL or DECODE; None for a mixed outer batch (must be split before execution)
@@ -69,23 +71,9 @@ class PhaseProfile:
             raise ValueError(f"top_k={self.top_k}: must be >= 1")
         if self.control_items is not None and self.control_items < 0:
             raise ValueError(f"control_items={self.control_items}: must be >= 0")
-        t = check_counts("rank_tokens", self.rank_tokens)
-        n = check_counts("slot_routes", self.slot_routes)
-        # sum_q n_q = k * sum_u T_u (spec 0x05A)
-        if sum(n) != self.top_k * sum(t):
-            raise ValueError(
-                f"slot_routes: sum {sum(n)} != k * sum(rank_tokens) = {self.top_k} * {sum(t)} for profile {self.name!r}"
-            )
+        t, n = check_row_counts(self.rank_tokens, self.slot_routes, self.top_k, f"profile {self.name!r}")
         object.__setattr__(self, "rank_tokens", t)
         object.__setattr__(self, "slot_routes", n)
-
-    @property
-    def input_rows(self) -> int:
-        return sum(self.rank_tokens)
-
-    @property
-    def route_rows(self) -> int:
-        return sum(self.slot_routes)
 
 
 def variable_ledger(profile: PhaseProfile) -> ExecutionLedger:
