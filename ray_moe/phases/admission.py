@@ -113,7 +113,7 @@ def admit_decode_graph(step: AdmissionStep, graph: DecodeBucket, buffers: Stable
 
 
 @dataclass(frozen=True)
-class FallbackPlan:
+class FallbackPlan(RowCounts):
     """The uncaptured execution of a refused step (spec 0x05F): no truncation, no dropped route, no stale
     graph metadata. Every semantic row is executed exactly once.
 
@@ -123,14 +123,6 @@ class FallbackPlan:
     reason: FallbackReason
     rank_tokens: tuple[int, ...]
     slot_routes: tuple[int, ...]
-
-    @property
-    def input_rows(self) -> int:
-        return sum(self.rank_tokens)
-
-    @property
-    def route_rows(self) -> int:
-        return sum(self.slot_routes)
 
     def ledger(self, control_items: int | None = None) -> ExecutionLedger:
         """Variable dispatch slots = input rows, grouped runner rows = route rows (no padding)."""
