@@ -16,6 +16,7 @@ generation as stale (after a publish); per-step generation pins live on the shar
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import threading
 import time
 import uuid
@@ -63,7 +64,7 @@ class RuntimeStats:
     stale_retries: int = 0
     failed_steps: int = 0
     rank_rows: dict[int, int] = field(default_factory=dict)
-    step_ms: list[float] = field(default_factory=list)
+    step_ms: deque = field(default_factory=lambda: deque(maxlen=4096))  # last steps only: a server runs for days
     phase_steps: dict[str, int] = field(default_factory=dict)
     last_step: dict = field(default_factory=dict)  # wall/shard times and per-layer paths of the last step
     graph_replays: int = 0  # decode (step, layer) units served by the bucket path

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -106,7 +106,8 @@ class ControlPlane:
         self.dead_ranks: set[int] = set()
         self.retired_with_refcount: list[tuple[int, int]] = []  # (generation, refcount at retirement)
         self._clock = clock
-        self._timeline: list[TimelineEvent] = []
+        self._timeline: deque[TimelineEvent] = deque(maxlen=10_000)  # bounded: the control path runs for days
+        self._seq = 0
         self._lock = threading.RLock()  # one control operation at a time
         self._tl_lock = threading.Lock()
         self._next_generation = 0
@@ -114,7 +115,8 @@ class ControlPlane:
     # ---------------------------------------------------------------- timeline
     def log(self, event: str, generation: int | None = None, detail: str = "") -> None:
         with self._tl_lock:
-            self._timeline.append(TimelineEvent(len(self._timeline), self._clock(), event, generation, detail))
+            self._timeline.append(TimelineEvent(self._seq, self._clock(), event, generation, detail))
+            self._seq += 1
 
     def timeline(self) -> list[TimelineEvent]:
         with self._tl_lock:
