@@ -15,6 +15,10 @@ Paths, all on the same routes, rows and split vectors (per case, measured in the
               On CPU (--quick) the same call through the local exchange.
   torch_dist  torch.distributed.all_to_all_single (NCCL backend) with the same uneven splits, dispatch then
               return, into preallocated outputs.
+  direct_cN   ``DirectDispatcher(chunks=N)`` dispatch + combine (dispatch/direct.py): one host copy before
+              two control all-gathers, own rows never enter the network (one gather/scatter kernel), peer
+              rows in N chunk rounds on a separate stream overlapping packs and placements, one-pass gated
+              FP32 combine (Triton on CUDA). Same rows, counts and output as ``ours`` (checked per case).
   plan        the planning overhead alone: engine.dispatch up to and including the control all-gather
               (validation, selection, plan_source, the counts' device->host copy), ended by a planted
               status so every rank aborts before payload.
@@ -91,7 +95,11 @@ from ray_moe.testing.spmd import exchange_device, run_spmd
 MiB = 1 << 20
 AUTO_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 PER_PEER_RANGE = (0.75 * MiB, 300 * MiB)  # the automatic token list spans ~1 MiB .. 256 MiB per peer
-PATHS = ("ours", "ours_fastcombine", "ours_fast", "raw", "raw_with_slot", "raw_selfgroup", "torch_dist", "plan")
+BASE_PATHS = ("ours", "ours_fastcombine", "ours_fast", "raw", "raw_with_slot", "raw_selfgroup", "torch_dist", "plan")
+
+
+def direct_name(chunks: int) -> str:
+    return f"direct_c{chunks}"
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,11 @@ class BenchConfig:
     dist: bool
     stages: bool
     proposed: bool
+    direct_chunks: tuple[int, ...] = (1, 2, 4)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return BASE_PATHS[:3] + tuple(direct_name(c) for c in self.direct_chunks) + BASE_PATHS[3:]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -479,6 +492,24 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
             and torch.equal(fast.handle.count_matrix, ref.handle.count_matrix))
         checks["ours_fast_max_rel_err"] = _rel_err(ours_fast(f"{case_id}/fcheck"), want, scale)
         samples["ours_fast"] = measure(ctx, f"{case_id}/fast", ours_fast)
+    # 2b. the direct path, one dispatcher (its comm stream) per chunk count, checked against ``ours``
+    from ray_moe.dispatch.direct import DirectDispatcher
+
+    for chunks in cfg.direct_chunks:
+        dd = DirectDispatcher(ex, chunks=chunks)
+        name = direct_name(chunks)
+
+        def direct(tag: str, dd=dd) -> torch.Tensor:
+            out = dd.dispatch(batch, snap, selector=ctx.selector, tag=tag)
+            return dd.combine(out.rows, out.handle, snap, tag=tag, out_dtype=dtype)
+
+        chk = dd.dispatch(batch, snap, selector=ctx.selector, tag=f"{case_id}/{name}check")
+        checks[f"{name}_rows_equal_engine_exact"] = bool(torch.equal(chk.rows, ref.rows)
+                                                         and chk.counts_list == ref.counts_list)
+        checks[f"{name}_max_rel_err"] = _rel_err(dd.combine(chk.rows, chk.handle, snap, tag=f"{case_id}/{name}check",
+                                                            out_dtype=dtype), want, scale)
+        del chk
+        samples[name] = measure(ctx, f"{case_id}/{name}", direct)
     # 3. raw exchange of the same bytes (pre-packed, no planning)
     g = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 17 * ctx.rank + tokens)
     buf = torch.randn(r_rows, cfg.d, generator=g, device=ctx.device, dtype=torch.float32).to(dtype)
@@ -532,7 +563,8 @@ def _rel_err(y: torch.Tensor, want: torch.Tensor, scale: float) -> float:
 
 def bench_rank(exchange: Exchange, rank: int, cfg_fields: dict[str, Any]) -> dict[str, Any]:
     """The per-rank body run by ``run_spmd``: every case in order. Returns plain data only."""
-    cfg = BenchConfig(**{**cfg_fields, "tokens": tuple(cfg_fields["tokens"])})
+    cfg = BenchConfig(**{**cfg_fields, "tokens": tuple(cfg_fields["tokens"]),
+                         "direct_chunks": tuple(cfg_fields.get("direct_chunks", ()))})
     dist_on = False
     if cfg.dist:
         import torch.distributed as dist
@@ -571,7 +603,7 @@ def aggregate(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, A
         per_peer = float(c[off].mean()) * cfg.row_bytes if p > 1 else 0.0
         size = float(c.sum(axis=1).mean()) * cfg.row_bytes
         paths: dict[str, Any] = {}
-        for name in PATHS:
+        for name in cfg.paths:
             if name not in per[0]["samples"]:
                 continue
             st = _stats([x["samples"][name] for x in per])
@@ -580,7 +612,7 @@ def aggregate(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, A
                 st.update(algbw_GBps=algbw, busbw_GBps=algbw * (p - 1) / p)
             paths[name] = st
         raw_ms = paths["raw"]["median_ms"]
-        for name in ("ours", "ours_fastcombine", "ours_fast"):
+        for name in ("ours", "ours_fastcombine", "ours_fast", *map(direct_name, cfg.direct_chunks)):
             if name in paths:
                 paths[name]["frac_of_raw"] = raw_ms / paths[name]["median_ms"] if paths[name]["median_ms"] else 0.0
         stages = {}
@@ -597,18 +629,23 @@ def aggregate(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, A
     return rows
 
 
-SHORT = MappingProxyType({"ours": "ours", "ours_fastcombine": "fastcomb", "ours_fast": "ours_fast", "raw": "raw",
-                          "raw_with_slot": "raw+slot", "raw_selfgroup": "raw_self", "torch_dist": "tdist",
-                          "plan": "plan"})
+_SHORT = MappingProxyType({"ours": "ours", "ours_fastcombine": "fastcomb", "ours_fast": "ours_fast", "raw": "raw",
+                           "raw_with_slot": "raw+slot", "raw_selfgroup": "raw_self", "torch_dist": "tdist",
+                           "plan": "plan"})
+
+
+def short(name: str) -> str:
+    return _SHORT.get(name, name)
 
 
 def print_table(cfg: BenchConfig, rows: list[dict[str, Any]]) -> None:
-    names = [n for n in PATHS if n in rows[0]["paths"]]
-    bw = [n for n in ("ours", "ours_fast", "raw", "torch_dist") if n in names]
-    fr = [n for n in ("ours", "ours_fastcombine", "ours_fast") if n in names]
+    names = [n for n in cfg.paths if n in rows[0]["paths"]]
+    directs = [direct_name(c) for c in cfg.direct_chunks]
+    bw = [n for n in ("ours", *directs, "raw", "torch_dist") if n in names]
+    fr = [n for n in ("ours", "ours_fastcombine", "ours_fast", *directs) if n in names]
     print(f"\nworld={cfg.world} backend={cfg.backend} d={cfg.d} k={cfg.k} E={cfg.num_experts} dtype={cfg.dtype} "
           f"iters={cfg.iters}: dispatch+return per step, median over iterations of the slowest rank (ms)")
-    head = f"{'phase':7} {'T':>6} {'peer MiB':>9} {'size MiB':>9} |" + "".join(f" {SHORT[n]:>9}" for n in names)
+    head = f"{'phase':7} {'T':>6} {'peer MiB':>9} {'size MiB':>9} |" + "".join(f" {short(n):>9}" for n in names)
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -616,8 +653,8 @@ def print_table(cfg: BenchConfig, rows: list[dict[str, Any]]) -> None:
         print(f"{r['phase']:7} {r['tokens_per_rank']:6d} {r['per_peer_bytes'] / MiB:9.2f} "
               f"{r['size_bytes_per_rank'] / MiB:9.2f} |" + "".join(f" {ps[n]['median_ms']:9.3f}" for n in names))
     print("\nbus bandwidth (GB/s, algbw * (P-1)/P) and fraction of raw NCCL (raw ms / path ms):")
-    head = f"{'phase':7} {'T':>6} |" + "".join(f" {SHORT[n] + ' bus':>14}" for n in bw) + " |"
-    head += "".join(f" {SHORT[n] + '/raw':>13}" for n in fr)
+    head = f"{'phase':7} {'T':>6} |" + "".join(f" {short(n) + ' bus':>14}" for n in bw) + " |"
+    head += "".join(f" {short(n) + '/raw':>13}" for n in fr)
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -654,7 +691,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(world=world, backend=backend, d=d, k=k, num_experts=e, tokens=tokens, decode_tokens=decode,
                        dtype=args.dtype, warmup=warmup, iters=iters, stage_iters=stage_iters, seed=args.seed,
                        dist=backend == "nccl" and not args.no_dist, stages=not args.no_stages,
-                       proposed=not args.no_proposed)
+                       proposed=not args.no_proposed,
+                       direct_chunks=tuple(int(c) for c in args.direct_chunks.split(",") if c.strip()))
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -677,6 +715,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--no-dist", action="store_true", help="skip the torch.distributed baseline")
     ap.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
     ap.add_argument("--no-proposed", action="store_true", help="skip the proposed-combine variant")
+    ap.add_argument("--direct-chunks", default="1,2,4", help="chunk counts of the direct path ('' for none)")
     ap.add_argument("--timeout-s", type=float, default=570.0, help="limit of the whole run")
     args = ap.parse_args(argv)
     cfg = config_from_args(args)
@@ -703,6 +742,7 @@ def main(argv: list[str] | None = None) -> str:
             "algbw_GBps": "2 * size / time", "busbw_GBps": "algbw * (P-1)/P",
             "frac_of_raw": "raw median / path median",
             "plan": "engine.dispatch through the control all-gather, aborted by a planted status",
+            "direct_cN": "DirectDispatcher(chunks=N).dispatch + combine (dispatch/direct.py), same routes",
             "stages_ms_max_over_ranks": "communication-free pieces of 'ours' timed alone (median per rank)",
         },
         "cases": rows,

@@ -31,6 +31,9 @@ class ReplicaSelector(ABC):
     """Chooses one physical slot per route: ``select(routes, snapshot) -> [R] int64``."""
 
     policy: ReplicaPolicy
+    # True when ``select`` is a pure function of (routes, snapshot) made of device ops only (no host
+    # sync, no state): the direct path may then capture it in a CUDA graph
+    graph_safe: bool = False
 
     @abstractmethod
     def select(self, routes: SemanticRoutes, snapshot: PlacementSnapshot) -> torch.Tensor:
@@ -45,12 +48,15 @@ class RoundRobinSelector(ReplicaSelector):
     each origin's routes to a replicated expert split evenly over its replicas."""
 
     policy = ReplicaPolicy.ROUND_ROBIN
+    graph_safe = True
 
     def select(self, routes: SemanticRoutes, snapshot: PlacementSnapshot) -> torch.Tensor:
         e = routes.logical_expert
         if e.numel() == 0:
             return e.clone()
         maps = snapshot.on(e.device)
+        if snapshot.log2phy.shape[1] == 1:  # no replicated expert: replica 0 is the only choice
+            return maps.log2phy[e, 0]
         pos = _rank_within_expert(e, snapshot.num_experts)
         j = (pos + routes.origin_rank) % maps.logcnt[e]
         return maps.log2phy[e, j]
@@ -60,6 +66,7 @@ class HashSelector(ReplicaSelector):
     """Replica chosen by a hash of (origin rank, token, route slot): stateless and reproducible."""
 
     policy = ReplicaPolicy.HASH
+    graph_safe = True
 
     def select(self, routes: SemanticRoutes, snapshot: PlacementSnapshot) -> torch.Tensor:
         e = routes.logical_expert
@@ -68,8 +75,8 @@ class HashSelector(ReplicaSelector):
         dev = e.device
         key = (routes.origin_token * 0x9E3779B1 + routes.route_slot * 0x85EBCA77 + routes.origin_rank * 0xC2B2AE3D)
         key = (key ^ (key >> 15)) & 0x7FFFFFFF
-        j = key % snapshot.logcnt.to(dev)[e]
-        return snapshot.log2phy.to(dev)[e, j]
+        j = key % snapshot.on(dev).logcnt[e]
+        return snapshot.on(dev).log2phy[e, j]
 
 
 class LeastLoadSelector(ReplicaSelector):

@@ -25,6 +25,9 @@ class Exchange(ABC):
 
     rank: int
     group: ProcessGroupSpec
+    # True when the backend can enqueue a payload round on a device stream and return before it completes
+    # (``post_all_to_all_v`` + ``wait``: NCCL); False for backends whose rounds complete on return
+    device_async: bool = False
 
     @property
     def peer(self) -> int:

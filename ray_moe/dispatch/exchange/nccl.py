@@ -30,6 +30,8 @@ def new_unique_id() -> bytes:
 class NcclExchange(Exchange):
     """One rank's endpoint of an NCCL communicator over ``group`` (ranks in peer-slot order)."""
 
+    device_async = True  # post_all_to_all_v enqueues on a stream without a host wait
+
     def __init__(self, rank: int, group: ProcessGroupSpec, unique_id: bytes, *, timeout_s: float,
                  device: torch.device | str = "cuda") -> None:
         import cupy
@@ -110,20 +112,48 @@ class NcclExchange(Exchange):
         recv_splits: Sequence[int],
     ) -> dict[str, torch.Tensor]:
         check_splits("send_splits", tensors, send_splits, self.size)
+        out = self._enqueue(tensors, send_splits, recv_splits, torch.cuda.current_stream(self.device), None)
+        if self.sync_payload and not torch.cuda.is_current_stream_capturing():
+            self.wait(f"exchange {tag!r} (all-to-all-v)")  # a dead peer raises here, never hangs a later sync
+        return out
+
+    def post_all_to_all_v(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        *,
+        stream: "torch.cuda.Stream",
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Enqueue one all-to-all-v on ``stream`` and return at once (no host wait: the caller orders
+        readers with events and runs ``wait`` once at the end of its step). ``out`` (optional): receive
+        buffers ``[sum(recv_splits), ...]`` per key, written in place."""
+        check_splits("send_splits", tensors, send_splits, self.size)
+        return self._enqueue(tensors, send_splits, recv_splits, stream, out)
+
+    def _enqueue(self, tensors, send_splits, recv_splits, stream, out_buffers) -> dict[str, torch.Tensor]:
         nccl = self._nccl
         send_off = np.concatenate([[0], np.cumsum(np.asarray(send_splits, dtype=np.int64))])
         recv_off = np.concatenate([[0], np.cumsum(np.asarray(recv_splits, dtype=np.int64))])
-        stream = torch.cuda.current_stream(self.device).cuda_stream
         out: dict[str, torch.Tensor] = {}
         plans = []
         for key, t in tensors.items():
             t = t.contiguous()
-            o = torch.empty((int(recv_off[-1]), *t.shape[1:]), dtype=t.dtype, device=self.device)
+            shape = (int(recv_off[-1]), *t.shape[1:])
+            if out_buffers is not None:
+                o = out_buffers[key]
+                if tuple(o.shape) != shape or o.dtype != t.dtype or not o.is_contiguous():
+                    raise ValueError(f"out[{key!r}]: {o.dtype}{tuple(o.shape)} cannot receive {t.dtype}{shape}")
+            else:
+                with torch.cuda.stream(stream):
+                    o = torch.empty(shape, dtype=t.dtype, device=self.device)
             out[key] = o
             row_bytes = t.element_size() * int(np.prod(t.shape[1:], dtype=np.int64))
             plans.append((t, o, row_bytes))
         # one NCCL group per round; the self segment is a send/recv to self inside the group (measured
         # faster than a device copy queued ahead of the group)
+        handle = stream.cuda_stream
         nccl.groupStart()
         for t, o, row_bytes in plans:
             if row_bytes == 0:
@@ -132,14 +162,12 @@ class NcclExchange(Exchange):
                 ns = int(send_splits[peer])
                 if ns:
                     self.comm.send(t.data_ptr() + int(send_off[peer]) * row_bytes, ns * row_bytes,
-                                   nccl.NCCL_UINT8, peer, stream)
+                                   nccl.NCCL_UINT8, peer, handle)
                 nr = int(recv_splits[peer])
                 if nr:
                     self.comm.recv(o.data_ptr() + int(recv_off[peer]) * row_bytes, nr * row_bytes,
-                                   nccl.NCCL_UINT8, peer, stream)
+                                   nccl.NCCL_UINT8, peer, handle)
         nccl.groupEnd()
-        if self.sync_payload and not torch.cuda.is_current_stream_capturing():
-            self.wait(f"exchange {tag!r} (all-to-all-v)")  # a dead peer raises here, never hangs a later sync
         return out
 
     # -------------------------------------------------------------- point-to-point (weight migration)
