@@ -26,7 +26,8 @@ Cases (GPU defaults; every case is measured in this run):
   decode    T = 1..128 tokens PER RANK, >= 50 timed steps each, p50/p99 nearest-rank, three paths:
               graph     decode buckets replayed as CUDA graphs (cuda_graphs=True; on CPU: eager bucket)
               eager     decode buckets without graphs (a second deployment with cuda_graphs=False)
-              variable  the variable (non-bucket) path. It is the exact code path of decode_buckets=False:
+              variable  the variable (non-bucket) path (``--dispatch-path``: engine, direct, or auto = direct
+                        on NCCL). It is the exact code path of decode_buckets=False:
                         the same tokens submitted with phase="prefill" on the graph deployment (a shard only
                         takes the bucket path for phase=decode), so weights are not loaded a third time.
             The path every step actually took is recorded from the shards' per-layer stats
@@ -253,12 +254,14 @@ def run_deployment(dep: Deployment, model: Model, prof: Profile, args: argparse.
         slots_per_rank=math.ceil(model.num_experts / dep.ranks), num_layers=dep.layers, device=device,
         dtype=dtype_name, seed=args.seed, name=f"bench-ls-{dep.label}", decode_token_capacity=decode_capacity,
         cuda_graphs=dep.cuda_graphs, decode_buckets=True, exchange_timeout_s=args.exchange_timeout_s,
+        dispatch_path=args.dispatch_path,
     )
     t0 = time.perf_counter()
     rt = RecordingRuntime.start(cfg)
     deploy_s = time.perf_counter() - t0
     dtype = rt.dtype
     out: dict[str, Any] = {"label": dep.label, "ranks": dep.ranks, "model": asdict(model), "num_layers": dep.layers,
+                           "dispatch_path": cfg.resolved_dispatch_path.value,
                            "cuda_graphs": dep.cuda_graphs, "config": cfg.model_dump(mode="json"),
                            "deploy_s": deploy_s, "prefill": [], "decode": []}
     mib = model.expert_bytes(torch.tensor([], dtype=dtype).element_size()) / 2**20
@@ -404,6 +407,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new deployment after this many seconds (default: 540 on GPU, none on CPU)")
     ap.add_argument("--exchange-timeout-s", type=float, default=120.0)
+    ap.add_argument("--dispatch-path", default="auto", choices=("auto", "engine", "direct"),
+                    help="normal-mode data path of the deployments (auto: direct on NCCL)")
     ap.add_argument("--keep-steps", action="store_true", help="keep every step's record in the JSON")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -436,7 +441,7 @@ def main(argv: list[str] | None = None) -> str:
     decode_capacity = args.decode_capacity or max(prof.decode_tokens)
     budget = args.budget_s if args.budget_s is not None else (540.0 if cuda else None)
     suffix = host_kind() + ("" if ranks_list == default_ranks else "-g" + "-".join(map(str, ranks_list))) + \
-        ("-quick" if args.quick else "")
+        ("-quick" if args.quick else "") + ("" if args.dispatch_path == "auto" else "-" + args.dispatch_path)
 
     deps = plan_deployments(ranks_list, matrix, paths, not args.no_prefill)
     t_start = time.perf_counter()

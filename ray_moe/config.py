@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_moe.types import ExchangeKind, ExchangeSchedule, PayloadFormat, ReplicaPolicy, RunnerKind
+from ray_moe.types import DispatchPath, ExchangeKind, ExchangeSchedule, PayloadFormat, ReplicaPolicy, RunnerKind
 
 
 class RuntimeConfig(BaseModel):
@@ -34,6 +34,8 @@ class RuntimeConfig(BaseModel):
                                                 description="flat all-to-all-v or hierarchical through node relays")
     replica_policy: ReplicaPolicy = ReplicaPolicy.ROUND_ROBIN
     payload_format: PayloadFormat = PayloadFormat.NATIVE
+    dispatch_path: DispatchPath = Field(default=DispatchPath.AUTO,
+                                        description="engine | direct | auto (direct on NCCL with native payload)")
     residual: bool = Field(default=False, description="h <- h + MoE(h) between layers (else h <- MoE(h))")
     router_skew: float = Field(default=0.0, ge=0.0, description="Zipf exponent of a router bias (0 = none)")
     norm_topk: bool = True
@@ -65,10 +67,22 @@ class RuntimeConfig(BaseModel):
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.num_experts % self.num_groups:
             raise ValueError(f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}")
-        if self.payload_format is not PayloadFormat.NATIVE and self.device != "cuda" and self.dtype == "float32":
-            # fp8 on CPU works (torch has the dtype) but is only meaningful against a bf16 baseline
-            pass
+        if self.dispatch_path is DispatchPath.DIRECT and (
+                self.payload_format is not PayloadFormat.NATIVE or self.exchange_schedule is not ExchangeSchedule.FLAT):
+            raise ValueError(
+                f"dispatch_path=direct moves native rows over the flat schedule; payload_format="
+                f"{self.payload_format.value} / exchange_schedule={self.exchange_schedule.value} need "
+                f"dispatch_path=engine (or auto)")
         return self
+
+    @property
+    def resolved_dispatch_path(self) -> DispatchPath:
+        """ENGINE or DIRECT (AUTO resolved against the exchange, payload format and schedule)."""
+        if self.dispatch_path is not DispatchPath.AUTO:
+            return self.dispatch_path
+        direct = (self.exchange_kind is ExchangeKind.NCCL and self.payload_format is PayloadFormat.NATIVE
+                  and self.exchange_schedule is ExchangeSchedule.FLAT)
+        return DispatchPath.DIRECT if direct else DispatchPath.ENGINE
 
     @property
     def num_slots(self) -> int:

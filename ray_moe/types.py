@@ -112,6 +112,20 @@ class PayloadFormat(str, Enum):
     FP8_BLOCK128 = "fp8_block128"  # e4m3 + one fp32 scale per 128 values per row
 
 
+class DispatchPath(str, Enum):
+    """Which implementation moves a normal (variable) step's rows.
+
+    ENGINE: ``dispatch/engine.py``, the reference protocol (slot ids travel with the rows, every payload
+    format, the hierarchical schedule). DIRECT: ``dispatch/direct.py``, the fast path (own rows bypass
+    the network, a captured plan, one-pass combine; native payload, flat schedule). AUTO: DIRECT where it
+    applies (NCCL exchange, native payload, flat schedule), else ENGINE.
+    """
+
+    ENGINE = "engine"
+    DIRECT = "direct"
+    AUTO = "auto"
+
+
 class ExchangeSchedule(str, Enum):
     """Flat all-to-all-v or hierarchical through node relays (spec 0x07E)."""
 

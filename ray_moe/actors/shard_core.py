@@ -130,10 +130,17 @@ class ShardCore:
         self._faults: dict[str, tuple[int, int | None]] = {}
         self._buckets: dict[tuple[int, int], _DecodeBucket] = {}
         self._last_fallback: str | None = None
+        self._direct = None  # DirectDispatcher when the deployment runs the direct path (set_exchange)
 
     # ================================================================ control path
     def set_exchange(self, exchange: Exchange) -> None:
+        from ray_moe.dispatch.direct import DirectDispatcher
+        from ray_moe.types import DispatchPath
+
         self.exchange = exchange
+        # the normal-mode path is a deployment-wide choice (every rank must speak the same control protocol)
+        direct = self.cfg.resolved_dispatch_path is DispatchPath.DIRECT
+        self._direct = DirectDispatcher(exchange, chunks=1) if direct else None
 
     def load_experts(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
         """Load (layer, expert) weights from the weight source; returns their parameter digests."""
@@ -367,6 +374,11 @@ class ShardCore:
                     reason = self._last_fallback
                 else:
                     reason = None
+                if self._direct is not None:
+                    y, ls = self._direct_layer(layer, gen, snap, h, ids, gates, tag, status, g, checks, reason)
+                    h = h + y if cfg.residual else y
+                    stats.append(ls)
+                    continue
                 out = dispatch(RouteBatch(self.rank, h, ids, gates), snap, self.exchange, selector=self.selector,
                                tag=tag, payload_format=cfg.payload_format,
                                status=status if layer == 0 else ControlStatus.OK,
@@ -412,6 +424,26 @@ class ShardCore:
         return StepResult(self.rank, req.step_id, req.generation, arr, dt, tuple(stats),
                           tuple(routes_out) if req.return_routes else None, self.registry.active(),
                           time.perf_counter() - t0)
+
+    def _direct_layer(self, layer: int, gen: "_Generation", snap: PlacementSnapshot, h: torch.Tensor,
+                      ids: torch.Tensor, gates: torch.Tensor, tag: str, status: ControlStatus, g: int, checks: list,
+                      reason: str | None):
+        """One layer through ``dispatch/direct.py`` (same faults, checks and stats as the engine path)."""
+        from ray_moe.dispatch.direct import corrupt_route_src
+
+        cfg = self.cfg
+        out = self._direct.dispatch(RouteBatch(self.rank, h, ids, gates), snap, selector=self.selector, tag=tag,
+                                    status=status if layer == 0 else ControlStatus.OK,
+                                    count_fault=1 if layer == 0 and self._take_fault("count", g) else 0,
+                                    scale_fault=layer == 0 and self._take_fault("scale", g))
+        w = gen.weights[layer]
+        y_rows = self.runner.run(out.rows, out.counts_list, w) if out.rows.shape[0] else out.rows.new_zeros(
+            (0, cfg.hidden_size))
+        if self._take_fault("parity", g):
+            y_rows = y_rows * 1.01
+        handle = corrupt_route_src(out.handle) if self._take_fault("inverse", g) else out.handle
+        y = self._direct.combine(y_rows, handle, snap, tag=tag, out_dtype=self.dtype, deferred_check=checks)
+        return y, _direct_stats(layer, out.handle, snap, self.rank, cfg.num_experts, reason)
 
     # ================================================================ decode buckets
     def _bucket(self, gen: _Generation, layer: int) -> "_DecodeBucket":
@@ -622,6 +654,21 @@ def _layer_stats(layer: int, out, snap: PlacementSnapshot, rank: int, num_expert
     slot_rows = {int(s): int(c) for s, c in zip(hd.receive.slot_ids.tolist(), hd.receive.expert_counts.tolist())}
     return _route_stats(layer, hd.routes.logical_expert, hd.source.dest_rank, snap, rank, num_experts, slot_rows,
                         "variable", fallback_reason)
+
+
+def _direct_stats(layer: int, hd, snap: PlacementSnapshot, rank: int, num_experts: int,
+                  fallback_reason: str | None) -> LayerStats:
+    """The engine path's layer statistics from the direct handle's host counts (no device sync)."""
+    row = hd.count_matrix[rank].numpy()  # routes this rank sent to every global rank
+    sent = np.asarray(hd.sent_slot_counts, dtype=np.int64)
+    node = snap.rank_node.numpy()
+    counts = np.bincount(snap.phy2log.numpy(), weights=sent, minlength=num_experts).astype(np.int64)
+    slot_ids = snap.rank_slot_ids(rank).tolist()
+    slot_rows = {int(q): int(c) for q, c in zip(slot_ids, hd.expert_counts)}
+    remote = int(row.sum() - row[rank])
+    inter = int(row[node != node[rank]].sum())
+    return LayerStats(layer, int(row.sum()), remote, inter, counts, row.astype(np.int64), slot_rows, "variable",
+                      fallback_reason)
 
 
 def _route_stats(layer: int, experts: torch.Tensor, dest: torch.Tensor, snap: PlacementSnapshot, rank: int,

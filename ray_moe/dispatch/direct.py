@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ray_moe.dispatch.engine import DTYPE_CODES, ControlRecord, ControlStatus, agree
+from ray_moe.dispatch.engine import DTYPE_CODES, ControlRecord, ControlStatus, agree, reject_corrupt
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.kernels import gated_combine, move_rows
 from ray_moe.dispatch.plan import check_assignment, count_by
@@ -100,6 +100,8 @@ class DirectHandle:
     recv_chunks: tuple[tuple[int, ...], ...]
     count_matrix: torch.Tensor
     num_rows: int
+    sent_slot_counts: tuple[int, ...] = ()  # [Q] routes this rank sent to each physical slot (host)
+    expert_counts: tuple[int, ...] = ()  # [Q_local] rows per local slot (host)
 
     @property
     def remote_sent(self) -> int:
@@ -137,6 +139,7 @@ class _Layout:
     expert_counts: np.ndarray  # [Q_local]
     em_shift: np.ndarray  # [G * Q_local] expert-major row minus source-major receive row, per (peer, slot)
     em_repeats: np.ndarray  # [G * Q_local] rows per (peer, slot) in source-major receive order
+    sent_slot_counts: np.ndarray  # [Q] routes this rank sent to each physical slot
 
 
 def chunk_bounds(n: int, chunks: int) -> np.ndarray:
@@ -169,31 +172,49 @@ def chunk_major_blocks(splits: np.ndarray, me: int, chunks: int) -> tuple[np.nda
     return np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
 
 
-def build_layout(slot_counts: np.ndarray, slot_peer: np.ndarray, my_slots: np.ndarray, me: int,
-                 chunks: int) -> _Layout:
-    """Host layout of rank ``me`` from the agreed per-slot count matrix.
+@dataclass(frozen=True)
+class _HostMaps:
+    """Host-side maps of one snapshot for one rank (built once per generation and layer).
 
-    slot_counts: [G, Q] routes each peer sends to each physical slot; slot_peer: [Q] peer slot hosting
-    each physical slot; my_slots: [Q_local] global slot ids of this rank in local (expert-major) order.
-    A source sends its rows for this rank sorted by global slot id (the send-order key), so within one
-    source segment the slots appear in ascending id order.
+    slot_peer: [Q] peer slot hosting each physical slot; onehot: [Q, G] int64 (slot -> its peer);
+    my_slots: [Q_local] this rank's global slot ids in local (expert-major) order; by_id: [Q_local] the
+    local slots in ascending global id (the order they appear in inside every source segment).
     """
-    g_count = slot_counts.shape[0]
-    per_peer = np.zeros((g_count, g_count), dtype=np.int64)  # [src, dst]
-    np.add.at(per_peer.T, slot_peer, slot_counts.T)
+
+    slot_peer: np.ndarray
+    onehot: np.ndarray
+    my_slots: np.ndarray
+    by_id: np.ndarray
+
+    @staticmethod
+    def build(snapshot: PlacementSnapshot, rank: int, g_count: int) -> "_HostMaps":
+        slot_peer = snapshot.rank_to_peer[snapshot.slot_rank].numpy().astype(np.int64)
+        onehot = np.zeros((slot_peer.size, g_count), dtype=np.int64)
+        inside = slot_peer >= 0  # slots on ranks outside the group are never selected
+        onehot[np.nonzero(inside)[0], slot_peer[inside]] = 1
+        my_slots = snapshot.rank_slot_ids(rank).numpy().astype(np.int64)
+        return _HostMaps(slot_peer, onehot, my_slots, np.argsort(my_slots, kind="stable"))
+
+
+def build_layout(slot_counts: np.ndarray, maps: _HostMaps, me: int, chunks: int) -> _Layout:
+    """Host layout of rank ``me`` from the agreed per-slot count matrix ``slot_counts`` [G, Q] (routes each
+    peer sends to each physical slot). A source sends its rows for this rank sorted by global slot id (the
+    send-order key), so within one source segment the local slots appear in ``maps.by_id`` order.
+    """
+    per_peer = slot_counts @ maps.onehot  # [src, dst]
     send_splits, recv_splits = per_peer[me], per_peer[:, me]
-    m = slot_counts[:, my_slots]  # [G, Q_local] rows from each source per local slot
+    m = slot_counts[:, maps.my_slots]  # [G, Q_local] rows from each source per local slot
     expert_counts = m.sum(axis=0)
-    em_off = np.concatenate([[0], np.cumsum(expert_counts)[:-1]]) if expert_counts.size else expert_counts
+    em_off = np.cumsum(expert_counts) - expert_counts
     base = em_off[None, :] + np.cumsum(m, axis=0) - m  # first expert-major row of (source, slot)
-    by_id = np.argsort(my_slots, kind="stable")  # slot order inside every source segment
-    m_id = m[:, by_id]
+    m_id = m[:, maps.by_id]
     seg_start_in_src = np.cumsum(m_id, axis=1) - m_id  # offset of (source, slot) inside the segment
-    recv_seg = np.concatenate([[0], np.cumsum(recv_splits)[:-1]])
-    shift = base[:, by_id] - seg_start_in_src - recv_seg[:, None]
+    recv_seg = np.cumsum(recv_splits) - recv_splits
+    shift = base[:, maps.by_id] - seg_start_in_src - recv_seg[:, None]
     return _Layout(send_splits=send_splits, recv_splits=recv_splits,
                    send_chunks=chunk_table(send_splits, me, chunks), recv_chunks=chunk_table(recv_splits, me, chunks),
-                   expert_counts=expert_counts, em_shift=shift.reshape(-1), em_repeats=m_id.reshape(-1))
+                   expert_counts=expert_counts, em_shift=shift.reshape(-1), em_repeats=m_id.reshape(-1),
+                   sent_slot_counts=slot_counts[me])
 
 
 def _blocks_index(starts: np.ndarray, lens: np.ndarray, total: int, device: torch.device) -> torch.Tensor:
@@ -234,7 +255,7 @@ class DirectDispatcher:
         self.wait_dispatch = wait_dispatch
         self._async = bool(getattr(exchange, "device_async", False))
         self._comm: torch.cuda.Stream | None = None
-        self._slots_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._slots_cache: dict[tuple, _HostMaps] = {}
         self._graphs: dict[tuple, _PlanGraph] = {}
         # host timestamps of the step's stages, appended when a caller sets a list here (profiling)
         self.marks: list[tuple[str, float]] | None = None
@@ -249,13 +270,12 @@ class DirectDispatcher:
             self._comm = torch.cuda.Stream(device=device)
         return self._comm
 
-    def _slot_maps(self, snapshot: PlacementSnapshot) -> tuple[np.ndarray, np.ndarray]:
-        """(slot_peer [Q], my_slots [Q_local]) on the host, cached per snapshot object."""
-        key = (id(snapshot), self.exchange.rank)
+    def _slot_maps(self, snapshot: PlacementSnapshot) -> "_HostMaps":
+        """Host maps of ``snapshot`` for this rank, cached by the snapshot's identity fields."""
+        key = (snapshot.generation, snapshot.layer, snapshot.map_digest, snapshot.pg_epoch, self.exchange.rank)
         hit = self._slots_cache.get(key)
         if hit is None:
-            slot_peer = snapshot.rank_to_peer[snapshot.slot_rank].numpy().astype(np.int64)
-            hit = (slot_peer, snapshot.rank_slot_ids(self.exchange.rank).numpy().astype(np.int64))
+            hit = _HostMaps.build(snapshot, self.exchange.rank, self.exchange.size)
             if len(self._slots_cache) > 64:
                 self._slots_cache.clear()
             self._slots_cache[key] = hit
@@ -301,11 +321,14 @@ class DirectDispatcher:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, batch: RouteBatch, snapshot: PlacementSnapshot, *, selector: ReplicaSelector, tag: str,
-                 status: ControlStatus = ControlStatus.OK) -> DirectDispatchOutput:
+                 status: ControlStatus = ControlStatus.OK, count_fault: int = 0,
+                 scale_fault: bool = False) -> DirectDispatchOutput:
         """Variable dispatch of one rank's routes (see the module docstring).
 
         batch.hidden [T, d] float, topk_ids [T, k] int64, topk_weights [T, k] float32.
         ``status`` lets the caller refuse the step while still taking part in the control rounds.
+        ``count_fault`` / ``scale_fault``: fault injection exactly as ``engine.dispatch`` (a perturbed split
+        vector / one declared scale column too many): every rank aborts in control round 1.
         """
         ex = self.exchange
         rank, g_count, me = ex.rank, ex.size, ex.peer
@@ -343,14 +366,16 @@ class DirectDispatcher:
         if error is not None:
             status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
             slot_counts = np.zeros(q_count, dtype=np.int64)
-        slot_peer, my_slots = self._slot_maps(snapshot)
-        declared = np.zeros(g_count, dtype=np.int64)
-        np.add.at(declared, slot_peer, slot_counts)
+        maps_h = self._slot_maps(snapshot)
+        declared = slot_counts @ maps_h.onehot
+        if count_fault:
+            declared = declared.copy()
+            declared[(me + 1) % g_count] += count_fault
         # 5. control round 1: the engine's header, agreed exactly as engine.dispatch agrees it
         width = int(h.shape[1]) if h.dim() == 2 else -1
         record = ControlRecord(snapshot.generation, snapshot.pg_epoch, snapshot.layer, status,
-                               int(slot_counts.sum()), snapshot.map_digest, width, DTYPE_CODES.get(h.dtype, 0), 0,
-                               tuple(declared.tolist()))
+                               int(slot_counts.sum()), snapshot.map_digest, width, DTYPE_CODES.get(h.dtype, 0),
+                               1 if scale_fault else 0, tuple(declared.tolist()))
         gathered = ex.all_gather(f"{tag}/ctl", record.to_array())
         self._mark("control_1")
         try:
@@ -362,10 +387,10 @@ class DirectDispatcher:
         # 6. control round 2: per-slot counts (same Q everywhere: the header agreed on the map digest)
         all_slots = ex.all_gather(f"{tag}/slots", slot_counts)
         self._mark("control_2")
-        if not np.array_equal(_per_peer(all_slots, slot_peer, g_count), c_peer):
+        if not np.array_equal(all_slots @ maps_h.onehot, c_peer):
             raise CountAgreementError(f"{tag}: per-slot counts do not add up to the agreed split vectors "
                                       f"{c_peer.tolist()}; aborted before payload exchange")
-        lay = build_layout(all_slots, slot_peer, my_slots, me, self.chunks)
+        lay = build_layout(all_slots, maps_h, me, self.chunks)
         self._mark("layout")
         assert send_order is not None or r_count == 0
         return self._exchange_rows(batch, snapshot, lay, c_peer, send_order, t_count, k, tag)
@@ -456,17 +481,20 @@ class DirectDispatcher:
             send_chunks=tuple(tuple(int(v) for v in row) for row in lay.send_chunks),
             recv_chunks=tuple(tuple(int(v) for v in row) for row in lay.recv_chunks),
             count_matrix=torch.from_numpy(c_global), num_rows=n_rows,
+            sent_slot_counts=tuple(int(v) for v in lay.sent_slot_counts.tolist()), expert_counts=counts_list,
         )
         return DirectDispatchOutput(rows=x, expert_counts=torch.from_numpy(lay.expert_counts), counts_list=counts_list,
                                     handle=handle)
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_rows: torch.Tensor, handle: DirectHandle, snapshot: PlacementSnapshot, *, tag: str,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, deferred_check: list | None = None) -> torch.Tensor:
         """Return path: peer rows go back in chunk rounds, own rows stay; one gated FP32 combine pass.
 
         expert_rows: [N, d] expert outputs in expert-major order (no gate applied)
         returns:     [T, d] ``out_dtype``
+        deferred_check: if a list, (handle id, device flag of ``handle_ok``) is appended for the caller to
+        read with the output before publishing it; otherwise the handle is checked now (one host sync).
         """
         if snapshot.generation != handle.generation or snapshot.layer != handle.layer:
             raise StaleGenerationError(
@@ -476,6 +504,10 @@ class DirectDispatcher:
         if expert_rows.dim() != 2 or expert_rows.shape[0] != handle.num_rows:
             raise RouteValidationError(f"expert_rows: shape {tuple(expert_rows.shape)} but the handle received "
                                        f"{handle.num_rows} rows")
+        if deferred_check is None:
+            reject_corrupt(handle.handle_id, bool(handle_ok(handle)))
+        else:
+            deferred_check.append((handle.handle_id, handle_ok(handle)))
         self._mark("combine")
         y = expert_rows.contiguous()
         dev, d = y.device, int(y.shape[1])
@@ -505,6 +537,35 @@ class DirectDispatcher:
             self.exchange.wait(f"direct combine {tag!r}")  # type: ignore[attr-defined]
             self._mark("combine_done")
         return out
+
+
+def handle_ok(handle: DirectHandle) -> torch.Tensor:
+    """Device-side check (no host sync) that ``route_src`` maps the routes one-to-one onto this rank's own
+    expert-major rows and the return buffer's rows, every returned row used exactly once: a 0-d bool
+    tensor, read with the output before it is published (fault 4 of spec 0x0E, direct-path form)."""
+    rs = handle.route_src.reshape(-1)
+    n_own_rows, n_back = handle.num_rows, handle.remote_sent
+    if rs.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=rs.device)
+    idx = torch.where(rs >= 0, rs, n_own_rows - 1 - rs)  # own rows, then the return buffer
+    size = n_own_rows + n_back
+    valid = ((idx >= 0) & (idx < size)).all()
+    hits = torch.zeros(size, dtype=torch.int64, device=rs.device).scatter_add_(
+        0, idx.clamp(0, max(size - 1, 0)), torch.ones_like(idx))
+    return valid & (hits <= 1).all() & (hits[n_own_rows:] == 1).all()
+
+
+def corrupt_route_src(handle: DirectHandle) -> DirectHandle:
+    """Fault injection: route 1 reads route 0's row (a collision the handle check catches), or a truncated
+    route map when there are fewer than two routes."""
+    import dataclasses
+
+    rs = handle.route_src.clone().reshape(-1)
+    if rs.numel() >= 2 and bool(rs[0] != rs[1]):
+        rs[1] = rs[0]
+    else:
+        rs = rs[:0]
+    return dataclasses.replace(handle, route_src=rs.view(-1, max(handle.top_k, 1)))
 
 
 def _plan_tensors(ids: torch.Tensor, w: torch.Tensor, snapshot: PlacementSnapshot, selector: ReplicaSelector,
@@ -558,12 +619,6 @@ class _PlanGraph:
         self.w.copy_(w)
         self.graph.replay()
         return self.out
-
-
-def _per_peer(slot_counts: np.ndarray, slot_peer: np.ndarray, g_count: int) -> np.ndarray:
-    out = np.zeros((slot_counts.shape[0], g_count), dtype=np.int64)
-    np.add.at(out.T, slot_peer, slot_counts.T)
-    return out
 
 
 def _first_error(batch: RouteBatch, snapshot: PlacementSnapshot, rank: int, *, routes: SemanticRoutes | None = None,

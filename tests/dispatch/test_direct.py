@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.dispatch.direct import DirectDispatcher, build_layout, chunk_bounds, chunk_major_blocks, chunk_table
+from ray_moe.dispatch.direct import DirectDispatcher, _HostMaps, build_layout, chunk_bounds, chunk_major_blocks, chunk_table
 from ray_moe.dispatch.engine import ControlStatus, combine, dispatch
 from ray_moe.dispatch.exchange.local import LocalExchangeGroup
 from ray_moe.dispatch.records import RouteBatch
@@ -49,8 +49,10 @@ def test_build_layout_hand_example():
     # 2 peers, 4 slots: slots 0,2 on peer 0 (local order [2, 0]), slots 1,3 on peer 1
     slot_counts = np.array([[1, 2, 3, 4],   # peer 0 sends 1 row to q0, 3 to q2 (own), 2 to q1, 4 to q3
                             [5, 6, 7, 8]])
-    slot_peer = np.array([0, 1, 0, 1])
-    lay = build_layout(slot_counts, slot_peer, my_slots=np.array([2, 0]), me=0, chunks=1)
+    my_slots = np.array([2, 0])
+    maps = _HostMaps(slot_peer=np.array([0, 1, 0, 1]), onehot=np.array([[1, 0], [0, 1], [1, 0], [0, 1]]),
+                     my_slots=my_slots, by_id=np.argsort(my_slots))
+    lay = build_layout(slot_counts, maps, me=0, chunks=1)
     assert lay.send_splits.tolist() == [4, 6] and lay.recv_splits.tolist() == [4, 12]
     assert lay.expert_counts.tolist() == [3 + 7, 1 + 5]  # local order: q2 then q0
     # source-major rows: peer 0 segment = q0 (1 row), q2 (3 rows); peer 1 segment = q0 (5), q2 (7)
@@ -217,3 +219,45 @@ def test_chunks_must_be_positive():
     ex = LocalExchangeGroup(group).endpoint(0)
     with pytest.raises(ValueError, match="chunks=0"):
         DirectDispatcher(ex, chunks=0)
+
+
+@pytest.mark.parametrize("fault", ["count", "scale"])
+def test_injected_control_faults_abort_every_rank(fault):
+    snap, group, batches = _two_rank_setup()
+    sel = make_selector("round_robin")
+
+    def step(ex):
+        kw = {"count_fault": 1} if fault == "count" else {"scale_fault": True}
+        try:
+            DirectDispatcher(ex).dispatch(batches[ex.rank], snap, selector=sel, tag="f", **(kw if ex.rank == 1 else {}))
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    errs = LocalExchangeGroup(group).run(step)
+    assert all(isinstance(e, CountAgreementError) for e in errs)
+    assert ("split vector" if fault == "count" else "scale count mismatch") in str(errs[0])
+
+
+def test_handle_check_catches_a_corrupt_route_map():
+    from ray_moe.dispatch.direct import corrupt_route_src, handle_ok
+
+    snap, group, batches = _two_rank_setup()
+    sel = make_selector("round_robin")
+
+    def step(ex):
+        dd = DirectDispatcher(ex)
+        out = dd.dispatch(batches[ex.rank], snap, selector=sel, tag="h")
+        good = bool(handle_ok(out.handle))
+        bad = corrupt_route_src(out.handle)
+        checks: list = []
+        dd.combine(out.rows, bad, snap, tag="h", out_dtype=torch.float32, deferred_check=checks)
+        try:
+            dd.combine(out.rows, bad, snap, tag="h2", out_dtype=torch.float32)
+        except RouteValidationError as exc:
+            return good, bool(checks[0][1]), str(exc)
+        return good, bool(checks[0][1]), ""
+
+    for good, deferred, msg in LocalExchangeGroup(group).run(step):
+        assert good and not deferred
+        assert "output rejected before publish" in msg
