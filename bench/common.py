@@ -104,6 +104,38 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, cuda: bo
     }
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 3, iters: int = 10,
+                     cuda: bool | None = None) -> dict[str, dict[str, float]]:
+    """``time_fn`` for several functions measured in alternating rounds (A B C A B C ...), so clock,
+    thermal and allocator drift over the run hits every candidate alike (a fair same-run baseline)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    if cuda:
+        torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    out = {}
+    for name, xs in samples.items():
+        xs.sort()
+        out[name] = {"median_ms": statistics.median(xs), "min_ms": xs[0],
+                     "p90_ms": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "iters": iters}
+    return out
+
+
 def nearest_rank(samples: list[float], q: float) -> float:
     """Nearest-rank quantile x_(ceil(q n)) (spec 0x0DA)."""
     import math

@@ -90,8 +90,17 @@ def step_record(rt: RecordingRuntime, wall_s: float) -> dict[str, Any]:
     paths = [ls.path for ls in first.layers]
     reasons = [ls.fallback_reason for ls in first.layers if ls.fallback_reason]
     smax = max(shard.values())
+    marks = {}
+    for r in ranks:  # per-stage milliseconds on each shard: device clock on CUDA, else host (mark deltas)
+        prev, deltas = 0.0, {}
+        for label, host, dev in res[r].marks:
+            t = dev if dev >= 0 else host
+            deltas[label] = (t - prev) * 1e3
+            prev = t
+        marks[r] = deltas
     return {"wall_ms": wall_s * 1e3, "shard_ms": smax * 1e3, "overhead_ms": (wall_s - smax) * 1e3,
-            "shard_ms_by_rank": {r: v * 1e3 for r, v in shard.items()}, "paths": paths, "fallbacks": reasons}
+            "shard_ms_by_rank": {r: v * 1e3 for r, v in shard.items()}, "paths": paths, "fallbacks": reasons,
+            "stage_ms_by_rank": marks}
 
 
 def timed_forward(rt: RecordingRuntime, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -115,8 +124,13 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             paths[p] = paths.get(p, 0) + 1
         for f in r["fallbacks"]:
             reasons[f] = reasons.get(f, 0) + 1
+    stages: dict[str, dict[str, float]] = {}  # median host ms of each shard stage, per rank
+    for r in records[0].get("stage_ms_by_rank", {}):
+        labels = records[0]["stage_ms_by_rank"][r]
+        stages[str(r)] = {k: statistics.median(rec["stage_ms_by_rank"][r].get(k, 0.0) for rec in records)
+                          for k in labels}
     return {"n": len(records), "wall_ms": q("wall_ms"), "shard_ms": q("shard_ms"), "overhead_ms": q("overhead_ms"),
-            "paths": paths, "fallback_reasons": reasons}
+            "paths": paths, "fallback_reasons": reasons, "stage_ms": stages}
 
 
 # ============================================================================ shapes and profiles
@@ -258,6 +272,7 @@ def run_deployment(dep: Deployment, model: Model, prof: Profile, args: argparse.
     )
     t0 = time.perf_counter()
     rt = RecordingRuntime.start(cfg)
+    rt.record_marks = True  # shard stage timestamps (host clock) in every StepResult
     deploy_s = time.perf_counter() - t0
     dtype = rt.dtype
     out: dict[str, Any] = {"label": dep.label, "ranks": dep.ranks, "model": asdict(model), "num_layers": dep.layers,
@@ -282,6 +297,8 @@ def run_deployment(dep: Deployment, model: Model, prof: Profile, args: argparse.
                 print(f"[{dep.label}] prefill T={t:5d}: wall p50 {s['wall_ms']['p50']:9.2f} ms  shard p50 "
                       f"{s['shard_ms']['p50']:9.2f} ms  overhead p50 {s['overhead_ms']['p50']:7.2f} ms  "
                       f"{s['tokens_per_s_wall']:12.0f} tok/s", flush=True)
+                print(f"[{dep.label}]   shard stages (ms, p50, rank 0; device clock on CUDA): " + " ".join(
+                    f"{k}={v:.2f}" for k, v in s["stage_ms"].get("0", {}).items()), flush=True)
         for path in dep.decode_paths:
             phase = "prefill" if path == "variable" else "decode"
             for t in prof.decode_tokens:

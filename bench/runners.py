@@ -3,7 +3,8 @@
     python -m bench.runners            # full shapes (GPU: Mixtral / DeepSeek sizes; CPU: scaled, < 5 min)
     python -m bench.runners --quick    # small CPU shapes, < 60 s
 
-Per case (model shape x phase x token count x routing) every runner runs the same rows and weights.
+Per case (model shape x phase x token count x routing) every runner runs the same rows and weights,
+timed in alternating rounds (loop, grouped, grouped_mm, padded, block, loop, ...) so drift hits all alike.
 Reported per runner: measured median/min/p90 ms, useful TFLOP/s (6 * useful rows * d * f / time) and
 the fraction of the dense peak measured in the same run (one square matmul: 8192^3 on GPU, 2048^3 on
 CPU), the backend taken, the max error against the loop baseline, and the analytical row ledger
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench.common import host_kind, time_fn, write_result
+from bench.common import host_kind, time_fn, time_interleaved, write_result
 from ray_moe.experts.runners import ExpertRunner, LoopRunner
 from ray_moe.experts.runners.block import BlockRunner
 from ray_moe.experts.runners.grouped import GroupedRunner
@@ -150,22 +151,25 @@ def run_case(model: ModelShape, weights: SlotWeights, phase: str, tokens: int, r
         "useful_gflop": useful_flops / 1e9, "runners": {},
     }
     ref = None
-    for name, runner in runners(args.alignment, args.block_size).items():
+    errs: dict[str, float] = {}
+    all_runners = runners(args.alignment, args.block_size)
+    for name, runner in all_runners.items():
         out = runner.run(x, counts, weights)
         if ref is None:
             ref = out.float()
-        err = 0.0
-        if n:
-            err = float((out.float() - ref).abs().max()) / (float(ref.abs().max()) or 1.0)
+        errs[name] = float((out.float() - ref).abs().max()) / (float(ref.abs().max()) or 1.0) if n else 0.0
         del out
-        t = time_fn(lambda: runner.run(x, counts, weights), warmup=prof.warmup, iters=prof.iters,
-                    cuda=device.type == "cuda")
+    # every runner timed in alternating rounds (loop, grouped, ... loop, grouped, ...): same conditions
+    times = time_interleaved({name: (lambda r=runner: r.run(x, counts, weights)) for name, runner in all_runners.items()},
+                             warmup=prof.warmup, iters=prof.iters, cuda=device.type == "cuda")
+    for name, runner in all_runners.items():
+        t = times[name]
         tflops = useful_flops / (t["median_ms"] * 1e-3) / 1e12 if t["median_ms"] > 0 else 0.0
         ledger = runner.ledger(counts, model.d, model.f)
         result["runners"][name] = {
             "backend": backend_of(runner, x, weights, counts),
             "measured": {**t, "useful_tflops": tflops, "fraction_of_dense_peak": tflops / peak_tflops},
-            "max_rel_err_vs_loop": err,
+            "max_rel_err_vs_loop": errs[name],
             "ledger": {**asdict(ledger), "kind": ledger.kind.value, "utilization": ledger.utilization},
         }
     r = result["runners"]

@@ -119,6 +119,8 @@ class Runtime:
         self._env = env
         self._owns_ray = owns_ray
         self._generation: int | None = None
+        # ask every shard for host timestamps of its step stages (StepResult.marks): profiling only
+        self.record_marks = False
         self._step_ids = itertools.count()
         self._lock = threading.Lock()
         self._stats = RuntimeStats()
@@ -269,7 +271,7 @@ class Runtime:
                     step_id=step_id, generation=gen, hidden=_wire(h[lo:hi]),
                     topk_ids=None if ids is None else ids[:, lo:hi].numpy(),
                     topk_weights=None if gates is None else gates[:, lo:hi].numpy(),
-                    phase=phase, return_routes=return_routes,
+                    phase=phase, return_routes=return_routes, marks=self.record_marks,
                 )
             try:
                 results = self._run_step(step_id, reqs)

@@ -54,6 +54,7 @@ class StepRequest:
     topk_weights: Any = None
     phase: Phase = Phase.PREFILL
     return_routes: bool = False
+    marks: bool = False  # record host timestamps of the step's stages (StepResult.marks)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class StepResult:
     routes: tuple[tuple[np.ndarray, np.ndarray], ...] | None
     active_generation: int | None
     elapsed_s: float
+    # (stage, host seconds, device seconds) since the step started, when the request asked for marks: the
+    # host clock where the host got to; on CUDA the device clock (events) where the device got to (-1 on CPU)
+    marks: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass
@@ -347,7 +351,23 @@ class ShardCore:
         gen = self._gens.get(req.generation) if status == ControlStatus.OK else self._any_generation()
         if gen is None:
             raise StaleGenerationError(f"rank {self.rank} holds no generation at all", requested=req.generation)
+        marks: list[tuple[str, float, Any]] | None = [] if req.marks else None
+        cuda = self.device.type == "cuda"
+        origin = None
+        if marks is not None and cuda:
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+
+        def mark(label: str) -> None:
+            if marks is not None:
+                ev = None
+                if cuda:
+                    ev = torch.cuda.Event(enable_timing=True)
+                    ev.record()
+                marks.append((label, time.perf_counter() - t0, ev))
+
         h = _to_tensor(req.hidden, self.device).to(self.dtype)
+        mark("hidden_in")
         routes_out = []
         stats = []
         checks: list = []  # (handle id, device flag): read with the output, before it is published
@@ -374,10 +394,13 @@ class ShardCore:
                     reason = self._last_fallback
                 else:
                     reason = None
+                mark(f"L{layer}/routes")
                 if self._direct is not None:
-                    y, ls = self._direct_layer(layer, gen, snap, h, ids, gates, tag, status, g, checks, reason)
+                    y, ls = self._direct_layer(layer, gen, snap, h, ids, gates, tag, status, g, checks, reason,
+                                               mark)
                     h = h + y if cfg.residual else y
                     stats.append(ls)
+                    mark(f"L{layer}/direct_layer")
                     continue
                 out = dispatch(RouteBatch(self.rank, h, ids, gates), snap, self.exchange, selector=self.selector,
                                tag=tag, payload_format=cfg.payload_format,
@@ -399,10 +422,12 @@ class ShardCore:
                             deferred_check=checks)
                 h = h + y if cfg.residual else y
                 stats.append(_layer_stats(layer, out, snap, self.rank, cfg.num_experts, reason))
+                mark(f"L{layer}/engine_layer")
             if checks:
                 flags = torch.stack([f for _, f in checks]).tolist()
                 for (hid, _), ok in zip(checks, flags):
                     reject_corrupt(hid, ok)
+            mark("checks")
             self.counters["steps"] += 1
         except StaleGenerationError as exc:
             self.counters["aborted_steps"] += 1
@@ -421,13 +446,16 @@ class ShardCore:
                 with self._lock:
                     self._candidate_pins[g] -= 1
         arr, dt = _to_wire(h)
+        mark("hidden_out")
+        done = tuple((label, host, -1.0 if ev is None else float(origin.elapsed_time(ev)) * 1e-3)
+                     for label, host, ev in (marks or ()))  # the D2H above waited for every event
         return StepResult(self.rank, req.step_id, req.generation, arr, dt, tuple(stats),
                           tuple(routes_out) if req.return_routes else None, self.registry.active(),
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, done)
 
     def _direct_layer(self, layer: int, gen: "_Generation", snap: PlacementSnapshot, h: torch.Tensor,
                       ids: torch.Tensor, gates: torch.Tensor, tag: str, status: ControlStatus, g: int, checks: list,
-                      reason: str | None):
+                      reason: str | None, mark=lambda label: None):
         """One layer through ``dispatch/direct.py`` (same faults, checks and stats as the engine path)."""
         from ray_moe.dispatch.direct import corrupt_route_src
 
@@ -436,9 +464,11 @@ class ShardCore:
                                     status=status if layer == 0 else ControlStatus.OK,
                                     count_fault=1 if layer == 0 and self._take_fault("count", g) else 0,
                                     scale_fault=layer == 0 and self._take_fault("scale", g))
+        mark(f"L{layer}/dispatch")
         w = gen.weights[layer]
         y_rows = self.runner.run(out.rows, out.counts_list, w) if out.rows.shape[0] else out.rows.new_zeros(
             (0, cfg.hidden_size))
+        mark(f"L{layer}/experts")
         if self._take_fault("parity", g):
             y_rows = y_rows * 1.01
         handle = corrupt_route_src(out.handle) if self._take_fault("inverse", g) else out.handle
