@@ -291,7 +291,7 @@ class Runtime:
             break
         else:
             raise StaleGenerationError(f"no generation accepted the step after {self.max_attempts} attempts")
-        out = torch.cat([wire_to_tensor(results[r].hidden, results[r].hidden_dtype) for r in ranks], 0)
+        out = torch.cat([wire_to_tensor(a, results[r].hidden_dtype) for r, a in zip(ranks, _fetch(results, ranks))], 0)
         self._account(results, ranks, phase, h.shape[0], (time.perf_counter() - t0) * 1e3)
         if return_routes:
             routes = []
@@ -645,6 +645,16 @@ class Runtime:
         rep = ray.get(self.coordinator.rebalance.remote(migration_aware))
         self._generation = rep["new_generation"]
         return rep["new_generation"]
+
+
+def _fetch(results: dict[int, Any], ranks: list[int]) -> list[np.ndarray]:
+    """Every rank's output array; CUDA shards hand large outputs over as object-store refs (one get)."""
+    refs = [(i, results[r].hidden) for i, r in enumerate(ranks) if isinstance(results[r].hidden, ray.ObjectRef)]
+    out = [results[r].hidden for r in ranks]
+    if refs:
+        for (i, _), arr in zip(refs, ray.get([ref for _, ref in refs])):
+            out[i] = arr
+    return out
 
 
 def _wire(t: torch.Tensor) -> tuple[np.ndarray, str]:

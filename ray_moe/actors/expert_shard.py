@@ -7,6 +7,8 @@ and ``abort_step`` run while a ``step`` waits on its peers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import socket
 from typing import Any, Mapping, Sequence
@@ -227,7 +229,9 @@ class ExpertShardActor:
 
     def step(self, req: StepRequest) -> StepResult:
         try:
-            return self.core.step(req)
+            # a CUDA output sits in the core's reused pinned buffer: copy it into the object store while the
+            # core still holds its step lock (the driver fetches the ref)
+            return self.core.step(req, publish=lambda res: dataclasses.replace(res, hidden=ray.put(res.hidden)))
         finally:
             self.mailbox.forget(req.step_id + "/")
 

@@ -13,10 +13,11 @@ State owned here:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -135,6 +136,7 @@ class ShardCore:
         self._buckets: dict[tuple[int, int], _DecodeBucket] = {}
         self._last_fallback: str | None = None
         self._direct = None  # DirectDispatcher when the deployment runs the direct path (set_exchange)
+        self._pinned: torch.Tensor | None = None  # grow-only pinned staging buffer of step outputs (CUDA)
 
     # ================================================================ control path
     def set_exchange(self, exchange: Exchange) -> None:
@@ -324,13 +326,42 @@ class ShardCore:
         return None if w is None else w.to("cpu")
 
     # ================================================================ data path
-    def step(self, req: StepRequest) -> StepResult:
-        """Run every layer of one step SPMD with the other ranks (one call per step, not per layer)."""
+    def step(self, req: StepRequest, publish: Callable[[StepResult], StepResult] | None = None) -> StepResult:
+        """Run every layer of one step SPMD with the other ranks (one call per step, not per layer).
+
+        On CUDA the output reaches the host through a reused pinned buffer (a DMA, not a pageable copy); the
+        result's ``hidden`` is a view of it only until the step lock is released. ``publish`` (called under
+        the lock) moves it somewhere durable (the actor shell: the Ray object store); without it the view is
+        copied here.
+        """
         if self.exchange is None:
             raise RuntimeError(f"rank {self.rank}: no exchange endpoint set")
         t0 = time.perf_counter()
         with self._step_lock:
-            return self._step(req, t0)
+            res = self._step(req, t0)
+            if not self._staged(res):
+                return res
+            if publish is not None:
+                return publish(res)
+            return dataclasses.replace(res, hidden=np.array(res.hidden))
+
+    def _staged(self, res: StepResult) -> bool:
+        """Whether ``res.hidden`` is a view of this core's pinned staging buffer."""
+        buf = self._pinned
+        return (buf is not None and isinstance(res.hidden, np.ndarray) and res.hidden.size > 0
+                and np.shares_memory(res.hidden, buf.numpy()))
+
+    def _host_out(self, h: torch.Tensor) -> tuple[np.ndarray, str]:
+        """[T, d] output -> (NumPy wire array, dtype name); CUDA tensors through the pinned staging buffer."""
+        if h.device.type != "cuda" or h.numel() == 0:
+            return _to_wire(h)
+        h = h.contiguous()
+        nbytes = h.numel() * h.element_size()
+        if self._pinned is None or self._pinned.numel() < nbytes:
+            self._pinned = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        host = self._pinned[:nbytes].view(h.dtype).view(h.shape)
+        host.copy_(h)  # pinned D2H: a DMA at link speed, no page faults on a fresh pageable buffer
+        return _to_wire(host)
 
     def _step(self, req: StepRequest, t0: float) -> StepResult:
         cfg = self.cfg
@@ -445,7 +476,7 @@ class ShardCore:
             if candidate_pin:
                 with self._lock:
                     self._candidate_pins[g] -= 1
-        arr, dt = _to_wire(h)
+        arr, dt = self._host_out(h)
         mark("hidden_out")
         done = tuple((label, host, -1.0 if ev is None else float(origin.elapsed_time(ev)) * 1e-3)
                      for label, host, ev in (marks or ()))  # the D2H above waited for every event
