@@ -60,9 +60,11 @@ def profile_rank(exchange, rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         for chunks in cfg["chunks"]:
             dd = DirectDispatcher(exchange, chunks=chunks)
 
+            deferred: list = []  # handle checks read after the step, as the runtime does
+
             def step(tag):
                 o = dd.dispatch(batch, snap, selector=sel, tag=tag)
-                return dd.combine(o.rows, o.handle, snap, tag=tag, out_dtype=torch.bfloat16)
+                return dd.combine(o.rows, o.handle, snap, tag=tag, out_dtype=torch.bfloat16, deferred_check=deferred)
 
             for i in range(3):
                 step(f"w{tokens}/{chunks}/{i}")

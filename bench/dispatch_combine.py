@@ -6,7 +6,8 @@
 
 Paths, all on the same routes, rows and split vectors (per case, measured in the same run):
 
-  ours        ray_moe.dispatch.engine.dispatch + combine with an identity expert (the expert rows go back
+  ours        ray_moe.dispatch.engine.dispatch + combine (handle check deferred, as the runtime runs it)
+              with an identity expert (the expert rows go back
               unchanged, so no compute): validation, replica selection, source plan, control all-gather,
               payload all-to-all-v (rows + int32 slot ids), receive plan and repack, inverse repack, return
               all-to-all-v, inverse send, gated FP32 combine.
@@ -451,9 +452,12 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
     batch = make_batch(ctx, tokens)
     want = (batch.hidden.float() * batch.topk_weights.sum(dim=1, keepdim=True)).to(dtype)
 
+    # the handle checks are deferred as in the runtime (read with the step's output, not inside the step)
+    deferred: list = []
+
     def ours(tag: str) -> torch.Tensor:
         out = dispatch(batch, snap, ex, selector=ctx.selector, tag=tag)
-        return combine(out.rows, out.handle, snap, ex, tag=tag, out_dtype=dtype)
+        return combine(out.rows, out.handle, snap, ex, tag=tag, out_dtype=dtype, deferred_check=deferred)
 
     def ours_fastcombine(tag: str) -> torch.Tensor:
         out = dispatch(batch, snap, ex, selector=ctx.selector, tag=tag)
@@ -501,7 +505,7 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
 
         def direct(tag: str, dd=dd) -> torch.Tensor:
             out = dd.dispatch(batch, snap, selector=ctx.selector, tag=tag)
-            return dd.combine(out.rows, out.handle, snap, tag=tag, out_dtype=dtype)
+            return dd.combine(out.rows, out.handle, snap, tag=tag, out_dtype=dtype, deferred_check=deferred)
 
         chk = dd.dispatch(batch, snap, selector=ctx.selector, tag=f"{case_id}/{name}check")
         checks[f"{name}_rows_equal_engine_exact"] = bool(torch.equal(chk.rows, ref.rows)
@@ -510,6 +514,8 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
                                                             out_dtype=dtype), want, scale)
         del chk
         samples[name] = measure(ctx, f"{case_id}/{name}", direct)
+    checks["deferred_handle_checks_ok_exact"] = bool(torch.stack([f for _, f in deferred]).all()) if deferred else True
+    deferred.clear()
     # 3. raw exchange of the same bytes (pre-packed, no planning)
     g = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 17 * ctx.rank + tokens)
     buf = torch.randn(r_rows, cfg.d, generator=g, device=ctx.device, dtype=torch.float32).to(dtype)
