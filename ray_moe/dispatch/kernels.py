@@ -4,6 +4,9 @@ Two memory-bound operations the torch op set only offers as two passes:
 
 * ``move_rows(src, src_idx, dst, dst_idx)``: ``dst[dst_idx[i]] = src[src_idx[i]]`` in one pass (torch:
   ``index_select`` into a temporary, then ``index_copy_``).
+* ``quantize_fp8`` / ``dequantize_fp8``: FP8 e4m3 rows with per-row or per-128-column FP32 scales in one
+  pass each (torch: FP32 temporaries of the whole payload and five elementwise passes); same math as
+  ``precision.quantize`` / ``dequantize``, which call them on CUDA.
 * ``gated_combine(a, b, route_src, gate, out_dtype)``: ``out[t] = sum_j gate[t, j] * row(t, j)`` with
   ``row(t, j) = a[s]`` when ``s = route_src[t, j] >= 0`` and ``b[-1 - s]`` otherwise, accumulated in FP32
   and stored once in ``out_dtype`` (torch: k gathers, k FP32 conversions and k multiply-adds over
@@ -60,7 +63,32 @@ def _triton_kernels():
             acc += g * (ra.to(tl.float32) + rb.to(tl.float32))
         tl.store(out_ptr + t * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return _move_rows, _gated_combine
+    @triton.jit
+    def _quant_fp8(x_ptr, q_ptr, s_ptr, width, groups, G: tl.constexpr, FP8_MAX: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        cols = g * G + tl.arange(0, G)
+        mask = cols < width
+        x = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+        # correctly rounded divisions (Triton's "/" is an approximate fp32 divide): the codes and scales
+        # then equal the torch math bit for bit
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.div_rn(amax, tl.full([], FP8_MAX, tl.float32)), 1e-12)
+        q = tl.div_rn(x, tl.zeros_like(x) + scale)
+        tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * groups + g, scale)
+
+    @triton.jit
+    def _dequant_fp8(q_ptr, s_ptr, out_ptr, width, groups, G: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        cols = g * G + tl.arange(0, G)
+        mask = cols < width
+        scale = tl.load(s_ptr + row * groups + g)
+        q = tl.load(q_ptr + row * width + cols, mask=mask).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (q * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return _move_rows, _gated_combine, _quant_fp8, _dequant_fp8
 
 
 def triton_available() -> bool:
@@ -136,6 +164,48 @@ def gated_combine(a: torch.Tensor, b: torch.Tensor, route_src: torch.Tensor, gat
         kernel[(t, triton_cdiv(d, BLOCK_COLS))](a, b_arg, route_src, gate, out, d, K=k, BLOCK=BLOCK_COLS)
         return out
     return gated_combine_torch(a, b, route_src, gate, out_dtype)
+
+
+def _group_width(d: int, group: int | None) -> int:
+    """Columns per scale: ``group`` (block scales) or the whole row padded to a power of two (row scales)."""
+    if group is not None:
+        return group
+    g = 1
+    while g < d:
+        g *= 2
+    return g
+
+
+def quantize_fp8(x: torch.Tensor, group: int | None, fp8_dtype: torch.dtype, fp8_max: float):
+    """One-pass FP8 quantisation on CUDA: x [N, d] -> (q [N, d] ``fp8_dtype``, scales [N, S] float32) with
+    S = 1 (``group=None``: one scale per row) or ceil(d / group); the same math as ``precision.quantize``
+    (scale = max(amax / fp8_max, 1e-12), q = x / scale). Returns None where the kernel does not apply
+    (CPU, non-contiguous rows, no Triton, rows wider than 65536 for row scales)."""
+    if x.dim() != 2 or not use_triton(x) or (group is None and x.shape[1] > 65536):
+        return None
+    n, d = x.shape
+    g = _group_width(d, group)
+    groups = 1 if group is None else -(-d // group)
+    q = torch.empty(n, d, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(n, groups, dtype=torch.float32, device=x.device)
+    if n and d:
+        _triton_kernels()[2][(n, groups)](x, q, scales, d, groups, G=g, FP8_MAX=fp8_max,
+                                          num_warps=8 if g >= 4096 else 4)
+    return q, scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int | None, out_dtype: torch.dtype):
+    """Inverse of ``quantize_fp8`` on CUDA: [N, d] fp8 + [N, S] scales -> [N, d] ``out_dtype``, or None
+    where the kernel does not apply."""
+    if q.dim() != 2 or not use_triton(q, scales) or (group is None and q.shape[1] > 65536):
+        return None
+    n, d = q.shape
+    g = _group_width(d, group)
+    groups = scales.shape[1]
+    out = torch.empty(n, d, dtype=out_dtype, device=q.device)
+    if n and d:
+        _triton_kernels()[3][(n, groups)](q, scales, out, d, groups, G=g, num_warps=8 if g >= 4096 else 4)
+    return out
 
 
 def gated_combine_torch(a: torch.Tensor, b: torch.Tensor, route_src: torch.Tensor, gate: torch.Tensor,

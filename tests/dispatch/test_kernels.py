@@ -174,3 +174,25 @@ def test_direct_over_nccl_equals_engine(backend):
             assert r["rows_equal"] and r["counts_equal"], (chunks, r)
             assert r["max_abs_diff"] <= 0.05, (chunks, r)  # bf16 output, FP32 sums in another order
             assert r["remote_sent"] > 0
+
+
+@GPU
+@pytest.mark.parametrize("fmt", ["fp8_row", "fp8_block128"])
+@pytest.mark.parametrize("d", [7168, 1000])
+def test_triton_fp8_equals_torch_math(fmt, d):
+    """The one-pass CUDA quantise / dequantise give the same codes, scales and rows as the torch math
+    (run on CPU here as the oracle): same formula, correctly rounded FP32 division, round-to-nearest-even."""
+    from ray_moe.dispatch.precision import dequantize, quantize
+    from ray_moe.types import PayloadFormat
+
+    f = PayloadFormat(fmt)
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(257, d, generator=g) * torch.logspace(-3, 3, 257)[:, None]).to(torch.bfloat16)
+    x[5] = 0  # an all-zero row: the 1e-12 scale floor
+    q, s = quantize(x.cuda(), f)
+    q_ref, s_ref = quantize(x, f)
+    assert q.dtype == q_ref.dtype and s.shape == s_ref.shape
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=0, atol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    y = dequantize(q, s, f, torch.bfloat16)
+    assert torch.equal(y.cpu().view(torch.int16), dequantize(q_ref, s_ref, f, torch.bfloat16).view(torch.int16))
