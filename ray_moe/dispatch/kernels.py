@@ -88,7 +88,32 @@ def _triton_kernels():
         q = tl.load(q_ptr + row * width + cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * width + cols, (q * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
-    return _move_rows, _gated_combine, _quant_fp8, _dequant_fp8
+    @triton.jit
+    def _quant_fp8_rows_of_blocks(x_ptr, q_ptr, s_ptr, width, groups, NG: tl.constexpr, B: tl.constexpr,
+                                  FP8_MAX: tl.constexpr):
+        # one program per row: [NG, B] tile, one scale per B-column block
+        row = tl.program_id(0).to(tl.int64)
+        gi = tl.arange(0, NG)
+        cols = gi[:, None] * B + tl.arange(0, B)[None, :]
+        mask = (gi[:, None] < groups) & (cols < width)
+        x = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.maximum(tl.div_rn(amax, tl.zeros_like(amax) + FP8_MAX), 1e-12)
+        q = tl.div_rn(x, tl.zeros_like(x) + scale[:, None])
+        tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * groups + gi, scale, mask=gi < groups)
+
+    @triton.jit
+    def _dequant_fp8_rows_of_blocks(q_ptr, s_ptr, out_ptr, width, groups, NG: tl.constexpr, B: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        gi = tl.arange(0, NG)
+        cols = gi[:, None] * B + tl.arange(0, B)[None, :]
+        mask = (gi[:, None] < groups) & (cols < width)
+        scale = tl.load(s_ptr + row * groups + gi, mask=gi < groups, other=1.0)
+        q = tl.load(q_ptr + row * width + cols, mask=mask).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return _move_rows, _gated_combine, _quant_fp8, _dequant_fp8, _quant_fp8_rows_of_blocks, _dequant_fp8_rows_of_blocks
 
 
 def triton_available() -> bool:
@@ -189,8 +214,13 @@ def quantize_fp8(x: torch.Tensor, group: int | None, fp8_dtype: torch.dtype, fp8
     q = torch.empty(n, d, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(n, groups, dtype=torch.float32, device=x.device)
     if n and d:
-        _triton_kernels()[2][(n, groups)](x, q, scales, d, groups, G=g, FP8_MAX=fp8_max,
-                                          num_warps=8 if g >= 4096 else 4)
+        if group is not None and groups * group <= 65536:  # block scales: one program per row
+            ng = _group_width(groups, None)
+            _triton_kernels()[4][(n,)](x, q, scales, d, groups, NG=ng, B=group, FP8_MAX=fp8_max,
+                                       num_warps=8 if ng * group >= 4096 else 4)
+        else:
+            _triton_kernels()[2][(n, groups)](x, q, scales, d, groups, G=g, FP8_MAX=fp8_max,
+                                              num_warps=8 if g >= 4096 else 4)
     return q, scales
 
 
@@ -204,7 +234,12 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int | None, out
     groups = scales.shape[1]
     out = torch.empty(n, d, dtype=out_dtype, device=q.device)
     if n and d:
-        _triton_kernels()[3][(n, groups)](q, scales, out, d, groups, G=g, num_warps=8 if g >= 4096 else 4)
+        if group is not None and groups * group <= 65536:
+            ng = _group_width(groups, None)
+            _triton_kernels()[5][(n,)](q, scales, out, d, groups, NG=ng, B=group,
+                                       num_warps=8 if ng * group >= 4096 else 4)
+        else:
+            _triton_kernels()[3][(n, groups)](q, scales, out, d, groups, G=g, num_warps=8 if g >= 4096 else 4)
     return out
 
 
