@@ -144,3 +144,70 @@ def nearest_rank(samples: list[float], q: float) -> float:
     if not xs:
         raise ValueError("samples: empty")
     return xs[max(0, math.ceil(q * len(xs)) - 1)]
+
+
+# ------------------------------------------------------------------ SPMD benchmarks (one exchange per rank)
+def build_snapshot(world: int, num_experts: int):
+    """E experts in E slots, slot q on rank q * P // E (E / P contiguous slots per rank, no replicas)."""
+    from ray_moe.placement.manifest import manifest_from_assignment
+    from ray_moe.placement.snapshot import PlacementSnapshot
+    from ray_moe.placement.topology import ProcessGroupSpec, Topology
+
+    if num_experts % world:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of world={world}")
+    topo = Topology.single_node(world)
+    manifest = manifest_from_assignment(generation=0, phy2log=[list(range(num_experts))],
+                                        slot_rank=[[q * world // num_experts for q in range(num_experts)]],
+                                        num_experts=num_experts, topology=topo)
+    return PlacementSnapshot.from_manifest(manifest, topo, ProcessGroupSpec.identity(world))
+
+
+def device_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def spmd_barrier(exchange: Any, device: torch.device, tag: str) -> None:
+    """Every rank reaches this point (a control all-gather; on NCCL it also waits for the stream)."""
+    import numpy as np
+
+    exchange.all_gather(tag, np.zeros(1, dtype=np.int64))
+    device_sync(device)
+
+
+def timed_ms(device: torch.device, fn: Callable[[], Any]) -> float:
+    """Milliseconds of one call: CUDA events on a GPU, the host clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def spmd_measure(exchange: Any, device: torch.device, label: str, step: Callable[[str], Any], *, warmup: int,
+                 iters: int) -> list[float]:
+    """Per-iteration milliseconds of ``step(tag)`` on this rank: warmup, then (barrier, timed step) x iters."""
+    for i in range(warmup):
+        step(f"{label}/w{i}")
+    device_sync(device)
+    samples = []
+    for i in range(iters):
+        spmd_barrier(exchange, device, f"{label}/b{i}")
+        samples.append(timed_ms(device, lambda: step(f"{label}/i{i}")))
+    return samples
+
+
+def step_stats(per_rank: list[list[float]]) -> dict[str, float]:
+    """Per-iteration maximum over ranks, then median / p10 / p90 / min of those step times (ms)."""
+    import math
+
+    steps = sorted(max(vals) for vals in zip(*per_rank))
+    n = len(steps)
+    return {"median_ms": statistics.median(steps), "p10_ms": steps[int(0.1 * (n - 1))],
+            "p90_ms": steps[math.ceil(0.9 * (n - 1))], "min_ms": steps[0], "iters": n}
+

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import host_kind, write_result
-from bench.dispatch_combine import build_snapshot
+from bench.common import build_snapshot, host_kind, write_result
 from ray_moe.dispatch.direct import DirectDispatcher
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.placement.selector import make_selector

@@ -55,7 +55,6 @@ evenly over the ranks (E / P slots per rank, no replicas).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -65,7 +64,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.common import host_kind, write_result
+from bench.common import build_snapshot, device_sync, host_kind, spmd_measure, step_stats, timed_ms, write_result
 from ray_moe.dispatch.combine import combine_routes
 from ray_moe.dispatch.engine import DTYPE_CODES, ControlRecord, ControlStatus, agree, check_handle, combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
@@ -87,10 +86,8 @@ from ray_moe.dispatch.records import (
     SourcePlan,
 )
 from ray_moe.errors import CountAgreementError
-from ray_moe.placement.manifest import manifest_from_assignment
 from ray_moe.placement.selector import ReplicaSelector, make_selector
 from ray_moe.placement.snapshot import PlacementSnapshot
-from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.testing.spmd import exchange_device, run_spmd
 
 MiB = 1 << 20
@@ -166,17 +163,6 @@ class RankContext:
         return self.device.type == "cuda"
 
 
-def build_snapshot(world: int, num_experts: int) -> PlacementSnapshot:
-    """E experts in E slots, slot q on rank q * P // E (E / P contiguous slots per rank, no replicas)."""
-    if num_experts % world:
-        raise ValueError(f"num_experts={num_experts} must be a multiple of world={world}")
-    topo = Topology.single_node(world)
-    manifest = manifest_from_assignment(generation=0, phy2log=[list(range(num_experts))],
-                                        slot_rank=[[q * world // num_experts for q in range(num_experts)]],
-                                        num_experts=num_experts, topology=topo)
-    return PlacementSnapshot.from_manifest(manifest, topo, ProcessGroupSpec.identity(world))
-
-
 def make_batch(ctx: RankContext, tokens: int) -> RouteBatch:
     """Uniform routing on one rank: hidden [T, d] (cfg dtype), topk_ids [T, k] int64 distinct experts,
     topk_weights [T, k] float32 softmax gates. Generated on the rank's device."""
@@ -190,39 +176,16 @@ def make_batch(ctx: RankContext, tokens: int) -> RouteBatch:
 
 
 def _sync(ctx: RankContext) -> None:
-    if ctx.cuda:
-        torch.cuda.synchronize(ctx.device)
-
-
-def _barrier(ctx: RankContext, tag: str) -> None:
-    """Every rank reaches this point (a control all-gather; on NCCL it also waits for the stream)."""
-    ctx.exchange.all_gather(tag, np.zeros(1, dtype=np.int64))
-    _sync(ctx)
+    device_sync(ctx.device)
 
 
 def _timed_ms(ctx: RankContext, fn: Callable[[], Any]) -> float:
-    if ctx.cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end))
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    return timed_ms(ctx.device, fn)
 
 
 def measure(ctx: RankContext, label: str, step: Callable[[str], Any]) -> list[float]:
     """Per-iteration milliseconds of ``step(tag)`` on this rank: warmup, then barrier + timed step."""
-    for i in range(ctx.cfg.warmup):
-        step(f"{label}/w{i}")
-    _sync(ctx)
-    samples = []
-    for i in range(ctx.cfg.iters):
-        _barrier(ctx, f"{label}/b{i}")
-        samples.append(_timed_ms(ctx, lambda: step(f"{label}/i{i}")))
-    return samples
+    return spmd_measure(ctx.exchange, ctx.device, label, step, warmup=ctx.cfg.warmup, iters=ctx.cfg.iters)
 
 
 def local_median_ms(ctx: RankContext, fn: Callable[[], Any], iters: int) -> float:
@@ -590,14 +553,6 @@ def bench_rank(exchange: Exchange, rank: int, cfg_fields: dict[str, Any]) -> dic
 
 
 # ---------------------------------------------------------------------------------- parent side
-def _stats(per_rank: list[list[float]]) -> dict[str, float]:
-    """Per-iteration maximum over ranks, then median / p10 / p90 / min of those step times (ms)."""
-    steps = sorted(max(vals) for vals in zip(*per_rank))
-    n = len(steps)
-    return {"median_ms": statistics.median(steps), "p10_ms": steps[int(0.1 * (n - 1))],
-            "p90_ms": steps[math.ceil(0.9 * (n - 1))], "min_ms": steps[0], "iters": n}
-
-
 def aggregate(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Join the ranks' samples per case: step statistics, bytes and bandwidths."""
     p = cfg.world
@@ -612,7 +567,7 @@ def aggregate(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, A
         for name in cfg.paths:
             if name not in per[0]["samples"]:
                 continue
-            st = _stats([x["samples"][name] for x in per])
+            st = step_stats([x["samples"][name] for x in per])
             if name != "plan":
                 algbw = 2 * size / (st["median_ms"] * 1e-3) / 1e9 if st["median_ms"] > 0 else 0.0
                 st.update(algbw_GBps=algbw, busbw_GBps=algbw * (p - 1) / p)

@@ -43,25 +43,20 @@ payload precision and the BF16 output contribute), maximum over ranks.
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from bench.common import host_kind, write_result
+from bench.common import build_snapshot, host_kind, spmd_measure, step_stats, write_result
 from ray_moe.dispatch.engine import combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.ledger import PrecisionPayloadLedger
 from ray_moe.dispatch.precision import FP8_DTYPE, dequantize, scales_per_row
 from ray_moe.dispatch.records import RouteBatch
-from ray_moe.placement.manifest import manifest_from_assignment
 from ray_moe.placement.selector import make_selector
-from ray_moe.placement.snapshot import PlacementSnapshot
-from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.testing.spmd import exchange_device, run_spmd
 from ray_moe.types import PayloadFormat
 
@@ -88,17 +83,6 @@ class Fp8BenchConfig:
 
 
 # ------------------------------------------------------------------------------------ rank side
-def build_snapshot(world: int, experts: int) -> PlacementSnapshot:
-    """E experts in E slots, E / P contiguous slots per rank, no replicas."""
-    if experts % world:
-        raise ValueError(f"experts={experts} must be a multiple of world={world}")
-    topo = Topology.single_node(world)
-    man = manifest_from_assignment(generation=0, phy2log=[list(range(experts))],
-                                   slot_rank=[[q * world // experts for q in range(experts)]],
-                                   num_experts=experts, topology=topo)
-    return PlacementSnapshot.from_manifest(man, topo, ProcessGroupSpec.identity(world))
-
-
 def make_batch(rank: int, tokens: int, cfg: Fp8BenchConfig, device: torch.device) -> RouteBatch:
     """Uniform routing of one rank, generated on ``device`` from (seed, rank, tokens): hidden [T, d] bf16,
     topk_ids [T, k] int64 distinct experts, topk_weights [T, k] float32 gates uniform in [0, 1) (not
@@ -108,42 +92,6 @@ def make_batch(rank: int, tokens: int, cfg: Fp8BenchConfig, device: torch.device
     ids = torch.rand(tokens, cfg.experts, generator=g, device=device).topk(cfg.k, dim=1).indices.to(torch.int64)
     gates = torch.rand(tokens, cfg.k, generator=g, device=device)
     return RouteBatch(rank, hidden, ids, gates)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _barrier(exchange: Exchange, device: torch.device, tag: str) -> None:
-    exchange.all_gather(tag, np.zeros(1, dtype=np.int64))
-    _sync(device)
-
-
-def _timed_ms(device: torch.device, fn: Callable[[], Any]) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end))
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _measure(exchange: Exchange, device: torch.device, cfg: Fp8BenchConfig, label: str,
-             step: Callable[[str], Any]) -> list[float]:
-    """Per-iteration ms of ``step(tag)`` on this rank: warmup, then (barrier, timed step) x iters."""
-    for i in range(cfg.warmup):
-        step(f"{label}/w{i}")
-    _sync(device)
-    out = []
-    for i in range(cfg.iters):
-        _barrier(exchange, device, f"{label}/b{i}")
-        out.append(_timed_ms(device, lambda: step(f"{label}/i{i}")))
-    return out
 
 
 def bench_rank(exchange: Exchange, rank: int, cfg_fields: dict[str, Any]) -> dict[str, Any]:
@@ -180,8 +128,8 @@ def bench_rank(exchange: Exchange, rank: int, cfg_fields: dict[str, Any]) -> dic
                 "rel_error": err,
                 "count_matrix": counts,
                 "received_dtype": sent_dtype,
-                "dispatch_ms": _measure(exchange, device, cfg, f"{label}/d", disp),
-                "dispatch_combine_ms": _measure(exchange, device, cfg, f"{label}/dc", full),
+                "dispatch_ms": spmd_measure(exchange, device, f"{label}/d", disp, warmup=cfg.warmup, iters=cfg.iters),
+                "dispatch_combine_ms": spmd_measure(exchange, device, f"{label}/dc", full, warmup=cfg.warmup, iters=cfg.iters),
             }
         cases.append({"tokens": tokens, "formats": per_fmt})
         del batch, ref
@@ -191,14 +139,6 @@ def bench_rank(exchange: Exchange, rank: int, cfg_fields: dict[str, Any]) -> dic
 
 
 # ---------------------------------------------------------------------------------- parent side
-def _stats(per_rank: list[list[float]]) -> dict[str, float]:
-    """Per-iteration maximum over ranks, then median / p10 / p90 / min (ms)."""
-    steps = sorted(max(v) for v in zip(*per_rank))
-    n = len(steps)
-    return {"median_ms": statistics.median(steps), "p10_ms": steps[int(0.1 * (n - 1))],
-            "p90_ms": steps[math.ceil(0.9 * (n - 1))], "min_ms": steps[0], "iters": n}
-
-
 def row_bytes(fmt: PayloadFormat, d: int) -> dict[str, int]:
     """Bytes per dispatched row handed to all_to_all_v: data, scales, slot id."""
     elem = ACT_DTYPE.itemsize if fmt is PayloadFormat.NATIVE else FP8_DTYPE.itemsize
@@ -224,8 +164,8 @@ def aggregate(cfg: Fp8BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, dic
             send_remote = counts.sum(axis=1) - np.diag(counts)
             ledger = PrecisionPayloadLedger(remote, cfg.d, fmt)
             case[f] = {
-                "dispatch": _stats([p[f]["dispatch_ms"] for p in per]),
-                "dispatch_combine": _stats([p[f]["dispatch_combine_ms"] for p in per]),
+                "dispatch": step_stats([p[f]["dispatch_ms"] for p in per]),
+                "dispatch_combine": step_stats([p[f]["dispatch_combine_ms"] for p in per]),
                 "rel_error_vs_exact": max(p[f]["rel_error"] for p in per),
                 "rel_error_per_rank": [p[f]["rel_error"] for p in per],
                 "received_dtype": per[0][f]["received_dtype"],

@@ -349,7 +349,7 @@ class ShardCore:
         """Whether ``res.hidden`` is a view of this core's pinned staging buffer."""
         buf = self._pinned
         return (buf is not None and isinstance(res.hidden, np.ndarray) and res.hidden.size > 0
-                and np.shares_memory(res.hidden, buf.numpy()))
+                and np.may_share_memory(res.hidden, buf.numpy()))  # bounds only: O(1)
 
     def _host_out(self, h: torch.Tensor) -> tuple[np.ndarray, str]:
         """[T, d] output -> (NumPy wire array, dtype name); CUDA tensors through the pinned staging buffer."""
