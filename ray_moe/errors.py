@@ -4,10 +4,15 @@ from __future__ import annotations
 
 
 class RayMoEError(Exception):
-    """Base class of ray-moe runtime errors (bad input raises ``ValueError`` subclasses below)."""
+    """The root of every ray-moe error. Bad input raises the subclasses that are also ``ValueError``s
+    (``RouteValidationError``, ``ConfigError``, ``AdmissionError``)."""
 
 
-class RouteValidationError(ValueError):
+class ConfigError(RayMoEError, ValueError):
+    """A deployment's configuration or checkpoint is unusable (named field, file or tensor)."""
+
+
+class RouteValidationError(RayMoEError, ValueError):
     """A route batch, a physical assignment or a handle field is malformed (raised before any exchange)."""
 
 
@@ -60,7 +65,7 @@ class RankDeadError(RayMoEError):
         return (_rebuild_dead, (str(self), self.ranks))
 
 
-class AdmissionError(ValueError):
+class AdmissionError(RayMoEError, ValueError):
     """A plan was refused before anything moved (memory budget, layout change under one generation)."""
 
 
