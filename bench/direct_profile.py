@@ -21,6 +21,7 @@ import torch
 
 from bench.common import build_snapshot, host_kind, write_result
 from ray_moe.dispatch.direct import DirectDispatcher
+from ray_moe.dispatch.protocol import DeferredChecks
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.placement.selector import make_selector
 from ray_moe.testing.spmd import exchange_device, run_spmd
@@ -57,13 +58,13 @@ def profile_rank(exchange, rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         batch = _batch(rank, tokens, cfg["d"], cfg["k"], cfg["experts"], dev)
         case: dict[str, Any] = {"tokens": tokens}
         for chunks in cfg["chunks"]:
-            dd = DirectDispatcher(exchange, chunks=chunks)
+            dd = DirectDispatcher(exchange, sel, chunks=chunks)
 
-            deferred: list = []  # handle checks read after the step, as the runtime does
+            deferred = DeferredChecks()  # handle checks read after the step, as the runtime does
 
             def step(tag):
-                o = dd.dispatch(batch, snap, selector=sel, tag=tag)
-                return dd.combine(o.rows, o.handle, snap, tag=tag, out_dtype=torch.bfloat16, deferred_check=deferred)
+                o = dd.dispatch(batch, snap, tag=tag)
+                return dd.combine(o.rows, o.handle, snap, tag=tag, out_dtype=torch.bfloat16, checks=deferred)
 
             for i in range(3):
                 step(f"w{tokens}/{chunks}/{i}")

@@ -66,7 +66,7 @@ import torch
 
 from bench.common import build_snapshot, device_sync, host_kind, spmd_measure, step_stats, timed_ms, write_result
 from ray_moe.dispatch.combine import combine_routes
-from ray_moe.dispatch.engine import DTYPE_CODES, ControlRecord, ControlStatus, agree, check_handle, combine, dispatch
+from ray_moe.dispatch.engine import check_handle, combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.plan import (
     check_assignment,
@@ -77,6 +77,7 @@ from ray_moe.dispatch.plan import (
     semantic_from_send,
     source_major_from_expert,
 )
+from ray_moe.dispatch.protocol import DTYPE_CODES, ControlRecord, ControlStatus, DeferredChecks, agree
 from ray_moe.dispatch.records import (
     DispatchHandle,
     NormalDispatchOutput,
@@ -85,7 +86,7 @@ from ray_moe.dispatch.records import (
     SemanticRoutes,
     SourcePlan,
 )
-from ray_moe.errors import CountAgreementError
+from ray_moe.errors import CountAgreementError, RouteValidationError
 from ray_moe.placement.selector import ReplicaSelector, make_selector
 from ray_moe.placement.snapshot import PlacementSnapshot
 from ray_moe.testing.spmd import exchange_device, run_spmd
@@ -416,11 +417,11 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
     want = (batch.hidden.float() * batch.topk_weights.sum(dim=1, keepdim=True)).to(dtype)
 
     # the handle checks are deferred as in the runtime (read with the step's output, not inside the step)
-    deferred: list = []
+    deferred = DeferredChecks()
 
     def ours(tag: str) -> torch.Tensor:
         out = dispatch(batch, snap, ex, selector=ctx.selector, tag=tag)
-        return combine(out.rows, out.handle, snap, ex, tag=tag, out_dtype=dtype, deferred_check=deferred)
+        return combine(out.rows, out.handle, snap, ex, tag=tag, out_dtype=dtype, checks=deferred)
 
     def ours_fastcombine(tag: str) -> torch.Tensor:
         out = dispatch(batch, snap, ex, selector=ctx.selector, tag=tag)
@@ -463,21 +464,25 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
     from ray_moe.dispatch.direct import DirectDispatcher
 
     for chunks in cfg.direct_chunks:
-        dd = DirectDispatcher(ex, chunks=chunks)
+        dd = DirectDispatcher(ex, ctx.selector, chunks=chunks)
         name = direct_name(chunks)
 
         def direct(tag: str, dd=dd) -> torch.Tensor:
-            out = dd.dispatch(batch, snap, selector=ctx.selector, tag=tag)
-            return dd.combine(out.rows, out.handle, snap, tag=tag, out_dtype=dtype, deferred_check=deferred)
+            out = dd.dispatch(batch, snap, tag=tag)
+            return dd.combine(out.rows, out.handle, snap, tag=tag, out_dtype=dtype, checks=deferred)
 
-        chk = dd.dispatch(batch, snap, selector=ctx.selector, tag=f"{case_id}/{name}check")
+        chk = dd.dispatch(batch, snap, tag=f"{case_id}/{name}check")
         checks[f"{name}_rows_equal_engine_exact"] = bool(torch.equal(chk.rows, ref.rows)
                                                          and chk.counts_list == ref.counts_list)
         checks[f"{name}_max_rel_err"] = _rel_err(dd.combine(chk.rows, chk.handle, snap, tag=f"{case_id}/{name}check",
                                                             out_dtype=dtype), want, scale)
         del chk
         samples[name] = measure(ctx, f"{case_id}/{name}", direct)
-    checks["deferred_handle_checks_ok_exact"] = bool(torch.stack([f for _, f in deferred]).all()) if deferred else True
+    try:
+        deferred.verify()
+        checks["deferred_handle_checks_ok_exact"] = True
+    except RouteValidationError:
+        checks["deferred_handle_checks_ok_exact"] = False
     deferred.clear()
     # 3. raw exchange of the same bytes (pre-packed, no planning)
     g = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 17 * ctx.rank + tokens)

@@ -16,10 +16,10 @@ generation as stale (after a publish); per-step generation pins live on the shar
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -30,13 +30,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_moe.actors.coordinator import coordinator_class, coordinator_name
-from ray_moe.actors.expert_shard import experts_from_wire, shard_actor_class
-from ray_moe.actors.shard_core import StepRequest, StepResult
+from ray_moe.actors.expert_shard import shard_actor_class
+from ray_moe.actors.step import StepRequest, StepResult
 from ray_moe.config import RuntimeConfig
-from ray_moe.dispatch.exchange.object_store import wire_to_tensor
+from ray_moe.dispatch.exchange.mailbox import ExchangeAborted
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.env import EnvSettings, read_env
-from ray_moe.dispatch.exchange.mailbox import ExchangeAborted
 from ray_moe.errors import (
     ExchangeTimeoutError,
     RankDeadError,
@@ -47,12 +46,21 @@ from ray_moe.errors import (
 from ray_moe.experts.weights import parse_dtype
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import NodeInfo, ProcessGroupSpec, RankInfo, Topology
+from ray_moe.telemetry.metrics import MetricName, Telemetry, TelemetrySnapshot, merge_snapshots
+from ray_moe.telemetry.quantiles import EvidenceClass, summarize
 from ray_moe.types import ExchangeKind, Phase
+from ray_moe.wire import experts_from_wire, tensor_to_wire, wire_to_tensor
 
 
 @dataclass
 class RuntimeStats:
-    """Counters and ratios with their denominators (spec 0x0D), kept by the driver."""
+    """Counters and ratios with their denominators (spec 0x0D), kept by the driver.
+
+    attempted_routes: every route a caller handed in (T x k per layer), counted before validation;
+    accepted_routes: routes the shards accepted and served; dropped_routes: attempted routes that were not
+    served (the call raised: refused input, or a step that failed for good). The data paths never drop an
+    accepted route (admission refusals rerun eagerly), so dropped = attempted - accepted.
+    """
 
     steps: int = 0
     tokens: int = 0
@@ -85,14 +93,13 @@ class RuntimeStats:
         }
 
     def as_dict(self) -> dict[str, Any]:
-        from ray_moe.telemetry.quantiles import EvidenceClass, summarize
-
         lat = summarize(self.step_ms, unit="ms", evidence=EvidenceClass.MEASURED) if self.step_ms else None
         return {
             "steps": self.steps,
             "tokens": self.tokens,
             "attempted_routes": self.attempted_routes,
             "accepted_routes": self.accepted_routes,
+            "dropped_routes": self.dropped_routes,
             "ratios": self.ratios(),
             "stale_retries": self.stale_retries,
             "failed_steps": self.failed_steps,
@@ -129,8 +136,6 @@ class Runtime:
         self.flush_every = 4
         self.dtype = parse_dtype(cfg.dtype)
         self.max_attempts = 400
-        from ray_moe.telemetry.metrics import Telemetry
-
         self._step_lock = threading.RLock()  # held across one step; elastic rank changes take it to quiesce
         self._node_infos: list[dict[str, Any]] = []
         self._extra_pgs: dict[int, Any] = {}
@@ -237,24 +242,46 @@ class Runtime:
 
     # ================================================================ data path
     def forward(self, hidden: torch.Tensor | np.ndarray, topk_ids: Any = None, topk_weights: Any = None, *,
-                phase: Phase | str = Phase.PREFILL, return_routes: bool = False,
+                layer: int | None = None, phase: Phase | str = Phase.PREFILL, return_routes: bool = False,
                 generation: int | None = None) -> Any:
-        """One model step over all layers: [T, d] -> [T, d].
+        """One model step over every MoE layer, or over MoE layer ``layer`` only: [T, d] -> [T, d].
 
-        topk_ids / topk_weights: [T, k] (the same routes for every layer) or [L, T, k]; None routes with the
-        runtime's router. With ``return_routes`` the result is ``(hidden, routes)`` where routes is a list of
-        per-layer ([T, k] ids, [T, k] gates) actually used. ``generation`` pins the step to one generation
-        (a candidate in shadow / canary); a pinned step is never replanned onto another generation.
+        topk_ids / topk_weights: [T, k] (the same routes for every layer) or [L, T, k]; with ``layer`` the
+        [T, k] routes of that layer exactly as the model's router produced them (weights need not sum to 1).
+        None routes with the runtime's router. With ``return_routes`` the result is ``(hidden, routes)`` where
+        routes is a list of per-layer ([T, k] ids, [T, k] gates) actually used. ``generation`` pins the step
+        to one generation (a candidate in shadow / canary); a pinned step is never replanned onto another.
         """
         phase = Phase(phase)
         h = torch.as_tensor(hidden)
-        ids, gates = self._validate(h, topk_ids, topk_weights)
-        h = h.to(self.dtype)
-        with self._step_lock:
-            return self._forward(h, ids, gates, phase, return_routes, generation)
+        layers = self._layers(layer)
+        attempted = int(h.shape[0]) * self.cfg.top_k * len(layers) if h.dim() == 2 else 0
+        served = False
+        try:
+            ids, gates = self._validate(h, topk_ids, topk_weights, len(layers))
+            h = h.to(self.dtype)
+            with self._step_lock:
+                out = self._forward(h, ids, gates, phase, return_routes, generation, layers)
+            served = True
+            return out
+        finally:
+            dropped = 0 if served else attempted
+            with self._lock:
+                self._stats.attempted_routes += attempted
+                self._stats.dropped_routes += dropped
+            self.telemetry.add_ratio(MetricName.ROUTE_DROP_RATIO, {"release": self.release_id, "phase": phase.value},
+                                     dropped, attempted)
+
+    def _layers(self, layer: int | None) -> tuple[int, ...] | None:
+        if layer is None:
+            return tuple(range(self.cfg.num_layers))
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.cfg.num_layers:
+            raise RouteValidationError(f"layer={layer!r} is not a MoE layer of this deployment "
+                                       f"[0, {self.cfg.num_layers})")
+        return (int(layer),)
 
     def _forward(self, h: torch.Tensor, ids: torch.Tensor | None, gates: torch.Tensor | None, phase: Phase,
-                 return_routes: bool, pinned: int | None = None) -> Any:
+                 return_routes: bool, pinned: int | None, layers: tuple[int, ...]) -> Any:
         cfg = self.cfg
         t0 = time.perf_counter()
         for attempt in range(self.max_attempts):
@@ -268,10 +295,11 @@ class Runtime:
             for r, idx in zip(ranks, parts):
                 lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
                 reqs[r] = StepRequest(
-                    step_id=step_id, generation=gen, hidden=_wire(h[lo:hi]),
+                    step_id=step_id, generation=gen, hidden=tensor_to_wire(h[lo:hi]),
                     topk_ids=None if ids is None else ids[:, lo:hi].numpy(),
                     topk_weights=None if gates is None else gates[:, lo:hi].numpy(),
                     phase=phase, return_routes=return_routes, marks=self.record_marks,
+                    layers=None if len(layers) == cfg.num_layers else layers,
                 )
             try:
                 results = self._run_step(step_id, reqs)
@@ -295,7 +323,7 @@ class Runtime:
         self._account(results, ranks, phase, h.shape[0], (time.perf_counter() - t0) * 1e3)
         if return_routes:
             routes = []
-            for l in range(cfg.num_layers):
+            for l in range(len(layers)):
                 routes.append((torch.cat([torch.from_numpy(results[r].routes[l][0]) for r in ranks], 0),
                                torch.cat([torch.from_numpy(results[r].routes[l][1]) for r in ranks], 0)))
             return out, routes
@@ -322,8 +350,11 @@ class Runtime:
             out[idx] = self.forward(h.index_select(0, idx), sub_ids, sub_gates, phase=phase)
         return out
 
-    def _validate(self, h: torch.Tensor, topk_ids: Any, topk_weights: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _validate(self, h: torch.Tensor, topk_ids: Any, topk_weights: Any,
+                  num_layers: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Reject bad input before any actor is called; routes come back as [L', T, k] for the L' layers run."""
         cfg = self.cfg
+        nl = cfg.num_layers if num_layers is None else num_layers
         if h.dim() != 2 or h.shape[1] != cfg.hidden_size:
             raise RouteValidationError(f"hidden: expected [T, {cfg.hidden_size}], got shape {tuple(h.shape)}")
         if not h.is_floating_point():
@@ -337,13 +368,13 @@ class Runtime:
         ids = torch.as_tensor(topk_ids)
         gates = torch.as_tensor(topk_weights)
         if ids.dim() == 2:
-            ids = ids.unsqueeze(0).expand(cfg.num_layers, *ids.shape)
+            ids = ids.unsqueeze(0).expand(nl, *ids.shape)
         if gates.dim() == 2:
-            gates = gates.unsqueeze(0).expand(cfg.num_layers, *gates.shape)
-        if ids.dim() != 3 or ids.shape[0] != cfg.num_layers:
-            raise RouteValidationError(f"topk_ids: expected [T, k] or [L={cfg.num_layers}, T, k], got {tuple(ids.shape)}")
+            gates = gates.unsqueeze(0).expand(nl, *gates.shape)
+        if ids.dim() != 3 or ids.shape[0] != nl:
+            raise RouteValidationError(f"topk_ids: expected [T, k] or [L={nl}, T, k], got {tuple(ids.shape)}")
         same = torch.as_tensor(topk_ids).dim() == 2  # one route set for every layer: validate it once
-        for l in range(1 if same else cfg.num_layers):
+        for l in range(1 if same else nl):
             RouteBatch(0, h, ids[l], gates[l]).validate(cfg.num_experts, cfg.hidden_size)
         if ids.shape[2] != cfg.top_k:
             raise RouteValidationError(f"topk_ids: k={ids.shape[2]} but the deployment has top_k={cfg.top_k}")
@@ -489,7 +520,6 @@ class Runtime:
                 res = results[r]
                 gen = res.generation
                 for ls in res.layers:
-                    s.attempted_routes += ls.accepted
                     s.accepted_routes += ls.accepted
                     s.remote_routes += ls.remote
                     s.inter_node_routes += ls.inter_node
@@ -504,14 +534,11 @@ class Runtime:
                 self._load[:] = 0
                 self._load_steps = 0
         # telemetry with numerators and denominators (spec 0x0D); bounded labels only (0x0DB)
-        from ray_moe.telemetry.metrics import MetricName
-
         acc = sum(ls.accepted for r in ranks for ls in results[r].layers)
         rem = sum(ls.remote for r in ranks for ls in results[r].layers)
         inter = sum(ls.inter_node for r in ranks for ls in results[r].layers)
         base = {"release": self.release_id, "phase": phase.value}
         tel = self.telemetry
-        tel.add_ratio(MetricName.ROUTE_DROP_RATIO, base, 0, acc)
         tel.add_ratio(MetricName.REMOTE_ROUTE_RATIO, base, rem, acc)
         tel.add_ratio(MetricName.INTER_NODE_ROUTE_RATIO, {**base, "topology": self.topology.version}, inter, acc)
         tel.observe_step_latency(base, ms / 1e3)
@@ -548,8 +575,6 @@ class Runtime:
         return "" if snap is None else snap.render_table()
 
     def _merged_telemetry(self):
-        from ray_moe.telemetry.metrics import TelemetrySnapshot, merge_snapshots
-
         if self.telemetry.snapshot().ratios:
             self.publish_telemetry()
         blobs = ray.get(self.coordinator.telemetry_snapshots.remote())
@@ -655,12 +680,6 @@ def _fetch(results: dict[int, Any], ranks: list[int]) -> list[np.ndarray]:
         for (i, _), arr in zip(refs, ray.get([ref for _, ref in refs])):
             out[i] = arr
     return out
-
-
-def _wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    from ray_moe.dispatch.exchange.object_store import tensor_to_wire
-
-    return tensor_to_wire(t)
 
 
 def topology_from_nodes(infos: Sequence[dict[str, Any]]) -> Topology:

@@ -126,6 +126,18 @@ class DispatchPath(str, Enum):
     AUTO = "auto"
 
 
+class DispatchMode(str, Enum):
+    """The data path a dispatcher implements (one typed output per mode, ``dispatch/protocol.py``).
+
+    ENGINE: the reference (``engine.py``); DIRECT: the fast normal mode (``direct.py``); BUCKET: the
+    fixed-capacity decode mode (``bucket.py``, CUDA-graph capturable).
+    """
+
+    ENGINE = "engine"
+    DIRECT = "direct"
+    BUCKET = "bucket"
+
+
 class ExchangeSchedule(str, Enum):
     """Flat all-to-all-v or hierarchical through node relays (spec 0x07E)."""
 

@@ -19,29 +19,13 @@ import torch
 from ray_moe.actors.shard_core import ShardCore, StepRequest, StepResult
 from ray_moe.config import RuntimeConfig
 from ray_moe.dispatch.exchange.mailbox import Mailbox
-from ray_moe.dispatch.exchange.object_store import ObjectStoreExchange, pack, unpack
+from ray_moe.dispatch.exchange.object_store import ObjectStoreExchange
 from ray_moe.experts.source import weight_source
 from ray_moe.experts.weights import ExpertWeights
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.types import ExchangeKind, ExchangeSchedule
-
-_WEIGHT_NAMES = ("w_gate", "w_up", "w_down")
-
-
-def experts_to_wire(weights: Mapping[tuple[int, int], ExpertWeights]) -> dict[str, Any]:
-    """(layer, expert) -> ExpertWeights as NumPy payloads (zero-copy through the object store)."""
-    return {f"{l}:{e}": pack({n: getattr(w, n) for n in _WEIGHT_NAMES}) for (l, e), w in weights.items()}
-
-
-def experts_from_wire(payload: Mapping[str, Any]) -> dict[tuple[int, int], ExpertWeights]:
-    out = {}
-    for key, body in payload.items():
-        l, e = (int(x) for x in key.split(":"))
-        t = unpack(body)
-        out[(l, e)] = ExpertWeights(l, e, t["w_gate"].clone(), t["w_up"].clone(), t["w_down"].clone())
-    return out
-
+from ray_moe.wire import experts_from_wire, experts_to_wire
 
 class ExpertShardActor:
     """Remote methods are grouped: setup, control path (coordinator), data path (driver), diagnostics."""
@@ -255,4 +239,4 @@ def shard_actor_class(cfg: RuntimeConfig):
     return ray.remote(max_concurrency=16)(ExpertShardActor)
 
 
-__all__ = ["ExpertShardActor", "shard_actor_class", "experts_to_wire", "experts_from_wire", "ExchangeKind"]
+__all__ = ["ExpertShardActor", "shard_actor_class"]

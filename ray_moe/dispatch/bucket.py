@@ -1,27 +1,36 @@
 # ======================================================================================================
-#  THE DECODE BUCKET PATH (one rank, one layer, fixed shapes: CUDA-graph capturable)
+#  THE DECODE BUCKET PATH (one rank, one layer, fixed shapes: CUDA-graph capturable, no host sync)
 #
-#   padded tokens [C_T] ──> route rows [C_T*k] (padding: slot -1, gate 0: no expert identity)
-#        ──> pack into fixed peer blocks [G, C_pair]   (position = rank within the peer block)
+#   tokens padded to [C_T] (padding: topk id -1 -> slot -1, gate 0: no expert identity)
+#        ──> replica selection on the device ──> pack into fixed peer blocks [G, C_pair]
 #        ──> equal-split all-to-all (static) ──> repack into expert-major capacity [Q_local, C_q]
-#        ──> padded experts (masked by valid counts) ──> gather back ──> equal-split return
-#        ──> gated scatter-add into [C_T, d]
+#        ──> runner (capacity layout) ──> gather back ──> equal-split return
+#        ──> gated FP32 scatter-add into [C_T, d]
 #
 #  Every shape depends only on the bucket (G, C_T, k, C_pair, Q_local, C_q, d), never on the step's
-#  counts: the same code replays as a captured CUDA graph on GPUs and runs eagerly on CPU. Admission
-#  (spec 0x05D) guarantees no position exceeds its capacity; the eager fallback never clips.
+#  counts. Admission of the step (tokens per rank, graph key, buffers) is agreed once per step before
+#  the first layer (``phases/decode.py``); the per-slot capacity clause is evaluated HERE, on the device:
+#  a route that does not fit raises the handle's ``overflow`` flag and the step is rerun on the variable
+#  path (never clipped). With ``C_q = G * C_T`` (worst case) no route can overflow.
 # ======================================================================================================
 """Fixed-capacity decode dispatch/combine (spec 0x05C, 0x05D; the low-latency mode)."""
 
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ray_moe.dispatch.exchange.base import Exchange
+from ray_moe.dispatch.plan import count_by
+from ray_moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher, fence
+from ray_moe.dispatch.records import DispatchOutput, Handle, RouteBatch, SemanticRoutes
+from ray_moe.errors import RouteValidationError
+from ray_moe.placement.selector import ReplicaSelector
+from ray_moe.placement.snapshot import PlacementSnapshot
+from ray_moe.types import DispatchMode
 
 
 @dataclass(frozen=True)
@@ -56,145 +65,203 @@ def pair_capacity(token_cap: int, top_k: int, slot_caps_by_rank: list[int]) -> i
 
 
 def default_slot_capacity(token_cap: int, top_k: int, group_size: int, num_slots: int, headroom: float = 2.0) -> int:
-    """C_q: ``headroom`` x the even share of the bucket's routes per slot (skew beyond it falls back)."""
+    """C_q: ``headroom`` x the even share of the bucket's routes per slot (skew beyond it reruns eagerly)."""
     return max(4, math.ceil(headroom * group_size * token_cap * top_k / max(1, num_slots)))
 
 
+def worst_case_slot_capacity(token_cap: int, group_size: int) -> int:
+    """C_q that no routing can exceed: a token routes to one expert (so one slot) at most once."""
+    return token_cap * group_size
+
+
+def bucket_shape(snapshot: PlacementSnapshot, rank: int, group_size: int, *, token_cap: int, top_k: int,
+                 hidden_size: int, slot_cap: int | None) -> BucketShape:
+    """The bucket geometry of ``rank`` under one snapshot (``slot_cap`` None: the default share rule)."""
+    c_q = slot_cap or default_slot_capacity(token_cap, top_k, group_size, snapshot.num_slots)
+    members = [int(r) for r in snapshot.peer_order.tolist()]
+    caps = [c_q * int(snapshot.rank_num_slots[r]) for r in members]
+    return BucketShape(group_size, token_cap, top_k, pair_capacity(token_cap, top_k, caps),
+                       int(snapshot.rank_num_slots[rank]), c_q, hidden_size)
+
+
 @dataclass(frozen=True, eq=False)
-class BucketDispatchOutput:
-    """Low-latency (bucket) dispatch result on one rank: expert-major capacity layout.
+class BucketHandle(Handle):
+    """The bucket path's handle (all tensors stay on the device; nothing here needs a host sync).
 
-    rows:       [Q_local, C_q, d] activation dtype; rows past ``valid[q]`` are zero padding
-    valid:      [Q_local] int64 device-side valid route rows per local slot (``masked_m``)
-    recv_index: [G * C_pair] int64 flat position of each received row in ``rows`` (trash slot for padding)
-    recv_valid: [G * C_pair] bool
-    send_index: [C_T * k] int64 flat position of each route in the peer blocks (trash for padding)
-    route_valid:[C_T * k] bool
+    num_tokens:  T valid tokens of this call (rows of the combined output)
+    gates:       [C_T * k] float32, 0 for padding routes
+    send_index:  [C_T * k] int64 flat position of each route in the peer blocks (trash row for padding)
+    recv_index:  [G * C_pair] int64 flat position of each received row in the capacity layout (trash row)
+    sent_slots:  [Q] int64 routes this rank sent to each physical slot (layer statistics)
+    overflow:    0-d bool: some route did not fit its block or slot capacity (the step must rerun)
     """
 
-    rows: torch.Tensor
-    valid: torch.Tensor
-    recv_index: torch.Tensor
-    recv_valid: torch.Tensor
+    num_tokens: int
+    shape: BucketShape
+    gates: torch.Tensor
     send_index: torch.Tensor
-    route_valid: torch.Tensor
+    recv_index: torch.Tensor
+    sent_slots: torch.Tensor
+    overflow: torch.Tensor
 
 
-def bucket_dispatch(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    *,
-    shape: BucketShape,
-    slot_rank: torch.Tensor,
-    rank_to_peer: torch.Tensor,
-    slot_local: torch.Tensor,
-    exchange: Exchange,
-    tag: str,
-) -> BucketDispatchOutput:
-    """Pack, exchange and repack with fixed shapes.
+@dataclass(frozen=True, eq=False)
+class BucketDispatchOutput(DispatchOutput):
+    """Low-latency (bucket) dispatch result: expert-major capacity layout.
 
-    hidden: [C_T, d] (padding rows zero); slots: [C_T * k] int64 physical slot per route, -1 for padding.
-    slot_rank / rank_to_peer / slot_local: the placement snapshot's tensors on this device.
+    rows:  [Q_local, C_q, d] activation dtype; rows past ``valid[q]`` are zero padding
+    valid: [Q_local] int64 device-side valid route rows per local slot (``masked_m``)
     """
-    dev = hidden.device
-    g, cp, rc = shape.group_size, shape.pair_cap, shape.route_cap
-    k = shape.top_k
-    # 1. destination peer of every route; padding goes to the dump peer G
-    valid = slots >= 0
-    safe = slots.clamp_min(0)
-    peer = torch.where(valid, rank_to_peer[slot_rank[safe]], torch.full_like(slots, g))
-    # 2. position inside the peer block: stable order by (peer, slot, route)
-    key = peer * (slot_rank.numel() + 1) + torch.where(valid, slots, torch.full_like(slots, slot_rank.numel()))
-    order = torch.sort(key, stable=True).indices
-    peer_sorted = peer[order]
-    counts = torch.zeros(g + 1, dtype=torch.int64, device=dev).scatter_add_(0, peer, torch.ones_like(peer))
-    starts = torch.cumsum(counts, 0) - counts
-    pos_sorted = torch.arange(rc, device=dev) - starts[peer_sorted]
-    pos = torch.empty_like(pos_sorted)
-    pos[order] = pos_sorted
-    trash = g * cp
-    send_index = torch.where(valid & (pos < cp), peer * cp + pos, torch.full_like(pos, trash))
-    # 3. fill the fixed send blocks (row = its token's hidden state)
-    token = torch.arange(rc, device=dev) // k
-    send = torch.zeros(trash + 1, shape.hidden_size, dtype=hidden.dtype, device=dev)
-    send[send_index] = hidden[token]
-    send_slot = torch.full((trash + 1,), -1, dtype=torch.int32, device=dev)
-    send_slot[send_index] = slots.to(torch.int32)
-    send_slot[trash:].fill_(-1)  # a fill kernel: no host-to-device copy (CUDA-graph capturable)
-    # 4. equal-split exchange: every (source, destination) block has C_pair rows
-    splits = [cp] * g
-    got = exchange.all_to_all_v(f"{tag}/bucket-dispatch", {"x": send[:trash], "slot": send_slot[:trash]}, splits, splits)
-    recv_slot = got["slot"].to(torch.int64)
-    # 5. repack into [Q_local, C_q]: position within slot by a running count per local slot
-    rvalid = recv_slot >= 0
-    local = torch.where(rvalid, slot_local[recv_slot.clamp_min(0)], torch.full_like(recv_slot, shape.q_local))
-    onehot = (local[:, None] == torch.arange(shape.q_local + 1, device=dev)[None, :]).to(torch.int64)
-    running = torch.cumsum(onehot, 0)
-    pos_in_slot = running.gather(1, local[:, None]).squeeze(1) - 1
-    rtrash = shape.q_local * shape.slot_cap
-    recv_index = torch.where(rvalid & (pos_in_slot < shape.slot_cap), local * shape.slot_cap + pos_in_slot,
-                             torch.full_like(local, rtrash))
-    rows = torch.zeros(rtrash + 1, shape.hidden_size, dtype=got["x"].dtype, device=dev)
-    rows[recv_index] = got["x"]
-    valid_counts = onehot[:, : shape.q_local].sum(0)
-    return BucketDispatchOutput(
-        rows=rows[:rtrash].view(shape.q_local, shape.slot_cap, shape.hidden_size),
-        valid=valid_counts, recv_index=recv_index, recv_valid=rvalid, send_index=send_index, route_valid=valid,
-    )
+
+    valid: torch.Tensor | None = None
 
 
-def bucket_combine(
-    expert_rows: torch.Tensor,
-    out: BucketDispatchOutput,
-    gates: torch.Tensor,
-    *,
-    shape: BucketShape,
-    exchange: Exchange,
-    tag: str,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Return path: gather expert rows back to receive order, equal-split return, gated scatter-add.
+class BucketDispatcher(Dispatcher):
+    """The fixed-capacity decode mode behind the dispatcher contract.
 
-    expert_rows: [Q_local, C_q, d]; gates: [C_T * k] float32 (0 for padding). Returns [C_T, d].
+    token_cap: C_T tokens per rank; slot_cap: C_q rows per local slot (None: 2x the even share; use
+    ``worst_case_slot_capacity`` for a bucket no routing can overflow).
     """
-    dev = expert_rows.device
-    g, cp = shape.group_size, shape.pair_cap
-    flat = torch.cat([expert_rows.reshape(-1, shape.hidden_size),
-                      expert_rows.new_zeros(1, shape.hidden_size)], 0)
-    back = flat[out.recv_index]  # padding rows read the zero trash row
-    splits = [cp] * g
-    got = exchange.all_to_all_v(f"{tag}/bucket-combine", {"y": back}, splits, splits)
-    ret = torch.cat([got["y"], got["y"].new_zeros(1, shape.hidden_size)], 0)
-    per_route = ret[out.send_index].to(torch.float32) * (gates.to(torch.float32) * out.route_valid)[:, None]
-    token = torch.arange(shape.route_cap, device=dev) // shape.top_k
-    acc = torch.zeros(shape.token_cap, shape.hidden_size, dtype=torch.float32, device=dev)
-    acc.index_add_(0, token, per_route)
-    return acc.to(out_dtype)
+
+    mode = DispatchMode.BUCKET
+
+    def __init__(self, exchange: Exchange, selector: ReplicaSelector, *, token_cap: int, top_k: int,
+                 hidden_size: int, slot_cap: int | None = None) -> None:
+        self.exchange = exchange
+        self.selector = selector
+        self.token_cap = int(token_cap)
+        self.top_k = int(top_k)
+        self.hidden_size = int(hidden_size)
+        self.slot_cap = slot_cap
+        self._shapes: dict[tuple, BucketShape] = {}
+
+    def shape(self, snapshot: PlacementSnapshot) -> BucketShape:
+        key = (snapshot.generation, snapshot.layer, snapshot.map_digest)
+        s = self._shapes.get(key)
+        if s is None:
+            if len(self._shapes) > 256:
+                self._shapes.clear()
+            s = bucket_shape(snapshot, self.exchange.rank, self.exchange.size, token_cap=self.token_cap,
+                             top_k=self.top_k, hidden_size=self.hidden_size, slot_cap=self.slot_cap)
+            self._shapes[key] = s
+        return s
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, batch: RouteBatch, snapshot: PlacementSnapshot, *, tag: str,
+                 status: ControlStatus = ControlStatus.OK) -> BucketDispatchOutput:
+        """batch.hidden [T, d] with T <= C_T (padded here), topk_ids [T, k] int64 (-1 marks a padding
+        route), topk_weights [T, k] float32. ``status`` is agreed once per step before the first layer
+        (``phases/decode.py``), so a refusing rank never reaches this call."""
+        shape = self.shape(snapshot)
+        h, ids, w = batch.hidden, batch.topk_ids, batch.topk_weights
+        t, k = int(h.shape[0]), shape.top_k
+        if t > shape.token_cap or ids.shape != (t, k):
+            raise RouteValidationError(f"{tag}: bucket dispatch of {t} tokens x {tuple(ids.shape)} routes does not "
+                                       f"fit C_T={shape.token_cap}, k={k} (admission runs before dispatch)")
+        dev = h.device
+        c_t = shape.token_cap
+        if t < c_t:  # pad (eager calls); a captured step stages its inputs padded already
+            h = torch.cat([h, h.new_zeros(c_t - t, h.shape[1])])
+            ids = torch.cat([ids, ids.new_full((c_t - t, k), -1)])
+            w = torch.cat([w, w.new_zeros(c_t - t, k)])
+        ids = ids.reshape(-1).to(torch.int64)
+        gates = w.reshape(-1).to(torch.float32)
+        maps = snapshot.on(dev)
+        g, cp, rc, q_count = shape.group_size, shape.pair_cap, shape.route_cap, snapshot.num_slots
+        # 1. replica selection on the device; padding routes get slot -1 and gate 0 (no expert identity)
+        valid = ids >= 0
+        routes = SemanticRoutes(origin_rank=batch.origin_rank, num_tokens=c_t, top_k=k,
+                                origin_token=torch.arange(rc, device=dev) // k,
+                                route_slot=torch.arange(rc, device=dev) % k,
+                                logical_expert=ids.clamp_min(0), gate=gates, dense=True)
+        phys = self.selector.select(routes, snapshot).to(dev)
+        slots = torch.where(valid, phys, torch.full_like(phys, -1))
+        gates = gates * valid
+        safe = slots.clamp_min(0)
+        # 2. destination peer of every route; padding goes to the dump peer G
+        peer = torch.where(valid, maps.rank_to_peer[maps.slot_rank[safe]], torch.full_like(slots, g))
+        # 3. position inside the peer block: stable order by (peer, slot, route)
+        key = peer * (q_count + 1) + torch.where(valid, slots, torch.full_like(slots, q_count))
+        order = torch.sort(key, stable=True).indices
+        counts = count_by(peer, g + 1)
+        starts = torch.cumsum(counts, 0) - counts
+        pos_sorted = torch.arange(rc, device=dev) - starts[peer[order]]
+        pos = torch.empty_like(pos_sorted)
+        pos[order] = pos_sorted
+        trash = g * cp
+        send_ok = valid & (pos < cp)
+        send_index = torch.where(send_ok, peer * cp + pos, torch.full_like(pos, trash))
+        # 4. fill the fixed send blocks (row = its token's hidden state) and exchange them (equal splits)
+        token = torch.arange(rc, device=dev) // k
+        send = torch.zeros(trash + 1, shape.hidden_size, dtype=h.dtype, device=dev)
+        send[send_index] = h[token]
+        send_slot = torch.full((trash + 1,), -1, dtype=torch.int32, device=dev)
+        send_slot[send_index] = slots.to(torch.int32)
+        send_slot[trash:].fill_(-1)  # a fill kernel: no host-to-device copy (CUDA-graph capturable)
+        splits = [cp] * g
+        got = self.exchange.all_to_all_v(f"{tag}/bucket-dispatch", {"x": send[:trash], "slot": send_slot[:trash]},
+                                         splits, splits)
+        recv_slot = got["slot"].to(torch.int64)
+        # 5. repack into [Q_local, C_q]: position within slot by a running count per local slot
+        rvalid = recv_slot >= 0
+        local = torch.where(rvalid, maps.slot_local[recv_slot.clamp_min(0)],
+                            torch.full_like(recv_slot, shape.q_local))
+        onehot = (local[:, None] == torch.arange(shape.q_local + 1, device=dev)[None, :]).to(torch.int64)
+        pos_in_slot = torch.cumsum(onehot, 0).gather(1, local[:, None]).squeeze(1) - 1
+        rtrash = shape.q_local * shape.slot_cap
+        recv_ok = rvalid & (pos_in_slot < shape.slot_cap)
+        recv_index = torch.where(recv_ok, local * shape.slot_cap + pos_in_slot, torch.full_like(local, rtrash))
+        rows = torch.zeros(rtrash + 1, shape.hidden_size, dtype=got["x"].dtype, device=dev)
+        rows[recv_index] = got["x"]
+        overflow = (valid & ~send_ok).any() | (rvalid & ~recv_ok).any()
+        handle = BucketHandle(
+            handle_id=f"bucket-h{snapshot.generation}-r{self.exchange.rank}-{uuid.uuid4().hex[:10]}",
+            generation=snapshot.generation, layer=snapshot.layer, pg_epoch=snapshot.pg_epoch,
+            rank=self.exchange.rank, num_tokens=t, shape=shape, gates=gates, send_index=send_index,
+            recv_index=recv_index,
+            sent_slots=torch.zeros(q_count, dtype=torch.int64, device=dev).scatter_add_(0, safe, valid.long()),
+            overflow=overflow)
+        valid_counts = onehot[:, : shape.q_local].sum(0).clamp_max(shape.slot_cap)
+        return BucketDispatchOutput(rows=rows[:rtrash].view(shape.q_local, shape.slot_cap, shape.hidden_size),
+                                    counts_list=(), handle=handle, valid=valid_counts)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, expert_rows: torch.Tensor, handle: BucketHandle, snapshot: PlacementSnapshot, *, tag: str,
+                out_dtype: torch.dtype, checks: DeferredChecks | None = None) -> torch.Tensor:
+        """expert_rows [Q_local, C_q, d] -> [T, d]: gather back to receive order, equal-split return, gated
+        FP32 scatter-add. Padding rows read the zero trash row and carry gate 0."""
+        fence(handle, snapshot)
+        shape = handle.shape
+        if expert_rows.shape != (shape.q_local, shape.slot_cap, shape.hidden_size):
+            raise RouteValidationError(f"expert_rows: shape {tuple(expert_rows.shape)} but the bucket holds "
+                                       f"{(shape.q_local, shape.slot_cap, shape.hidden_size)}")
+        self._check(handle, checks)
+        dev = expert_rows.device
+        g, cp, d = shape.group_size, shape.pair_cap, shape.hidden_size
+        flat = torch.cat([expert_rows.reshape(-1, d), expert_rows.new_zeros(1, d)], 0)
+        back = flat[handle.recv_index]
+        splits = [cp] * g
+        got = self.exchange.all_to_all_v(f"{tag}/bucket-combine", {"y": back}, splits, splits)
+        ret = torch.cat([got["y"], got["y"].new_zeros(1, d)], 0)
+        per_route = ret[handle.send_index].to(torch.float32) * handle.gates[:, None]
+        acc = torch.zeros(shape.token_cap, d, dtype=torch.float32, device=dev)
+        acc.index_add_(0, torch.arange(shape.route_cap, device=dev) // shape.top_k, per_route)
+        return acc[: handle.num_tokens].to(out_dtype)
+
+    def handle_ok(self, handle: BucketHandle) -> torch.Tensor:
+        """Every valid route lands in a distinct block row (the inverse map is one-to-one)."""
+        idx = handle.send_index
+        trash = handle.shape.group_size * handle.shape.pair_cap
+        hits = torch.zeros(trash + 1, dtype=torch.int64, device=idx.device).scatter_add_(
+            0, idx.clamp(0, trash), torch.ones_like(idx))
+        return (hits[:trash] <= 1).all()
+
+    def sent_slot_counts(self, handle: BucketHandle) -> torch.Tensor:
+        return handle.sent_slots
+
+    def slot_rows(self, out: BucketDispatchOutput) -> torch.Tensor:
+        return out.valid
 
 
-def padded_swiglu(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """Batched SwiGLU over the capacity layout: [Q, C, d] with [Q, f, d], [Q, f, d], [Q, d, f] -> [Q, C, d].
-    Padding rows are zero and stay zero (SwiGLU(0) = 0), and the combine never reads them anyway."""
-    gate = torch.bmm(rows, w_gate.transpose(1, 2))
-    up = torch.bmm(rows, w_up.transpose(1, 2))
-    return torch.bmm(torch.nn.functional.silu(gate) * up, w_down.transpose(1, 2))
-
-
-def run_bucket_layer(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    gates: torch.Tensor,
-    *,
-    shape: BucketShape,
-    maps: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    experts: Callable[[torch.Tensor], torch.Tensor],
-    exchange: Exchange,
-    tag: str,
-) -> torch.Tensor:
-    """One decode layer with fixed shapes: [C_T, d] -> [C_T, d]. ``experts`` maps [Q_local, C_q, d] rows
-    to outputs of the same shape (the rank's padded runner)."""
-    slot_rank, rank_to_peer, slot_local = maps
-    out = bucket_dispatch(hidden, slots, shape=shape, slot_rank=slot_rank, rank_to_peer=rank_to_peer,
-                          slot_local=slot_local, exchange=exchange, tag=tag)
-    y_rows = experts(out.rows) if shape.q_local else out.rows
-    return bucket_combine(y_rows, out, gates, shape=shape, exchange=exchange, tag=tag, out_dtype=hidden.dtype)
+__all__ = ["BucketShape", "BucketHandle", "BucketDispatchOutput", "BucketDispatcher", "bucket_shape",
+           "pair_capacity", "default_slot_capacity", "worst_case_slot_capacity"]

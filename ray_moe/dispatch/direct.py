@@ -53,14 +53,24 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ray_moe.dispatch.engine import DTYPE_CODES, ControlRecord, ControlStatus, agree, reject_corrupt
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.kernels import gated_combine, move_rows
 from ray_moe.dispatch.plan import check_assignment, count_by
-from ray_moe.dispatch.records import RouteBatch, SemanticRoutes
-from ray_moe.errors import CountAgreementError, RouteValidationError, StaleGenerationError
+from ray_moe.dispatch.protocol import (
+    DTYPE_CODES,
+    ControlRecord,
+    ControlStatus,
+    DeferredChecks,
+    Dispatcher,
+    control_round,
+    fence,
+    global_counts,
+)
+from ray_moe.dispatch.records import DispatchOutput, Handle, RouteBatch, SemanticRoutes
+from ray_moe.errors import CountAgreementError, RouteValidationError
 from ray_moe.placement.selector import ReplicaSelector
 from ray_moe.placement.snapshot import PlacementSnapshot
+from ray_moe.types import DispatchMode
 
 _NFLAGS = 3  # device flags of the plan: expert id out of range, gate not finite or negative, slot mismatch
 _PLAN_GRAPHS = 16  # captured plans kept per dispatcher (one per layer x token count in a serving loop)
@@ -72,10 +82,8 @@ _PLAN_GRAPHS = 16  # captured plans kept per dispatcher (one per layer x token c
 
 
 @dataclass(frozen=True, eq=False)
-class DirectHandle:
-    """The paired dispatch/combine state of one rank for one layer invocation on the direct path.
-
-    Carries the generation coordinates it was planned under; combine resolves exactly these.
+class DirectHandle(Handle):
+    """The direct path's handle (generation coordinates from ``Handle``; combine resolves exactly these).
 
     gate:        [T, k] float32 combine gates
     route_src:   [T, k] int64   where route (t, j)'s expert output lives at combine time: s >= 0 is row s
@@ -86,11 +94,6 @@ class DirectHandle:
     count_matrix: [P, P] int64 agreed route counts C[p, u] over global ranks
     """
 
-    handle_id: str
-    generation: int
-    layer: int
-    pg_epoch: int
-    rank: int
     num_tokens: int
     top_k: int
     gate: torch.Tensor
@@ -113,19 +116,16 @@ class DirectHandle:
 
 
 @dataclass(frozen=True, eq=False)
-class DirectDispatchOutput:
+class DirectDispatchOutput(DispatchOutput):
     """Direct dispatch result on one rank (the normal mode's rows, expert-major).
 
     rows:          [N, d] received rows in expert-major order (hidden's dtype)
-    expert_counts: [Q_local] int64 rows per local slot (host tensor: runners size launches from it)
-    counts_list:   the same counts on the host (what runners size their launches with)
-    handle:        the paired state for ``DirectDispatcher.combine``
+    counts_list:   rows per local slot on the host (what runners size their launches with)
+    expert_counts: [Q_local] int64 the same counts as a host tensor
+    handle:        the paired DirectHandle for ``DirectDispatcher.combine``
     """
 
-    rows: torch.Tensor
-    expert_counts: torch.Tensor
-    counts_list: tuple[int, ...]
-    handle: DirectHandle
+    expert_counts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -239,18 +239,23 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------
 
 
-class DirectDispatcher:
+class DirectDispatcher(Dispatcher):
     """Direct dispatch/combine endpoint of one rank over one exchange.
 
+    selector:      replica selection (graph-safe selectors let the plan be captured as a CUDA graph)
     chunks:        peer-row rounds per direction (1 = one round); every rank must use the same value
     wait_dispatch: NCCL only: wait (under the watchdog) at the end of dispatch; the end of combine always
                    waits, so a dead peer raises there and never hangs a later host sync
     """
 
-    def __init__(self, exchange: Exchange, *, chunks: int = 2, wait_dispatch: bool = True) -> None:
+    mode = DispatchMode.DIRECT
+
+    def __init__(self, exchange: Exchange, selector: ReplicaSelector, *, chunks: int = 1,
+                 wait_dispatch: bool = True) -> None:
         if chunks < 1:
             raise ValueError(f"chunks={chunks}: must be >= 1")
         self.exchange = exchange
+        self.selector = selector
         self.chunks = int(chunks)
         self.wait_dispatch = wait_dispatch
         self._async = bool(getattr(exchange, "device_async", False))
@@ -297,8 +302,7 @@ class DirectDispatcher:
         return got
 
     # ------------------------------------------------------------------ plan
-    def _plan(self, batch: RouteBatch, snapshot: PlacementSnapshot,
-              selector: ReplicaSelector) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan(self, batch: RouteBatch, snapshot: PlacementSnapshot) -> tuple[torch.Tensor, torch.Tensor]:
         """(send_order [R] int64, summary [3 + Q] int64: device flags then per-slot route counts).
 
         On CUDA with a ``graph_safe`` selector the ~50 small kernels of the plan are captured once per
@@ -306,7 +310,7 @@ class DirectDispatcher:
         host round trips through the dispatcher.
         """
         ids, w = batch.topk_ids, batch.topk_weights
-        rank = self.exchange.rank
+        rank, selector = self.exchange.rank, self.selector
         if not (ids.is_cuda and selector.graph_safe):
             return _plan_tensors(ids, w, snapshot, selector, rank)
         key = (snapshot.generation, snapshot.layer, snapshot.map_digest, snapshot.pg_epoch, tuple(ids.shape),
@@ -320,17 +324,14 @@ class DirectDispatcher:
         return graph.run(ids, w)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, batch: RouteBatch, snapshot: PlacementSnapshot, *, selector: ReplicaSelector, tag: str,
-                 status: ControlStatus = ControlStatus.OK, count_fault: int = 0,
-                 scale_fault: bool = False) -> DirectDispatchOutput:
+    def dispatch(self, batch: RouteBatch, snapshot: PlacementSnapshot, *, tag: str,
+                 status: ControlStatus = ControlStatus.OK) -> DirectDispatchOutput:
         """Variable dispatch of one rank's routes (see the module docstring).
 
         batch.hidden [T, d] float, topk_ids [T, k] int64, topk_weights [T, k] float32.
         ``status`` lets the caller refuse the step while still taking part in the control rounds.
-        ``count_fault`` / ``scale_fault``: fault injection exactly as ``engine.dispatch`` (a perturbed split
-        vector / one declared scale column too many): every rank aborts in control round 1.
         """
-        ex = self.exchange
+        ex, selector = self.exchange, self.selector
         rank, g_count, me = ex.rank, ex.size, ex.peer
         h, ids, w = batch.hidden, batch.topk_ids, batch.topk_weights
         dev = h.device
@@ -349,7 +350,7 @@ class DirectDispatcher:
         if error is None and r_count:
             # 2-4. replica selection, send order, value flags and per-slot counts (a CUDA graph replay when
             #      the selector allows it), then ONE device->host copy
-            send_order, summary = self._plan(batch, snapshot, selector)
+            send_order, summary = self._plan(batch, snapshot)
             # hidden finite <=> its max-abs is finite (NaN propagates; inf * 0 = NaN): one reduction pass
             hidden_bad = (torch.isnan(torch.linalg.vector_norm(h, float("inf")) * 0).view(1).to(torch.int64)
                           if h.numel() else torch.zeros(1, dtype=torch.int64, device=dev))
@@ -368,22 +369,13 @@ class DirectDispatcher:
             slot_counts = np.zeros(q_count, dtype=np.int64)
         maps_h = self._slot_maps(snapshot)
         declared = slot_counts @ maps_h.onehot
-        if count_fault:
-            declared = declared.copy()
-            declared[(me + 1) % g_count] += count_fault
         # 5. control round 1: the engine's header, agreed exactly as engine.dispatch agrees it
         width = int(h.shape[1]) if h.dim() == 2 else -1
         record = ControlRecord(snapshot.generation, snapshot.pg_epoch, snapshot.layer, status,
                                int(slot_counts.sum()), snapshot.map_digest, width, DTYPE_CODES.get(h.dtype, 0),
-                               1 if scale_fault else 0, tuple(declared.tolist()))
-        gathered = ex.all_gather(f"{tag}/ctl", record.to_array())
+                               0, tuple(declared.tolist()))
+        c_peer = control_round(ex, record, tag, local_error=error)
         self._mark("control_1")
-        try:
-            c_peer = agree([ControlRecord.from_array(row) for row in gathered], ex.group.peer_order, tag)
-        except (CountAgreementError, StaleGenerationError):
-            if error is not None:
-                raise error
-            raise
         # 6. control round 2: per-slot counts (same Q everywhere: the header agreed on the map digest)
         all_slots = ex.all_gather(f"{tag}/slots", slot_counts)
         self._mark("control_2")
@@ -468,9 +460,6 @@ class DirectDispatcher:
         if self._async and self.wait_dispatch:
             ex.wait(f"direct dispatch {tag!r}")  # type: ignore[attr-defined]
             self._mark("payload_done")
-        c_global = np.zeros((snapshot.num_ranks, snapshot.num_ranks), dtype=np.int64)
-        peers = np.asarray(ex.group.peer_order)
-        c_global[np.ix_(peers, peers)] = c_peer
         counts_list = tuple(int(v) for v in lay.expert_counts.tolist())
         handle = DirectHandle(
             handle_id=f"direct-h{snapshot.generation}-r{ex.rank}-{uuid.uuid4().hex[:10]}",
@@ -480,34 +469,27 @@ class DirectDispatcher:
             route_src=route_src.view(t_count, k), remote_em=remote_em,
             send_chunks=tuple(tuple(int(v) for v in row) for row in lay.send_chunks),
             recv_chunks=tuple(tuple(int(v) for v in row) for row in lay.recv_chunks),
-            count_matrix=torch.from_numpy(c_global), num_rows=n_rows,
+            count_matrix=global_counts(c_peer, ex.group.peer_order, snapshot.num_ranks), num_rows=n_rows,
             sent_slot_counts=tuple(int(v) for v in lay.sent_slot_counts.tolist()), expert_counts=counts_list,
         )
-        return DirectDispatchOutput(rows=x, expert_counts=torch.from_numpy(lay.expert_counts), counts_list=counts_list,
-                                    handle=handle)
+        return DirectDispatchOutput(rows=x, counts_list=counts_list, handle=handle,
+                                    expert_counts=torch.from_numpy(lay.expert_counts))
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_rows: torch.Tensor, handle: DirectHandle, snapshot: PlacementSnapshot, *, tag: str,
-                out_dtype: torch.dtype, deferred_check: list | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype, checks: DeferredChecks | None = None) -> torch.Tensor:
         """Return path: peer rows go back in chunk rounds, own rows stay; one gated FP32 combine pass.
 
         expert_rows: [N, d] expert outputs in expert-major order (no gate applied)
         returns:     [T, d] ``out_dtype``
-        deferred_check: if a list, (handle id, device flag of ``handle_ok``) is appended for the caller to
-        read with the output before publishing it; otherwise the handle is checked now (one host sync).
+        checks: the handle check is deferred into it (read with the output before it is published); without
+        it the handle is checked now (one host sync).
         """
-        if snapshot.generation != handle.generation or snapshot.layer != handle.layer:
-            raise StaleGenerationError(
-                f"combine of {handle.handle_id}: handle generation {handle.generation} layer {handle.layer} but "
-                f"the snapshot given is generation {snapshot.generation} layer {snapshot.layer}",
-                requested=handle.generation)
+        fence(handle, snapshot)
         if expert_rows.dim() != 2 or expert_rows.shape[0] != handle.num_rows:
             raise RouteValidationError(f"expert_rows: shape {tuple(expert_rows.shape)} but the handle received "
                                        f"{handle.num_rows} rows")
-        if deferred_check is None:
-            reject_corrupt(handle.handle_id, bool(handle_ok(handle)))
-        else:
-            deferred_check.append((handle.handle_id, handle_ok(handle)))
+        self._check(handle, checks)
         self._mark("combine")
         y = expert_rows.contiguous()
         dev, d = y.device, int(y.shape[1])
@@ -538,6 +520,12 @@ class DirectDispatcher:
             self._mark("combine_done")
         return out
 
+    def handle_ok(self, handle: DirectHandle) -> torch.Tensor:
+        return handle_ok(handle)
+
+    def sent_slot_counts(self, handle: DirectHandle) -> np.ndarray:
+        return np.asarray(handle.sent_slot_counts, dtype=np.int64)
+
 
 def handle_ok(handle: DirectHandle) -> torch.Tensor:
     """Device-side check (no host sync) that ``route_src`` maps the routes one-to-one onto this rank's own
@@ -553,19 +541,6 @@ def handle_ok(handle: DirectHandle) -> torch.Tensor:
     hits = torch.zeros(size, dtype=torch.int64, device=rs.device).scatter_add_(
         0, idx.clamp(0, max(size - 1, 0)), torch.ones_like(idx))
     return valid & (hits <= 1).all() & (hits[n_own_rows:] == 1).all()
-
-
-def corrupt_route_src(handle: DirectHandle) -> DirectHandle:
-    """Fault injection: route 1 reads route 0's row (a collision the handle check catches), or a truncated
-    route map when there are fewer than two routes."""
-    import dataclasses
-
-    rs = handle.route_src.clone().reshape(-1)
-    if rs.numel() >= 2 and bool(rs[0] != rs[1]):
-        rs[1] = rs[0]
-    else:
-        rs = rs[:0]
-    return dataclasses.replace(handle, route_src=rs.view(-1, max(handle.top_k, 1)))
 
 
 def _plan_tensors(ids: torch.Tensor, w: torch.Tensor, snapshot: PlacementSnapshot, selector: ReplicaSelector,

@@ -191,22 +191,44 @@ class ReceivePlan:
 
 
 @dataclass(frozen=True, eq=False)
-class DispatchHandle:
-    """The paired dispatch/combine state of one rank for one layer invocation (spec 0x0CB).
-
-    Carries the generation coordinates it was planned under; combine must resolve exactly this
-    generation, never the active one. ``count_matrix`` is C[p, u] over global ranks ([P, P] int64).
-    """
+class Handle:
+    """The base of every dispatch handle: the paired dispatch/combine state of one rank for one layer
+    invocation, named by the generation coordinates it was planned under (combine resolves exactly these,
+    never the active generation; ``protocol.fence``)."""
 
     handle_id: str
     generation: int
+    layer: int
+    pg_epoch: int
+    rank: int
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchOutput:
+    """What every dispatch mode returns (each mode has its own subclass with its extra fields).
+
+    rows:        expert-major rows: [N, d] (normal modes) or [Q_local, C_q, d] (bucket capacity layout)
+    counts_list: rows per local slot on the host (normal modes); () when the counts stay on the device
+    handle:      the paired state for ``combine``
+    """
+
+    rows: torch.Tensor
+    counts_list: tuple[int, ...]
+    handle: Handle
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchHandle(Handle):
+    """The engine's handle (spec 0x0CB): the full source and receive plans.
+
+    ``count_matrix`` is C[p, u] over global ranks ([P, P] int64); ``sent_slot_counts`` [Q] routes this rank
+    sent to each physical slot (host).
+    """
+
     placement_version: str
     checkpoint_version: str
     process_group_id: str
-    pg_epoch: int
     release_id: str
-    layer: int
-    rank: int
     routes: SemanticRoutes
     source: SourcePlan
     receive: ReceivePlan
@@ -214,21 +236,22 @@ class DispatchHandle:
     semantic_digest: str = ""
     send_splits: tuple[int, ...] = ()  # host copies of the agreed split vectors (peer order)
     recv_splits: tuple[int, ...] = ()
+    sent_slot_counts: tuple[int, ...] = ()
 
     @staticmethod
     def build(*, snapshot, rank: int, routes: SemanticRoutes, source: SourcePlan, receive: ReceivePlan,
               count_matrix: torch.Tensor, semantic_digest: str = "", send_splits: tuple[int, ...] = (),
-              recv_splits: tuple[int, ...] = ()) -> "DispatchHandle":
+              recv_splits: tuple[int, ...] = (), sent_slot_counts: tuple[int, ...] = ()) -> "DispatchHandle":
         return DispatchHandle(
             handle_id=_fresh_handle_id(rank, snapshot.generation),
             generation=snapshot.generation,
+            layer=snapshot.layer,
+            pg_epoch=snapshot.pg_epoch,
+            rank=rank,
             placement_version=snapshot.placement_version,
             checkpoint_version=snapshot.checkpoint_version,
             process_group_id=snapshot.process_group_id,
-            pg_epoch=snapshot.pg_epoch,
             release_id=snapshot.release_id,
-            layer=snapshot.layer,
-            rank=rank,
             routes=routes,
             source=source,
             receive=receive,
@@ -236,24 +259,23 @@ class DispatchHandle:
             semantic_digest=semantic_digest,
             send_splits=tuple(int(x) for x in send_splits),
             recv_splits=tuple(int(x) for x in recv_splits),
+            sent_slot_counts=tuple(int(x) for x in sent_slot_counts),
         )
 
 
 @dataclass(frozen=True, eq=False)
-class NormalDispatchOutput:
-    """Variable (all-to-all-v) dispatch result on one rank: the prefill / throughput mode.
+class NormalDispatchOutput(DispatchOutput):
+    """Variable (all-to-all-v) dispatch result of the engine: the prefill / throughput mode.
 
     rows:          [N, d] payload rows in expert-major order (activation dtype, or fp8 e4m3)
     scales:        [N, S] float32 or None  per-row / per-block scales, permuted with their rows
     expert_counts: [Q_local] int64 rows per local slot
-    handle:        the paired state for combine
+    counts_list:   the same counts on the host
+    handle:        the paired DispatchHandle for combine
     """
 
-    rows: torch.Tensor
-    scales: torch.Tensor | None
-    expert_counts: torch.Tensor
-    handle: DispatchHandle
-    counts_list: tuple[int, ...] = field(default=())
+    scales: torch.Tensor | None = None
+    expert_counts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)

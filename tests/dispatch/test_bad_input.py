@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from ray_moe.dispatch.engine import ControlStatus, dispatch
+from ray_moe.actors.faults import FaultyExchange, ShardFault
+from ray_moe.dispatch.engine import dispatch
+from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.exchange.local import LocalExchangeGroup
 from ray_moe.dispatch.records import RouteBatch
@@ -60,14 +62,15 @@ def _run_step(*, batches=None, slots=None, snapshots=None, status=None, count_fa
     log: list = []
 
     def step(ex):
-        spy = SpyExchange(ex, log)
         r = ex.rank
+        # the count fault is an exchange wrapper (as a shard installs it), under the spy
+        inner = FaultyExchange(ex, frozenset({ShardFault.COUNT})) if (count_fault or {}).get(r) else ex
+        spy = SpyExchange(inner, log)
         batch = (batches or {}).get(r) or _batch(r)
         snap = (snapshots or {}).get(r, default_snap)
         try:
             return dispatch(batch, snap, spy, selector=sel, tag="bad",
-                            status=(status or {}).get(r, ControlStatus.OK),
-                            count_fault=(count_fault or {}).get(r, 0))
+                            status=(status or {}).get(r, ControlStatus.OK))
         except Exception as exc:  # noqa: BLE001 - the test inspects every rank's error
             return exc
 

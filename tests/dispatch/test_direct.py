@@ -20,7 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_moe.dispatch.direct import DirectDispatcher, _HostMaps, build_layout, chunk_bounds, chunk_major_blocks, chunk_table
-from ray_moe.dispatch.engine import ControlStatus, combine, dispatch
+from ray_moe.actors.faults import FaultyExchange, ShardFault
+from ray_moe.dispatch.engine import combine, dispatch
+from ray_moe.dispatch.protocol import ControlStatus, DeferredChecks
 from ray_moe.dispatch.exchange.local import LocalExchangeGroup
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.errors import CountAgreementError, RouteValidationError, StaleGenerationError
@@ -83,8 +85,8 @@ def test_direct_equals_engine(sc, chunks):
 
     def direct_step(ex):
         h, ids, w = batches[ex.rank]
-        dd = DirectDispatcher(ex, chunks=chunks)
-        out = dd.dispatch(RouteBatch(ex.rank, h, ids, w), snap, selector=sel_direct[ex.rank], tag="d")
+        dd = DirectDispatcher(ex, sel_direct[ex.rank], chunks=chunks)
+        out = dd.dispatch(RouteBatch(ex.rank, h, ids, w), snap, tag="d")
         y = dd.combine(_tagged(out.rows), out.handle, snap, tag="d", out_dtype=torch.float64)
         return out, y
 
@@ -117,8 +119,8 @@ def test_direct_full_path_equals_reference_moe(sc, chunks):
 
     def step(ex):
         h, ids, w = batches[ex.rank]
-        dd = DirectDispatcher(ex, chunks=chunks)
-        out = dd.dispatch(RouteBatch(ex.rank, h, ids, w), snap, selector=selectors[ex.rank], tag="f")
+        dd = DirectDispatcher(ex, selectors[ex.rank], chunks=chunks)
+        out = dd.dispatch(RouteBatch(ex.rank, h, ids, w), snap, tag="f")
         slots = snap.rank_slot_ids(ex.rank).tolist()
         weights = (SlotWeights.stack(0, slots, [source.expert(0, int(snap.phy2log[q])) for q in slots])
                    if slots else None)
@@ -164,7 +166,7 @@ def test_bad_input_aborts_every_rank_with_the_engine_error(fault):
 
     def step(ex):
         try:
-            DirectDispatcher(ex).dispatch(batches[ex.rank], snap, selector=sel, tag="bad")
+            DirectDispatcher(ex, sel).dispatch(batches[ex.rank], snap, tag="bad")
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             return exc
         return None
@@ -182,7 +184,7 @@ def test_stale_generation_aborts_every_rank():
     def step(ex):
         status = ControlStatus.STALE_GENERATION if ex.rank == 0 else ControlStatus.OK
         try:
-            DirectDispatcher(ex).dispatch(batches[ex.rank], snap, selector=sel, tag="stale", status=status)
+            DirectDispatcher(ex, sel).dispatch(batches[ex.rank], snap, tag="stale", status=status)
         except Exception as exc:  # noqa: BLE001
             return exc
         return None
@@ -200,8 +202,8 @@ def test_combine_refuses_another_generation_and_wrong_rows():
         Topology.single_node(2), group)
 
     def step(ex):
-        dd = DirectDispatcher(ex)
-        out = dd.dispatch(batches[ex.rank], snap, selector=sel, tag="g")
+        dd = DirectDispatcher(ex, sel)
+        out = dd.dispatch(batches[ex.rank], snap, tag="g")
         with pytest.raises(StaleGenerationError, match="generation 3"):
             dd.combine(out.rows, out.handle, other, tag="g", out_dtype=torch.float32)
         with pytest.raises(RouteValidationError, match="expert_rows"):
@@ -218,7 +220,7 @@ def test_chunks_must_be_positive():
     snap, group, _ = _two_rank_setup()
     ex = LocalExchangeGroup(group).endpoint(0)
     with pytest.raises(ValueError, match="chunks=0"):
-        DirectDispatcher(ex, chunks=0)
+        DirectDispatcher(ex, make_selector("round_robin"), chunks=0)
 
 
 @pytest.mark.parametrize("fault", ["count", "scale"])
@@ -227,9 +229,10 @@ def test_injected_control_faults_abort_every_rank(fault):
     sel = make_selector("round_robin")
 
     def step(ex):
-        kw = {"count_fault": 1} if fault == "count" else {"scale_fault": True}
+        kind = ShardFault.COUNT if fault == "count" else ShardFault.SCALE
+        endpoint = FaultyExchange(ex, frozenset({kind})) if ex.rank == 1 else ex
         try:
-            DirectDispatcher(ex).dispatch(batches[ex.rank], snap, selector=sel, tag="f", **(kw if ex.rank == 1 else {}))
+            DirectDispatcher(endpoint, sel).dispatch(batches[ex.rank], snap, tag="f")
         except Exception as exc:  # noqa: BLE001
             return exc
         return None
@@ -240,24 +243,30 @@ def test_injected_control_faults_abort_every_rank(fault):
 
 
 def test_handle_check_catches_a_corrupt_route_map():
-    from ray_moe.dispatch.direct import corrupt_route_src, handle_ok
+    from ray_moe.actors.faults import corrupt_handle
+    from ray_moe.dispatch.direct import handle_ok
 
     snap, group, batches = _two_rank_setup()
     sel = make_selector("round_robin")
 
     def step(ex):
-        dd = DirectDispatcher(ex)
-        out = dd.dispatch(batches[ex.rank], snap, selector=sel, tag="h")
+        dd = DirectDispatcher(ex, sel)
+        out = dd.dispatch(batches[ex.rank], snap, tag="h")
         good = bool(handle_ok(out.handle))
-        bad = corrupt_route_src(out.handle)
-        checks: list = []
-        dd.combine(out.rows, bad, snap, tag="h", out_dtype=torch.float32, deferred_check=checks)
+        bad = corrupt_handle(out.handle)
+        checks = DeferredChecks()
+        dd.combine(out.rows, bad, snap, tag="h", out_dtype=torch.float32, checks=checks)
+        try:
+            checks.verify()
+            deferred = ""
+        except RouteValidationError as exc:
+            deferred = str(exc)
         try:
             dd.combine(out.rows, bad, snap, tag="h2", out_dtype=torch.float32)
         except RouteValidationError as exc:
-            return good, bool(checks[0][1]), str(exc)
-        return good, bool(checks[0][1]), ""
+            return good, deferred, str(exc)
+        return good, deferred, ""
 
     for good, deferred, msg in LocalExchangeGroup(group).run(step):
-        assert good and not deferred
+        assert good and "output rejected before publish" in deferred
         assert "output rejected before publish" in msg

@@ -150,9 +150,9 @@ def _direct_vs_engine(exchange, rank, cfg):
     y_ref = combine(ref.rows * 2, ref.handle, snap, exchange, tag="ref", out_dtype=torch.bfloat16)
     out = {}
     for chunks in (1, 3):
-        dd = DirectDispatcher(exchange, chunks=chunks, wait_dispatch=chunks == 1)
+        dd = DirectDispatcher(exchange, make_selector("round_robin"), chunks=chunks, wait_dispatch=chunks == 1)
         for step in range(2):  # a second step reuses the streams and the allocator's blocks
-            got = dd.dispatch(batch, snap, selector=make_selector("round_robin"), tag=f"d{chunks}/{step}")
+            got = dd.dispatch(batch, snap, tag=f"d{chunks}/{step}")
             y = dd.combine(got.rows * 2, got.handle, snap, tag=f"d{chunks}/{step}", out_dtype=torch.bfloat16)
         out[chunks] = {
             "rows_equal": bool(torch.equal(got.rows, ref.rows)),

@@ -11,7 +11,7 @@ Checked:
         rows, bit for bit, for bf16, int32 and fp8 tensors travelling together;
   (ii)  dispatch -> grouped runner -> combine on bf16 with random routes equals the same computation on
         CPU through LocalExchangeGroup (payload rows bit-identical; outputs within bf16 tolerance);
-  (iii) a count disagreement (count_fault on rank 1) raises CountAgreementError on BOTH ranks, before any
+  (iii) a count disagreement (a count fault on rank 1) raises CountAgreementError on BOTH ranks, before any
         payload, and the group stays usable for the next step;
   (iv)  a dead peer: rank 1 leaves before the control round / before the payload round (on a fresh
         communicator or after one full step); rank 0's watchdog aborts and raises ExchangeTimeoutError
@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 import torch
 
+from ray_moe.actors.faults import FaultyExchange, ShardFault
 from ray_moe.dispatch.engine import combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.records import RouteBatch
@@ -193,7 +194,8 @@ def _count_fault_worker(exchange: Exchange, rank: int, tokens: tuple[int, ...], 
     caught = None
     t0 = time.monotonic()
     try:
-        dispatch(batch, snap, exchange, selector=selector, tag="bad", count_fault=1 if rank == 1 else 0)
+        endpoint = FaultyExchange(exchange, frozenset({ShardFault.COUNT})) if rank == 1 else exchange
+        dispatch(batch, snap, endpoint, selector=selector, tag="bad")
     except CountAgreementError as exc:
         caught = str(exc)
     elapsed = time.monotonic() - t0

@@ -183,7 +183,7 @@ class TestTwoGpusBf16:
     def test_live_scale_copies_over_nccl_under_traffic(self, rt_bf16):
         import ray
 
-        from ray_moe.actors.expert_shard import experts_from_wire
+        from ray_moe.wire import experts_from_wire
 
         cfg = rt_bf16.cfg
         expert = 3  # one copy, on rank 0 (slots 0..4 = experts 0..4 on rank 0; 5, 6, 7, 0, 1 on rank 1)

@@ -28,6 +28,8 @@ class Exchange(ABC):
     # True when the backend can enqueue a payload round on a device stream and return before it completes
     # (``post_all_to_all_v`` + ``wait``: NCCL); False for backends whose rounds complete on return
     device_async: bool = False
+    # True when payload rounds can be recorded into a CUDA graph and replayed (NCCL on CUDA)
+    graph_capturable: bool = False
 
     @property
     def peer(self) -> int:
@@ -51,6 +53,10 @@ class Exchange(ABC):
         recv_splits: Sequence[int],
     ) -> dict[str, torch.Tensor]:
         """Variable all-to-all over rows; splits in peer-slot order."""
+
+    def wait(self, what: str) -> None:
+        """Block until this endpoint's enqueued rounds completed (under a watchdog where the backend needs
+        one); backends whose rounds complete on return have nothing to wait for."""
 
     def close(self) -> None:  # pragma: no cover - backends override when they hold resources
         """Release communicator resources."""

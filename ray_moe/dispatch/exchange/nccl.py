@@ -31,6 +31,7 @@ class NcclExchange(Exchange):
     """One rank's endpoint of an NCCL communicator over ``group`` (ranks in peer-slot order)."""
 
     device_async = True  # post_all_to_all_v enqueues on a stream without a host wait
+    graph_capturable = True  # grouped send/recv on the current stream record into a CUDA graph
 
     def __init__(self, rank: int, group: ProcessGroupSpec, unique_id: bytes, *, timeout_s: float,
                  device: torch.device | str = "cuda") -> None:

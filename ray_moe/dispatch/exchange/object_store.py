@@ -9,7 +9,6 @@ whether a message happens to be empty.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -18,39 +17,7 @@ import torch
 from ray_moe.dispatch.exchange.base import Exchange, check_splits, split_rows
 from ray_moe.dispatch.exchange.mailbox import Mailbox
 from ray_moe.placement.topology import ProcessGroupSpec
-
-_VIEW_AS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
-
-
-def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """Tensor -> (NumPy array, torch dtype name); dtypes NumPy lacks travel as same-width integer views."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    view = _VIEW_AS.get(t.dtype)
-    arr = (t.view(view) if view is not None else t).numpy()
-    return arr, str(t.dtype).removeprefix("torch.")
-
-
-def wire_to_tensor(arr: np.ndarray, dtype: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Inverse of ``tensor_to_wire`` (read-only object-store arrays are wrapped without a copy)."""
-    want = getattr(torch, dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(arr)
-    if t.dtype != want:
-        t = t.view(want)
-    return t.to(device) if str(device) != "cpu" else t
-
-
-def pack(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
-    return {k: tensor_to_wire(v) for k, v in tensors.items()}
-
-
-def unpack(payload: Mapping[str, tuple[np.ndarray, str]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    return {k: wire_to_tensor(a, d, device) for k, (a, d) in payload.items()}
-
+from ray_moe.wire import pack, wire_to_tensor
 
 class ObjectStoreExchange(Exchange):
     """One rank's endpoint. ``peers`` maps global rank -> actor handle exposing ``deliver``."""

@@ -40,14 +40,39 @@ class RunnerLedger:
         return self.useful_rows / self.executed_rows if self.executed_rows else 1.0
 
 
+def gate_up_operands(weights: SlotWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up projections as ``[Q, d, f]`` operands (K-major views of ``w_gate`` / ``w_up``)."""
+    return weights.w_gate.transpose(1, 2), weights.w_up.transpose(1, 2)
+
+
+def down_operand(weights: SlotWeights) -> torch.Tensor:
+    """The down projection as a ``[Q, f, d]`` operand (a K-major view of ``w_down`` [Q, d, f])."""
+    return weights.w_down.transpose(1, 2)
+
+
+def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u computed in place in ``g`` (both contiguous, same shape) -> g."""
+    return torch.nn.functional.silu(g, inplace=True).mul_(u)
+
+
 class ExpertRunner(ABC):
-    """Runs the local experts of one rank on expert-major rows."""
+    """Runs the local experts of one rank on expert-major rows: the only place SwiGLU is computed on the
+    serving path (flat expert-major rows with host counts, or the decode bucket's capacity layout)."""
 
     kind: RunnerKind
 
     @abstractmethod
     def run(self, x: torch.Tensor, counts: Sequence[int], weights: SlotWeights) -> torch.Tensor:
         """x: [N, d] expert-major rows; counts: rows per local slot (len Q_local, sum N) -> [N, d]."""
+
+    def run_capacity(self, x: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
+        """x: [Q_local, C, d] capacity layout (padding rows zero) -> [Q_local, C, d], fixed shapes and no
+        host sync (the decode bucket, CUDA-graph capturable). Padding rows stay zero (SwiGLU(0) = 0) and
+        the combine never reads them. Batched matmuls over every slot; runners may override."""
+        if x.dim() != 3 or x.shape[0] != weights.num_slots or x.shape[2] != weights.hidden_size:
+            raise ValueError(f"x: expected [{weights.num_slots}, C, {weights.hidden_size}], got {tuple(x.shape)}")
+        wg, wu = gate_up_operands(weights)
+        return torch.bmm(swiglu_act(torch.bmm(x, wg), torch.bmm(x, wu)), down_operand(weights))
 
     @abstractmethod
     def ledger(self, counts: Sequence[int], d: int, f: int) -> RunnerLedger:
@@ -76,8 +101,7 @@ class LoopRunner(ExpertRunner):
             c = int(c)
             if c:
                 seg = x[start:start + c]
-                h = torch.nn.functional.silu(seg @ weights.w_gate[q].T) * (seg @ weights.w_up[q].T)
-                out[start:start + c] = h @ weights.w_down[q].T
+                out[start:start + c] = swiglu_act(seg @ weights.w_gate[q].T, seg @ weights.w_up[q].T) @ weights.w_down[q].T
             start += c
         return out
 

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ray_moe.experts.runners.base import ExpertRunner, RunnerLedger
+from ray_moe.experts.runners.base import ExpertRunner, RunnerLedger, down_operand, gate_up_operands, swiglu_act
 from ray_moe.experts.runners.grouped import (
     as_counts,
     check_rows,

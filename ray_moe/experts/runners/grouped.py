@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from ray_moe.experts.runners.base import ExpertRunner, RunnerLedger
+from ray_moe.experts.runners.base import ExpertRunner, RunnerLedger, down_operand, gate_up_operands, swiglu_act
 from ray_moe.experts.weights import SlotWeights
 from ray_moe.types import RunnerKind
 
@@ -93,16 +93,6 @@ def segment_positions(counts: Sequence[int], device: torch.device | str) -> tupl
     return slot, position
 
 
-def gate_up_operands(weights: SlotWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate and up projections as ``[Q, d, f]`` operands (K-major views of ``w_gate`` / ``w_up``)."""
-    return weights.w_gate.transpose(1, 2), weights.w_up.transpose(1, 2)
-
-
-def down_operand(weights: SlotWeights) -> torch.Tensor:
-    """The down projection as a ``[Q, f, d]`` operand (a K-major view of ``w_down`` [Q, d, f])."""
-    return weights.w_down.transpose(1, 2)
-
-
 def grouped_mm_available(device: torch.device, dtype: torch.dtype, d: int, f: int) -> bool:
     """Whether ``torch._grouped_mm`` takes rows of width ``d`` / ``f`` of ``dtype`` on ``device``
     without a host-synchronising fallback (see the module docstring for the rules)."""
@@ -123,11 +113,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Contiguous, 16-byte aligned copy of ``t`` where ``t`` is not already both."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u computed in place in ``g`` (both contiguous, same shape) -> g."""
-    return torch.nn.functional.silu(g, inplace=True).mul_(u)
 
 
 def grouped_swiglu(x: torch.Tensor, bounds: Sequence[int], weights: SlotWeights, *,

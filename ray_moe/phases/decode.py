@@ -1,0 +1,197 @@
+# ======================================================================================================
+#  A DECODE STEP (one rank, every MoE layer; pure: no Ray)
+#
+#   step start: ONE control round ── (generation, epoch, generation digest, status, tokens, bucket key,
+#               graph state) from every rank ── every rank decides alike (spec 0x05D order):
+#                 stale / bad input / other generation  -> abort every rank before any payload
+#                 graph key differs                      -> the variable path for the whole step
+#                 tokens > C_T on some rank              -> the variable path for the whole step
+#                 otherwise                              -> the bucket path for every layer
+#   layers:     bucket dispatch/experts/combine with fixed shapes; the slot-capacity clause is evaluated
+#               on the device (an overflow flag per layer, no host sync); on CUDA the whole step is one
+#               graph per (generation, bucket), captured once and replayed
+#   step end:   the overflow flags are agreed with the output's host copy; any overflow -> the step is
+#               rerun on the variable path (``expert_route_capacity_exceeded``): a route is never clipped
+# ======================================================================================================
+"""Step-level decode admission and CUDA-graph capture of whole decode steps."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ray_moe.dispatch.protocol import ControlStatus
+from ray_moe.errors import CountAgreementError, StaleGenerationError
+from ray_moe.phases.admission import FallbackReason
+from ray_moe.phases.buckets import GraphKey
+from ray_moe.placement.snapshot import PlacementSnapshot
+
+DECODE_FIELDS = ("generation", "pg_epoch", "gen_digest", "status", "tokens", "key_digest", "graph_ready")
+KEY_FIELD = DECODE_FIELDS.index("key_digest")
+DECODE_TAG = "decode-ctl"
+
+
+@dataclass(frozen=True)
+class DecodeRecord:
+    """One rank's contribution to a decode step's control round (int64 vector in ``DECODE_FIELDS`` order).
+
+    gen_digest: digest of every layer's map digest of the pinned generation
+    key_digest: digest of the bucket's graph keys (every layer); a rank with another key refuses replay
+    graph_ready: 1 when this rank holds a captured graph of the step's (generation, bucket)
+    """
+
+    generation: int
+    pg_epoch: int
+    gen_digest: int
+    status: ControlStatus
+    tokens: int
+    key_digest: int
+    graph_ready: int
+
+    def to_array(self) -> np.ndarray:
+        return np.asarray([int(getattr(self, f)) for f in DECODE_FIELDS], dtype=np.int64)
+
+    @staticmethod
+    def from_array(a: np.ndarray) -> "DecodeRecord":
+        v = {f: int(x) for f, x in zip(DECODE_FIELDS, a)}
+        v["status"] = ControlStatus(v["status"])
+        return DecodeRecord(**v)
+
+
+@dataclass(frozen=True)
+class DecodeDecision:
+    """The agreed outcome of a decode step's control round (identical on every rank).
+
+    reason: None -> the bucket path; else why the step takes the variable path
+    replay: every rank holds the step's captured graph (else the bucket step runs eagerly and ranks
+            without a graph capture one afterwards)
+    """
+
+    reason: FallbackReason | None
+    replay: bool
+    rank_tokens: tuple[int, ...]
+
+
+def decide(records: list[DecodeRecord], group_ranks: tuple[int, ...], token_cap: int, tag: str) -> DecodeDecision:
+    """Protocol checks first (every rank aborts together), then the admission clauses in 0x05D order."""
+    stale = [group_ranks[i] for i, r in enumerate(records) if r.status == ControlStatus.STALE_GENERATION]
+    if stale:
+        raise StaleGenerationError(
+            f"{tag}: rank(s) {stale} refused generation(s) {sorted({r.generation for r in records})} for new "
+            f"dispatch; decode step aborted on every rank before payload exchange", requested=records[0].generation)
+    bad = [(group_ranks[i], r.status.name) for i, r in enumerate(records) if r.status != ControlStatus.OK]
+    if bad:
+        raise CountAgreementError(f"{tag}: rank(s) {bad} aborted the decode step before payload exchange")
+    first = records[0]
+    for i, r in enumerate(records):
+        for name in ("generation", "pg_epoch", "gen_digest"):
+            if getattr(r, name) != getattr(first, name):
+                raise CountAgreementError(f"{tag}: rank {group_ranks[i]} planned decode with {name}="
+                                          f"{getattr(r, name)} but rank {group_ranks[0]} with {getattr(first, name)}; "
+                                          f"aborted before payload exchange")
+    tokens = tuple(r.tokens for r in records)
+    reason = None
+    if any(r.key_digest != first.key_digest for r in records):
+        reason = FallbackReason.GRAPH_KEY_MISMATCH
+    elif max(tokens) > token_cap:
+        reason = FallbackReason.RANK_TOKEN_CAPACITY_EXCEEDED
+    return DecodeDecision(reason, reason is None and all(r.graph_ready for r in records), tokens)
+
+
+def decode_round(exchange, record: DecodeRecord, token_cap: int, tag: str, *,
+                 local_error: Exception | None = None) -> DecodeDecision:
+    """All-gather the decode records and decide (a rank that refused its own input re-raises its error)."""
+    rows = exchange.all_gather(f"{tag}/{DECODE_TAG}", record.to_array())
+    try:
+        return decide([DecodeRecord.from_array(r) for r in rows], tuple(exchange.group.peer_order), token_cap, tag)
+    except (StaleGenerationError, CountAgreementError):
+        if local_error is not None:
+            raise local_error from None
+        raise
+
+
+def agree_overflow(exchange, overflow: bool, tag: str) -> bool:
+    """Step end: whether any rank's bucket overflowed (every rank then reruns the step)."""
+    if exchange.size == 1:
+        return overflow
+    rows = exchange.all_gather(f"{tag}/decode-end", np.asarray([int(overflow)], dtype=np.int64))
+    return bool(np.asarray(rows).any())
+
+
+def digest64(*parts: Any) -> int:
+    """A 56-bit digest of ``repr(parts)`` (fits an int64 control field)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
+
+
+def generation_digest(snapshots: tuple[PlacementSnapshot, ...]) -> int:
+    return digest64(tuple(s.map_digest for s in snapshots))
+
+
+def bucket_key_digest(snapshots: tuple[PlacementSnapshot, ...], *, hidden_size: int, top_k: int,
+                      dtype: torch.dtype, dispatch_backend: Any, runner_backend: Any, token_cap: int,
+                      slot_cap_of: Callable[[PlacementSnapshot], int]) -> int:
+    """Digest of the immutable graph keys (spec 0x05C) of every layer of one decode bucket."""
+    keys = [GraphKey.for_snapshot(s, hidden_size=hidden_size, top_k=top_k, activation_dtype=dtype,
+                                  gate_dtype=torch.float32, dispatch_backend=dispatch_backend,
+                                  runner_backend=runner_backend, rank_token_capacities=[token_cap] * s.num_ranks,
+                                  slot_route_capacities=[slot_cap_of(s)] * s.num_slots) for s in snapshots]
+    return digest64(tuple(keys))
+
+
+class CapturedStep:
+    """One decode step captured as a CUDA graph: stable input buffers, the graph, its outputs, and the step
+    context whose device-side statistics the graph overwrites on every replay."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.inputs = inputs
+        self.graph: Any = None
+        self.output: Any = None
+        self.context: Any = None
+
+    def capture(self, body: Callable[[dict[str, torch.Tensor]], tuple[Any, Any]]) -> None:
+        """``body(inputs) -> (output, context)``; recorded (nothing executes, no collective runs) after the
+        caller ran the same step eagerly on every rank (the warm-up)."""
+        g = torch.cuda.CUDAGraph()
+        # thread_local: control-path threads of the actor (digests, weight copies) may touch CUDA meanwhile
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            self.output, self.context = body(self.inputs)
+        self.graph = g
+
+    def replay(self, staged: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+        for name, t in staged.items():
+            buf = self.inputs[name]
+            buf[: t.shape[0]].copy_(t)
+            if t.shape[0] < buf.shape[0]:
+                buf[t.shape[0]:].fill_(-1 if not buf.is_floating_point() else 0)
+        self.graph.replay()
+        return self.output, self.context
+
+
+class StepGraphs:
+    """Captured decode steps by (generation, bucket key); a generation's graphs go at its retirement."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[int, Any], CapturedStep] = {}
+
+    def get(self, generation: int, key: Any) -> CapturedStep | None:
+        return self._graphs.get((generation, key))
+
+    def put(self, generation: int, key: Any, step: CapturedStep) -> None:
+        self._graphs[(generation, key)] = step
+
+    def release(self, generation: int) -> int:
+        keys = [k for k in self._graphs if k[0] == generation]
+        for k in keys:
+            del self._graphs[k]
+        return len(keys)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+__all__ = ["DecodeRecord", "DecodeDecision", "decide", "decode_round", "agree_overflow", "generation_digest",
+           "bucket_key_digest", "CapturedStep", "StepGraphs", "DECODE_FIELDS", "KEY_FIELD", "DECODE_TAG"]

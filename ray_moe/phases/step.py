@@ -1,0 +1,158 @@
+# ======================================================================================================
+#  ONE STEP'S MOE LAYERS ON ONE RANK (pure: no Ray)
+#
+#   for each MoE layer l (called by the expert-only loop, or by a transformers model through the
+#   ``ray_moe`` experts seam):
+#       dispatch (the step's dispatcher) ──> expert runner (the only SwiGLU) ──> combine ──> [T, d]
+#   statistics and handle checks stay on the device until ``finish`` reads them all with one host copy.
+# ======================================================================================================
+"""The per-step MoE executor: ``moe_forward(layer, hidden, topk_ids, topk_weights)`` for every layer of one
+step on one rank, under one pinned generation and one dispatcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ray_moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher
+from ray_moe.dispatch.records import DispatchOutput, RouteBatch
+from ray_moe.experts.runners.base import ExpertRunner
+from ray_moe.experts.weights import SlotWeights
+from ray_moe.placement.snapshot import PlacementSnapshot
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What one rank saw in one layer of one step.
+
+    expert_counts: [E] int64 accepted routes per logical expert from this origin (semantic ledger)
+    rank_routes:   [P] int64 routes this origin sent to each global rank
+    slot_rows:     {global slot id: rows executed here}
+    path:          the dispatch mode that served the layer ("engine" | "direct" | "bucket" | "bucket-graph")
+    """
+
+    layer: int
+    accepted: int
+    remote: int
+    inter_node: int
+    expert_counts: np.ndarray
+    rank_routes: np.ndarray
+    slot_rows: dict[int, int]
+    path: str = "engine"
+    fallback_reason: str | None = None
+
+
+def layer_stats(layer: int, sent_slots: np.ndarray, slot_rows: Sequence[int], snapshot: PlacementSnapshot,
+                rank: int, path: str, fallback_reason: str | None) -> LayerStats:
+    """LayerStats from the routes this rank sent per physical slot ([Q] int64) and the rows it executed
+    per local slot ([Q_local]): every other count is a sum over the snapshot's maps."""
+    sent = np.asarray(sent_slots, dtype=np.int64)
+    rank_routes = np.bincount(snapshot.slot_rank.numpy(), weights=sent, minlength=snapshot.num_ranks).astype(np.int64)
+    node = snapshot.rank_node.numpy()
+    counts = np.bincount(snapshot.phy2log.numpy(), weights=sent, minlength=snapshot.num_experts).astype(np.int64)
+    local_ids = snapshot.rank_slot_ids(rank).tolist()
+    return LayerStats(layer, int(sent.sum()), int(rank_routes.sum() - rank_routes[rank]),
+                      int(rank_routes[node != node[rank]].sum()), counts, rank_routes,
+                      {int(q): int(c) for q, c in zip(local_ids, slot_rows)}, path, fallback_reason)
+
+
+def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights | None, hidden_size: int) -> torch.Tensor:
+    """The expert runner boundary: flat expert-major rows with host counts, or the bucket's capacity layout."""
+    rows = out.rows
+    if weights is None:  # this rank hosts no slot of the layer: nothing was received
+        return rows if rows.dim() == 3 else rows.new_zeros((0, hidden_size))
+    if rows.dim() == 3:
+        return runner.run_capacity(rows, weights)
+    if rows.shape[0] == 0:
+        return rows.new_zeros((0, hidden_size))
+    return runner.run(rows, out.counts_list, weights)
+
+
+@dataclass(frozen=True)
+class GenerationView:
+    """What a step needs of one pinned generation: a snapshot and this rank's stacked weights per layer."""
+
+    generation: int
+    snapshots: tuple[PlacementSnapshot, ...]
+    weights: tuple[SlotWeights | None, ...]
+
+
+class MoEStep:
+    """Every MoE layer of one step on one rank (implements the ``MoEExecutor`` seam protocol).
+
+    status:   what this rank reports in the step's first control round (a refused generation still takes
+              part, so every peer aborts together)
+    path:     the label recorded in the layer statistics
+    """
+
+    def __init__(self, *, rank: int, view: GenerationView, dispatcher: Dispatcher, runner: ExpertRunner,
+                 dtype: torch.dtype, hidden_size: int, tag: str, status: ControlStatus = ControlStatus.OK,
+                 path: str | None = None, fallback_reason: str | None = None) -> None:
+        self.rank = rank
+        self.view = view
+        self.dispatcher = dispatcher
+        self.runner = runner
+        self.dtype = dtype
+        self.hidden_size = hidden_size
+        self.tag = tag
+        self.status = status
+        self.path = path or dispatcher.mode.value
+        self.fallback_reason = fallback_reason
+        self.checks = DeferredChecks()
+        self._pending: list[tuple[int, Any, Any, Any]] = []  # (layer, sent slots, slot rows, overflow flag)
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d], topk_ids [T, k] int64, topk_weights [T, k] -> routed experts' combined output [T, d]."""
+        snap = self.view.snapshots[layer]
+        tag = f"{self.tag}/L{layer}"
+        status = self.status if not self._pending else ControlStatus.OK
+        out = self.dispatcher.dispatch(RouteBatch(self.rank, hidden, topk_ids, topk_weights), snap, tag=tag,
+                                       status=status)
+        y_rows = run_experts(self.runner, out, self.view.weights[layer], self.hidden_size)
+        y = self.dispatcher.combine(y_rows, out.handle, snap, tag=tag, out_dtype=self.dtype, checks=self.checks)
+        self._pending.append((layer, self.dispatcher.sent_slot_counts(out.handle), self.dispatcher.slot_rows(out),
+                              getattr(out.handle, "overflow", None)))
+        return y
+
+    def device_summary(self) -> torch.Tensor | None:
+        """[sum over layers of (Q + Q_local + 1)] int64 on the device: every layer's device-side counts and
+        overflow flags, for one host copy (None when every count is already on the host)."""
+        parts = []
+        for _, sent, rows, flag in self._pending:
+            for x in (sent, rows, flag):
+                if isinstance(x, torch.Tensor):
+                    parts.append(x.reshape(-1).to(torch.int64))
+        return torch.cat(parts) if parts else None
+
+    def finish(self, host_summary: np.ndarray | None = None) -> tuple[tuple[LayerStats, ...], bool]:
+        """(layer statistics, overflowed): verifies the deferred handle checks, then reads the device-side
+        counts (``host_summary``: ``device_summary()`` already copied to the host, else copied here)."""
+        self.checks.verify()
+        if host_summary is None:
+            dev = self.device_summary()
+            host_summary = None if dev is None else dev.cpu().numpy()
+        pos = 0
+
+        def take(x: Any) -> Any:
+            nonlocal pos
+            if not isinstance(x, torch.Tensor):
+                return x
+            n = x.numel()
+            v = host_summary[pos:pos + n]
+            pos += n
+            return v
+
+        stats, overflow = [], False
+        for layer, sent, rows, flag in self._pending:
+            sent_h, rows_h, flag_h = take(sent), take(rows), take(flag)
+            overflow = overflow or bool(flag_h is not None and np.asarray(flag_h).any())
+            stats.append(layer_stats(layer, sent_h, list(rows_h), self.view.snapshots[layer], self.rank, self.path,
+                                     self.fallback_reason))
+        return tuple(stats), overflow
+
+
+__all__ = ["LayerStats", "MoEStep", "GenerationView", "layer_stats", "run_experts"]
