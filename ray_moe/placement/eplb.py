@@ -142,15 +142,22 @@ def validate_shape(
     """Check the solver's divisibility contract; errors name the argument and its value.
 
     The policy is hierarchical iff ``num_groups % num_nodes == 0`` (that is the source's switch, not an
-    error). Stricter than the source: ``num_groups`` must divide E and ``num_nodes`` must divide
-    ``num_gpus`` on both paths, because a group or node that does not tile is a configuration error.
+    error). Like the source, ``num_groups`` must divide E only on the hierarchical path: the global
+    policy runs with one group, so there any group count is accepted and ignored. Stricter than the
+    source: ``num_nodes`` must divide ``num_gpus`` on both paths (the source documents it as a
+    precondition but checks it only on the hierarchical path), because a node that does not tile the
+    GPUs is a configuration error.
     """
     num_replicas = _check_int("num_replicas", num_replicas)
     num_groups = _check_int("num_groups", num_groups)
     num_nodes = _check_int("num_nodes", num_nodes)
     num_gpus = _check_int("num_gpus", num_gpus)
-    if num_experts % num_groups != 0:
-        raise ValueError(f"num_groups={num_groups} must divide the number of logical experts E={num_experts}")
+    hierarchical = num_groups % num_nodes == 0
+    if hierarchical and num_experts % num_groups != 0:
+        raise ValueError(
+            f"num_groups={num_groups} must divide the number of logical experts E={num_experts} on the "
+            f"hierarchical policy (chosen because num_groups is a multiple of num_nodes={num_nodes})"
+        )
     if num_gpus % num_nodes != 0:
         raise ValueError(f"num_gpus={num_gpus} must be a multiple of num_nodes={num_nodes}")
     if num_replicas % num_gpus != 0:
@@ -164,7 +171,7 @@ def validate_shape(
         num_groups=num_groups,
         num_nodes=num_nodes,
         num_gpus=num_gpus,
-        hierarchical=num_groups % num_nodes == 0,
+        hierarchical=hierarchical,
     )
 
 
@@ -834,7 +841,8 @@ def rebalance_experts(
     weight: [L, E] load per layer and logical expert (torch tensor or array-like, >= 0, finite).
     num_replicas: Q physical slots per layer, a multiple of ``num_gpus`` and >= E.
     num_groups: expert groups (contiguous, E / num_groups experts each); hierarchical policy iff
-        ``num_groups % num_nodes == 0``, else global (one group, one node).
+        ``num_groups % num_nodes == 0`` (then it must divide E), else global (one group, one node;
+        ``num_groups`` is then ignored and need not divide E).
     num_nodes, num_gpus: topology; ``num_gpus`` a multiple of ``num_nodes``.
     avoid_same_gpu_duplicates: option (a), see the module docstring. Off: the source's semantics.
     current_phy2log: [L, Q] int, the live placement; turns on option (b). None: the source's semantics.
