@@ -8,15 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.placement.eplb import (
-    EPLBResult,
-    balanced_packing,
-    ideal_rank_loads,
-    rebalance_experts,
-    replicate_experts,
-    slots_changed,
-    validate_result,
-)
+from ray_moe.placement.eplb import EPLBResult, rebalance_experts, validate_result
+from ray_moe.placement.eplb_solver import balanced_packing, ideal_rank_loads, replicate_experts, slots_changed
 from ray_moe.testing.eplb_reference import (
     balanced_packing_row,
     rebalance_experts_reference,
@@ -371,7 +364,7 @@ class TestKernels:
     def test_duplicate_repair_last_resort(self):
         # No single swap removes the first clash (pack 0 holds key 0 twice; the only pack without key 0
         # holds keys 1, 2 that pack 0 has too), yet the row is feasible: the round-robin deal fixes it.
-        from ray_moe.placement.eplb import _repair_row
+        from ray_moe.placement.eplb_solver import _repair_row
 
         key = np.array([0, 0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 1, 1, 2, 2])
         pack = np.repeat(np.arange(4), 4)
