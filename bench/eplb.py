@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from bench.common import host_kind, time_fn, write_result
-from ray_moe.placement.eplb import ideal_rank_loads, rebalance_experts, slots_changed
+from ray_moe.placement.eplb import rebalance_experts
+from ray_moe.placement.eplb_solver import ideal_rank_loads, slots_changed
 from ray_moe.testing.eplb_reference import rebalance_experts_reference
 
 # name, layers, experts, replicas, groups, nodes, gpus; the first is the target shape.

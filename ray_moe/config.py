@@ -46,7 +46,10 @@ class RuntimeConfig(BaseModel):
     actor_cpus: float = Field(default=0.5, gt=0)
     exchange_timeout_s: float = Field(default=60.0, gt=0)
     load_window: int = Field(default=64, ge=1)
-    num_groups: int = Field(default=1, ge=1, description="expert groups for hierarchical EPLB")
+    num_groups: int = Field(default=1, ge=1, description=(
+        "expert groups for hierarchical EPLB. Not checked against num_experts here: the node count is "
+        "known only at rebalance time, and the solver uses the groups (and requires them to divide "
+        "num_experts) only when num_groups is a multiple of it; otherwise it falls back to the global policy"))
     memory_budget_bytes: int | None = Field(default=None, ge=1, description="per-rank weight budget")
     decode_token_capacity: int = Field(default=32, ge=1, description="C_T: decode tokens per rank in the bucket")
     decode_slot_capacity: int | None = Field(default=None, ge=1, description="C_q per slot (None: 2x even share)")
@@ -65,8 +68,6 @@ class RuntimeConfig(BaseModel):
             )
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        if self.num_experts % self.num_groups:
-            raise ValueError(f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}")
         if self.dispatch_path is DispatchPath.DIRECT and (
                 self.payload_format is not PayloadFormat.NATIVE or self.exchange_schedule is not ExchangeSchedule.FLAT):
             raise ValueError(

@@ -176,25 +176,35 @@ def rebalance_experts_reference(
 ) -> ReferenceResult:
     """The source's ``rebalance_experts``, one layer at a time.
 
-    weight: [L, E] load (any real dtype; converted to float32). Shapes are assumed valid (the oracle
-    checks only what it needs); :func:`ray_moe.placement.eplb.rebalance_experts` owns validation.
+    weight: [L, E] load (any real dtype; converted to float32). The oracle checks only the source's
+    own assertions, on the policy the source picks (ValueError where the source asserts): on the
+    global path that is ``num_replicas % num_gpus == 0`` alone, so ``num_groups`` need not divide E
+    there. :func:`ray_moe.placement.eplb.rebalance_experts` owns full validation.
     """
     w = np.asarray(weight, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"weight must be [L, E], got shape {tuple(w.shape)}")
     num_layers, num_experts = w.shape
-    # Step 1: policy choice (source lines 150-156).
+    # Step 1: policy choice (source lines 150-156): the global policy is the hierarchical routine with
+    # one group on one node, whatever num_groups was.
     if num_groups % num_nodes == 0:
         groups, nodes = num_groups, num_nodes
     else:
         groups, nodes = 1, 1
+    # Step 2: the source's assertions in rebalance_experts_hierarchical (lines 90-95), as ValueErrors.
+    if num_experts % groups != 0:
+        raise ValueError(f"num_groups={groups} must divide the number of logical experts E={num_experts}")
+    if num_gpus % nodes != 0:
+        raise ValueError(f"num_gpus={num_gpus} must be a multiple of num_nodes={nodes}")
+    if num_replicas % num_gpus != 0:
+        raise ValueError(f"num_replicas={num_replicas} must be a multiple of num_gpus={num_gpus}")
     rows = [
         rebalance_layer_hierarchical(list(w[l]), num_replicas, groups, nodes, num_gpus) for l in range(num_layers)
     ]
     phy2log = np.array([r[0] for r in rows], dtype=np.int64).reshape(num_layers, num_replicas)
     phyrank = np.array([r[1] for r in rows], dtype=np.int64).reshape(num_layers, num_replicas)
     logcnt = np.array([r[2] for r in rows], dtype=np.int64).reshape(num_layers, num_experts)
-    # Step 2: padded inverse map, width = the largest replica count over all layers.
+    # Step 3: padded inverse map, width = the largest replica count over all layers.
     width = int(logcnt.max()) if logcnt.size else 0
     log2phy = np.full((num_layers, num_experts, width), -1, dtype=np.int64)
     for l in range(num_layers):

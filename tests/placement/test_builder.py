@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_moe.placement.builder import ObjectiveReport, manifest_from_eplb, objective_report
-from ray_moe.placement.eplb import EPLBResult, ideal_rank_loads, rebalance_experts
+from ray_moe.placement.eplb import EPLBResult, rebalance_experts
+from ray_moe.placement.eplb_solver import ideal_rank_loads
 from ray_moe.placement.snapshot import PlacementSnapshot
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
 

@@ -8,15 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.placement.eplb import (
-    EPLBResult,
-    balanced_packing,
-    ideal_rank_loads,
-    rebalance_experts,
-    replicate_experts,
-    slots_changed,
-    validate_result,
-)
+from ray_moe.placement.eplb import EPLBResult, rebalance_experts, validate_result
+from ray_moe.placement.eplb_solver import balanced_packing, ideal_rank_loads, replicate_experts, slots_changed
 from ray_moe.testing.eplb_reference import (
     balanced_packing_row,
     rebalance_experts_reference,
@@ -123,7 +116,8 @@ class TestValidation:
         [
             ((FIXTURE, 6, 2, 2, 4), "num_replicas=6"),  # not a multiple of num_gpus
             ((FIXTURE, 4, 2, 2, 4), None),  # valid: Q == E
-            ((FIXTURE, 8, 3, 3, 3), "num_groups=3"),  # 4 experts, 3 groups
+            ((FIXTURE, 8, 3, 3, 3), "num_groups=3"),  # 4 experts, 3 groups, hierarchical (3 % 3 == 0)
+            ((FIXTURE, 8, 3, 2, 4), None),  # 3 % 2 != 0: global policy, groups need not divide E
             ((FIXTURE, 8, 2, 2, 3), "num_gpus=3"),  # 3 GPUs over 2 nodes
             ((FIXTURE, 8, 2, 3, 4), "num_gpus=4"),  # global path still checks the node tiling
             ((FIXTURE, 2, 1, 1, 2), "num_replicas=2"),  # fewer slots than experts
@@ -246,6 +240,89 @@ class TestOracle:
         assert rank[0].tolist() == [0, 0, 0, 1, 2, 3]
 
 
+# ----------------------------------------------------------------------- global-policy fallback
+# The issue case: E=32 experts in 6 groups on 4 nodes x 2 GPUs. 6 % 4 != 0, so the source runs the
+# global policy (one group, one node) and never needs 6 to divide 32. Loads are token counts, tie-free
+# per layer and in their per-copy loads W_e / m_e. The pinned phy2log and logcnt were checked against
+# the public torch code (deepseek-ai/EPLB d52c72d) and are identical; its log2phy lists the same
+# slots per expert, in an order that depends on torch.sort's unstable tie order (copies of one expert
+# tie; 48 items per row), which the reference fixes as stable (see its module docstring).
+ISSUE_LOADS = [
+    [774, 1484, 30, 265, 747, 1013, 540, 1154, 389, 493, 352, 114, 140, 422, 178, 942,
+     960, 1514, 293, 1042, 133, 144, 323, 386, 71, 63, 413, 138, 890, 428, 396, 362],
+    [672, 261, 797, 187, 245, 163, 514, 310, 138, 1818, 216, 270, 428, 1446, 262, 565,
+     328, 80, 612, 752, 242, 296, 78, 76, 211, 527, 197, 390, 717, 327, 503, 1104],
+]
+ISSUE_SHAPE = (48, 6, 4, 8)  # num_replicas, num_groups, num_nodes, num_gpus
+ISSUE_LOGCNT = [
+    [2, 3, 1, 1, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1],
+    [2, 1, 2, 1, 1, 1, 2, 1, 1, 4, 1, 1, 1, 3, 1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 1, 2, 1, 1, 2, 1, 2, 3],
+]
+ISSUE_PHY2LOG = [  # 6 slots per GPU
+    [17, 29, 0, 31, 22, 24, 17, 13, 8, 4, 6, 20, 17, 26, 30, 4, 18, 11, 1, 15, 7, 5, 6, 27,
+     1, 28, 0, 19, 5, 25, 1, 28, 23, 10, 5, 2, 9, 15, 7, 19, 14, 21, 16, 16, 7, 19, 3, 12],
+    [13, 31, 16, 11, 6, 17, 13, 31, 29, 15, 20, 5, 13, 31, 7, 21, 4, 3, 9, 2, 18, 18, 10, 24,
+     9, 27, 0, 25, 1, 22, 9, 19, 28, 14, 30, 8, 9, 19, 0, 15, 30, 26, 12, 2, 28, 25, 6, 23],
+]
+
+
+@st.composite
+def global_fallback_shapes(draw, max_layers: int = 3):
+    """(L, E, Q, groups, nodes, gpus) with groups % nodes != 0 (global policy) and any E."""
+    nodes = draw(st.integers(2, 5))
+    gpus = nodes * draw(st.integers(1, 4))
+    groups = nodes * draw(st.integers(0, 6)) + draw(st.integers(1, nodes - 1))
+    experts = draw(st.integers(1, 40))
+    per_gpu = -(-experts // gpus) + draw(st.integers(0, 3))
+    return draw(st.integers(1, max_layers)), experts, per_gpu * gpus, groups, nodes, gpus
+
+
+class TestGlobalFallback:
+    def test_issue_case_equals_reference(self):
+        Q, G, N, P = ISSUE_SHAPE
+        w = np.array(ISSUE_LOADS)
+        assert w.shape[1] % G != 0 and G % N != 0
+        result = rebalance_experts(torch.from_numpy(w), Q, G, N, P)
+        validate_result(result)
+        ref = rebalance_experts_reference(w, Q, G, N, P)
+        for name, a, b in zip(("phy2log", "log2phy", "logcnt"), _np(result), ref[:3]):
+            assert np.array_equal(a, b), name
+        assert result.logcnt.tolist() == ISSUE_LOGCNT
+        assert result.phy2log.tolist() == ISSUE_PHY2LOG
+        assert tuple(result.log2phy.shape) == (2, 32, 4)
+        # num_groups is ignored on the global path: same as one group on one node.
+        same = rebalance_experts(w, Q, 1, 1, P)
+        assert all(torch.equal(a, b) for a, b in zip(result, same))
+
+    def test_hierarchical_choice_still_needs_dividing_groups(self):
+        w = np.array(ISSUE_LOADS)
+        for nodes, gpus in ((2, 8), (3, 6), (6, 6)):  # 6 % nodes == 0: hierarchical, 6 does not divide 32
+            with pytest.raises(ValueError, match="num_groups=6 must divide .* E=32 on the hierarchical policy"):
+                rebalance_experts(w, 48, 6, nodes, gpus)
+            with pytest.raises(ValueError, match="num_groups=6"):  # the source asserts here too
+                rebalance_experts_reference(w, 48, 6, nodes, gpus)
+
+    def test_runtime_config_accepts_groups_that_do_not_divide_experts(self):
+        from ray_moe.config import RuntimeConfig
+
+        cfg = RuntimeConfig(num_ranks=8, num_experts=32, hidden_size=8, ffn_size=16, top_k=2, slots_per_rank=6,
+                            num_groups=6)
+        assert cfg.num_groups == 6 and cfg.num_slots == 48
+
+    @settings(max_examples=150, deadline=None)
+    @given(shape=global_fallback_shapes(), seed=st.integers(0, 2**31 - 1),
+           kind=st.sampled_from(["float", "skewed", "ints"]))
+    def test_global_fallback_equals_reference(self, shape, seed, kind):
+        L, E, Q, groups, nodes, gpus = shape
+        assert groups % nodes != 0
+        w = _weights(seed, L, E, kind)
+        result = rebalance_experts(torch.from_numpy(w), Q, groups, nodes, gpus)
+        ref = rebalance_experts_reference(w, Q, groups, nodes, gpus)
+        for name, a, b in zip(("phy2log", "log2phy", "logcnt"), _np(result), ref[:3]):
+            assert np.array_equal(a, b), name
+        validate_result(result)
+
+
 # ------------------------------------------------------------------------- kernels vs row oracles
 class TestKernels:
     @settings(max_examples=100, deadline=None)
@@ -287,7 +364,7 @@ class TestKernels:
     def test_duplicate_repair_last_resort(self):
         # No single swap removes the first clash (pack 0 holds key 0 twice; the only pack without key 0
         # holds keys 1, 2 that pack 0 has too), yet the row is feasible: the round-robin deal fixes it.
-        from ray_moe.placement.eplb import _repair_row
+        from ray_moe.placement.eplb_solver import _repair_row
 
         key = np.array([0, 0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 1, 1, 2, 2])
         pack = np.repeat(np.arange(4), 4)
