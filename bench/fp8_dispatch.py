@@ -51,9 +51,9 @@ import numpy as np
 import torch
 
 from bench.common import build_snapshot, host_kind, spmd_measure, step_stats, write_result
+from ray_moe.analysis.precision_ledger import PrecisionPayloadLedger
 from ray_moe.dispatch.engine import combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
-from ray_moe.dispatch.ledger import PrecisionPayloadLedger
 from ray_moe.dispatch.precision import FP8_DTYPE, dequantize, scales_per_row
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.placement.selector import make_selector

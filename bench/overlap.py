@@ -13,7 +13,7 @@ setting the step is timed as:
 Every number here is MEASURED (CUDA events on the caller's stream around one step, after a barrier; on
 CPU ``perf_counter``): the median, min and p90 over ``--iters`` steps per rank, and the step time of the
 group = the max over ranks of the per-rank median. ``speedup_vs_serialized`` is the ratio of two measured
-medians from this run. Nothing is derived from the analytical ``phases.overlap`` model.
+medians from this run. Nothing is derived from the analytical ``analysis.overlap_schedule`` model.
 
 The per-stream timeline of one extra step per config (``timed=True``: an event before and after every task)
 is reported in milliseconds since the step's entry event: task intervals, stream busy time, the union of
@@ -37,9 +37,10 @@ import numpy as np
 import torch
 
 from bench.common import host_kind, write_result
+from ray_moe.analysis.overlapped_layer import COMM_ORDERS, overlapped_layer
+from ray_moe.analysis.overlapped_streams import StreamSet
 from ray_moe.dispatch.engine import combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
-from ray_moe.dispatch.overlapped import COMM_ORDERS, StreamSet, overlapped_layer
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.experts.runners import make_runner
 from ray_moe.experts.weights import ExpertWeights, SlotWeights, swiglu
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> str:
                  "CPU), max over ranks. speedup_vs_serialized: ratio of two measured medians of this run. "
                  "timeline: one extra step with an event before/after every task, ms since the step's entry event; "
                  "compute_comm_overlap_ms is measured interval overlap, NOT a speedup (spec 0x09F). Nothing here "
-                 "comes from the analytical phases.overlap units."),
+                 "comes from the analytical analysis.overlap_schedule units."),
         "mode": "quick" if quick else "full",
         "backend": backend, "world": args.world, "warmup": plan.warmup, "iters": plan.iters, "seed": plan.seed,
         "devices": [r["device"] for r in ranks],

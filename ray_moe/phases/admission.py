@@ -8,7 +8,8 @@
     otherwise Replay(graph_id)
 
 The predicate is a performance-path decision, never permission to alter semantics: a refused step runs
-the uncaptured variable path with every input row and every route unchanged (``FallbackPlan``).
+the uncaptured variable path with every input row and every route unchanged (its analytical model is
+``ray_moe.analysis.execution_ledger.FallbackPlan``).
 Every rank must evaluate it on the same agreed counts, so all ranks take the same path.
 """
 
@@ -18,16 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
 
-from ray_moe.phases.buckets import (
-    VARIABLE_PATH_STAGES,
-    DecodeBucket,
-    ExecutionLedger,
-    GraphKey,
-    RowCounts,
-    StableBuffers,
-    check_counts,
-    check_row_counts,
-)
+from ray_moe.phases.buckets import DecodeBucket, GraphKey, RowCounts, StableBuffers, check_counts, check_row_counts
 from ray_moe.types import Phase
 
 
@@ -110,37 +102,6 @@ def admit_decode_graph(step: AdmissionStep, graph: DecodeBucket, buffers: Stable
     if buffers is None or not buffers.ready(graph):
         return Fallback(FallbackReason.STABLE_BUFFER_UNAVAILABLE, f"graph {graph.graph_id!r}")
     return Replay(graph.graph_id)
-
-
-@dataclass(frozen=True)
-class FallbackPlan(RowCounts):
-    """The uncaptured execution of a refused step (spec 0x05F): no truncation, no dropped route, no stale
-    graph metadata. Every semantic row is executed exactly once.
-
-    rank_tokens / slot_routes: the step's own counts, unchanged
-    """
-
-    reason: FallbackReason
-    rank_tokens: tuple[int, ...]
-    slot_routes: tuple[int, ...]
-
-    def ledger(self, control_items: int | None = None) -> ExecutionLedger:
-        """Variable dispatch slots = input rows, grouped runner rows = route rows (no padding)."""
-        return ExecutionLedger(
-            useful_input_rows=self.input_rows,
-            executed_dispatch_slots=self.input_rows,
-            useful_route_rows=self.route_rows,
-            executed_runner_rows=self.route_rows,
-            host_submissions=len(VARIABLE_PATH_STAGES),
-            phase_units=1,
-            graph_units=0,
-            control_items=control_items,
-        )
-
-
-def fallback_plan(step: AdmissionStep, outcome: Fallback) -> FallbackPlan:
-    """The fallback of ``step``: its counts carried over unchanged."""
-    return FallbackPlan(reason=outcome.reason, rank_tokens=step.rank_tokens, slot_routes=step.slot_routes)
 
 
 @dataclass

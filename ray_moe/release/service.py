@@ -5,7 +5,7 @@ What lives here, so the Ray-facing drill (``release/drill.py``) stays a sequence
 * the release coordinates of a placement generation (``ReleaseInputs`` -> ``ReleaseBundle``): checkpoint
   digest from the expert digests, placement digest, process-group generation, ABIs, dtype roles, phase
   backends from the config, the graph manifest digest and the upstream reports it binds;
-* the step schedule a release binds (``ray_moe.phases.overlap``) and its validation (fault 9);
+* the step schedule a release binds (``ray_moe.analysis.overlap_schedule``) and its validation (fault 9);
 * the load check that refuses a bundle whose process group or topology is not the live one (fault 2);
 * the classification of a failed step into a declared safe outcome (faults 3, 4, 5, 7);
 * the drill's options and report records, and the text rendering of a report.
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ray_moe.config import RuntimeConfig
 from ray_moe.errors import CountAgreementError, RouteValidationError, StaleGenerationError
-from ray_moe.phases.overlap import buffer_lifetimes, moe_step_buffers, moe_step_tasks, schedule_overlapped, Task
+from ray_moe.analysis.overlap_schedule import buffer_lifetimes, moe_step_buffers, moe_step_tasks, schedule_overlapped, Task
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.release.bundle import (
     BackendManifest,

@@ -7,6 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from ray_moe.analysis.execution_ledger import fallback_plan
 from ray_moe.phases.admission import (
     AdmissionCounters,
     AdmissionStep,
@@ -14,7 +15,6 @@ from ray_moe.phases.admission import (
     FallbackReason,
     Replay,
     admit_decode_graph,
-    fallback_plan,
 )
 from ray_moe.phases.buckets import BufferName, DecodeBucket, GraphKey
 from ray_moe.testing import fixtures

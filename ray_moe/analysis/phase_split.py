@@ -23,24 +23,15 @@ from typing import Sequence
 
 import torch
 
-from ray_moe.phases.admission import (
-    Admission,
-    AdmissionStep,
-    Fallback,
-    admit_decode_graph,
-    fallback_plan,
-)
-from ray_moe.phases.buckets import (
-    VARIABLE_PATH_STAGES,
-    DecodeBucket,
+from ray_moe.analysis.execution_ledger import (
     ExecutionLedger,
     ExecutionPath,
-    GraphKey,
-    StableBuffers,
-    RowCounts,
-    check_counts,
-    check_row_counts,
+    fallback_plan,
+    replay_ledger,
+    variable_path_ledger,
 )
+from ray_moe.phases.admission import Admission, AdmissionStep, Fallback, admit_decode_graph
+from ray_moe.phases.buckets import DecodeBucket, GraphKey, RowCounts, StableBuffers, check_row_counts
 from ray_moe.types import Phase
 
 
@@ -78,16 +69,7 @@ class PhaseProfile(RowCounts):
 
 def variable_ledger(profile: PhaseProfile) -> ExecutionLedger:
     """Variable dispatch + grouped runner: executed = useful, one submission per SPMD stage (0x05B)."""
-    return ExecutionLedger(
-        useful_input_rows=profile.input_rows,
-        executed_dispatch_slots=profile.input_rows,
-        useful_route_rows=profile.route_rows,
-        executed_runner_rows=profile.route_rows,
-        host_submissions=len(VARIABLE_PATH_STAGES),
-        phase_units=1,
-        graph_units=0,
-        control_items=profile.control_items,
-    )
+    return variable_path_ledger(profile, profile.control_items)
 
 
 @dataclass(frozen=True)
@@ -132,7 +114,7 @@ def plan_unit(
     if isinstance(outcome, Fallback):
         ledger = fallback_plan(step, outcome).ledger(profile.control_items)
         return UnitPlan(profile, ExecutionPath.VARIABLE, outcome, ledger)
-    ledger = bucket.replay_ledger(profile.rank_tokens, profile.slot_routes, profile.control_items)
+    ledger = replay_ledger(bucket, profile.rank_tokens, profile.slot_routes, profile.control_items)
     return UnitPlan(profile, ExecutionPath.GRAPH, outcome, ledger)
 
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.placement.builder import ObjectiveReport, manifest_from_eplb, objective_report
+from ray_moe.analysis.placement_builder import ObjectiveReport, manifest_from_eplb, objective_report
 from ray_moe.placement.eplb import EPLBResult, rebalance_experts
 from ray_moe.placement.eplb_solver import ideal_rank_loads
 from ray_moe.placement.snapshot import PlacementSnapshot

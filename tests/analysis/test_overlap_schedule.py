@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.dispatch.ledger import check_release
-from ray_moe.phases.overlap import (
+from ray_moe.analysis.lifetime_ledger import check_release
+from ray_moe.analysis.overlap_schedule import (
     BufferUse,
     Claim,
     Schedule,

@@ -27,7 +27,8 @@ from enum import Enum
 from numbers import Real
 from typing import Iterable, Sequence
 
-from ray_moe.dispatch.ledger import ANALYTICAL, Buffer, BufferRole, LifetimeLedger, Operation
+from ray_moe.analysis.ledger_base import ANALYTICAL
+from ray_moe.analysis.lifetime_ledger import Buffer, BufferRole, LifetimeLedger, Operation
 
 Interval = tuple[float, float]
 
@@ -423,8 +424,8 @@ def buffer_lifetimes(schedule: Schedule, uses: Sequence[BufferUse]) -> LifetimeL
 
 
 def schedule_operations(schedule: Schedule, uses: Sequence[BufferUse]) -> tuple[Operation, ...]:
-    """The schedule as completion events for ``ledger.check_release``: each task completes at its end,
-    waits for its deps, writes the buffers it produces and reads the buffers it consumes."""
+    """The schedule as completion events for ``lifetime_ledger.check_release``: each task completes at its
+    end, waits for its deps, writes the buffers it produces and reads the buffers it consumes."""
     writes: dict[str, list[str]] = {e.name: [] for e in schedule.entries}
     reads: dict[str, list[str]] = {e.name: [] for e in schedule.entries}
     for u in uses:

@@ -1,4 +1,4 @@
-"""The overlapped MoE layer (``ray_moe.dispatch.overlapped``) on CPU, over LocalExchangeGroup (1-4 ranks).
+"""The overlapped MoE layer (``ray_moe.analysis.overlapped_layer``) on CPU, over LocalExchangeGroup (1-4 ranks).
 
 On CPU every stream is ``None``, so the DAG runs serially in issue order; what is checked here is the
 protocol and the arithmetic the GPU run relies on:
@@ -9,7 +9,7 @@ protocol and the arithmetic the GPU run relies on:
   baseline and both communication orders;
 * ONE control round per step, and every rank issues the same payload rounds in the same (chunk) order;
 * the per-chunk count matrices add up to the engine's count matrix (conservation);
-* the recorded DAG is a valid ``phases.overlap.Schedule`` (no task before its dependencies, no overlap on a
+* the recorded DAG is a valid ``overlap_schedule.Schedule`` (no task before its dependencies, no overlap on a
   stream) and every buffer outlives its last reader (``check_release``);
 * bad routes abort every rank before payload; bad arguments raise ValueError naming the field.
 """
@@ -24,18 +24,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ray_moe.analysis.overlapped_layer import chunk_bounds, comm_sequence, overlapped_layer
+from ray_moe.analysis.overlapped_streams import MEASURED, ROLES, StreamSet, step_buffers
 from ray_moe.dispatch.engine import combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.exchange.local import LocalExchangeGroup
-from ray_moe.dispatch.overlapped import (
-    MEASURED,
-    ROLES,
-    StreamSet,
-    chunk_bounds,
-    comm_sequence,
-    overlapped_layer,
-    step_buffers,
-)
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.errors import CountAgreementError, RouteValidationError
 from ray_moe.experts.runners import make_runner

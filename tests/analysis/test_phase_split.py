@@ -7,9 +7,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from ray_moe.phases.admission import FallbackReason, Replay
-from ray_moe.phases.buckets import DecodeBucket, ExecutionPath, GraphKey
-from ray_moe.phases.split import (
+from ray_moe.analysis.execution_ledger import ExecutionPath
+from ray_moe.analysis.phase_split import (
     LabeledRows,
     PhaseProfile,
     aggregate_ledger,
@@ -17,6 +16,8 @@ from ray_moe.phases.split import (
     split_mixed,
     variable_ledger,
 )
+from ray_moe.phases.admission import FallbackReason, Replay
+from ray_moe.phases.buckets import DecodeBucket, GraphKey
 from ray_moe.testing import fixtures
 from ray_moe.types import ExchangeKind, Phase, RunnerKind
 
