@@ -41,7 +41,6 @@ class RuntimeConfig(BaseModel):
     norm_topk: bool = True
     tagged_weights: bool = Field(default=False, description="expert e's output is (e+1) x a shared function")
     checkpoint: str | None = Field(default=None, description="HF-style safetensors folder (Mixtral names)")
-    num_nodes: int | None = Field(default=None, ge=1, description="spread ranks over this many Ray nodes")
     placement_strategy: str = Field(default="PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     actor_cpus: float = Field(default=0.5, gt=0)
     exchange_timeout_s: float = Field(default=60.0, gt=0)

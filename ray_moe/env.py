@@ -15,14 +15,12 @@ class EnvSettings:
     """Process-level settings taken from the environment.
 
     ray_address: ``RAY_ADDRESS`` (join a running cluster) or None (start a local instance).
-    exchange_timeout_s: ``RAY_MOE_EXCHANGE_TIMEOUT_S``, the watchdog on one exchange round.
     results_dir: ``RAY_MOE_RESULTS_DIR``, where benchmarks write JSON.
     namespace: ``RAY_MOE_NAMESPACE``, the Ray namespace that holds named coordinators.
     ci: ``CI`` is set (keeps demos and benchmarks short).
     """
 
     ray_address: str | None
-    exchange_timeout_s: float
     results_dir: str
     namespace: str
     ci: bool
@@ -32,7 +30,6 @@ def read_env() -> EnvSettings:
     """Read the environment now (call at process entry points, pass the result down)."""
     return EnvSettings(
         ray_address=os.environ.get("RAY_ADDRESS") or None,
-        exchange_timeout_s=float(os.environ.get("RAY_MOE_EXCHANGE_TIMEOUT_S", "60")),
         results_dir=os.environ.get("RAY_MOE_RESULTS_DIR", "bench/results"),
         namespace=os.environ.get("RAY_MOE_NAMESPACE", "ray-moe"),
         ci=bool(os.environ.get("CI")),

@@ -75,8 +75,9 @@ class RuntimeStats:
     step_ms: deque = field(default_factory=lambda: deque(maxlen=4096))  # last steps only: a server runs for days
     phase_steps: dict[str, int] = field(default_factory=dict)
     last_step: dict = field(default_factory=dict)  # wall/shard times and per-layer paths of the last step
-    graph_replays: int = 0  # decode (step, layer) units served by the bucket path
-    fallbacks: dict[str, int] = field(default_factory=dict)  # decode units that fell back, by reason
+    bucket_layers: int = 0  # decode (step, layer) units served by the fixed-capacity bucket path
+    graph_replays: int = 0  # of those, units replayed from a captured CUDA graph
+    fallbacks: dict[str, int] = field(default_factory=dict)  # decode units that took the variable path, by reason
 
     def ratios(self) -> dict[str, dict[str, float | int | None]]:
         def r(n: int, d: int) -> dict[str, float | int | None]:
@@ -105,6 +106,7 @@ class RuntimeStats:
             "failed_steps": self.failed_steps,
             "rank_rows": dict(sorted(self.rank_rows.items())),
             "phase_steps": dict(self.phase_steps),
+            "bucket_layers": self.bucket_layers,
             "graph_replays": self.graph_replays,
             "last_step": dict(self.last_step),
             "fallbacks": dict(self.fallbacks),
@@ -512,7 +514,8 @@ class Runtime:
             if phase is Phase.DECODE:
                 for ls in first.layers:  # every rank took the same path (admission is agreed)
                     if ls.path.startswith("bucket"):
-                        s.graph_replays += 1
+                        s.bucket_layers += 1
+                        s.graph_replays += ls.path == "bucket-graph"
                     else:
                         why = ls.fallback_reason or "bucket_disabled"
                         s.fallbacks[why] = s.fallbacks.get(why, 0) + 1
@@ -544,7 +547,7 @@ class Runtime:
         tel.observe_step_latency(base, ms / 1e3)
         if phase is Phase.DECODE:
             units = results[ranks[0]].layers
-            replay = sum(1 for ls in units if ls.path.startswith("bucket"))
+            replay = sum(1 for ls in units if ls.path == "bucket-graph")
             tel.add_ratio(MetricName.GRAPH_REPLAY_RATIO, {**base, "graph": "decode-bucket"}, replay, len(units))
             reasons = [ls.fallback_reason or "bucket_disabled" for ls in units if not ls.path.startswith("bucket")]
             tel.add_ratio(MetricName.FALLBACK_STEP_RATIO, {**base, "reason": reasons[0] if reasons else "none"},

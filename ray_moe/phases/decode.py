@@ -162,11 +162,9 @@ class CapturedStep:
         self.graph = g
 
     def replay(self, staged: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+        """``staged``: this step's inputs, already padded to the bucket (same shapes as the stable ones)."""
         for name, t in staged.items():
-            buf = self.inputs[name]
-            buf[: t.shape[0]].copy_(t)
-            if t.shape[0] < buf.shape[0]:
-                buf[t.shape[0]:].fill_(-1 if not buf.is_floating_point() else 0)
+            self.inputs[name].copy_(t)
         self.graph.replay()
         return self.output, self.context
 

@@ -36,7 +36,7 @@ def test_admitted_bucket_equals_reference(rt, tokens):
     before = rt.stats()
     assert _step(rt, tokens, tokens) < 1e-4
     after = rt.stats()
-    assert after["graph_replays"] == before["graph_replays"] + 1
+    assert after["bucket_layers"] == before["bucket_layers"] + 1
     assert after["fallbacks"] == before["fallbacks"]
 
 
@@ -45,7 +45,7 @@ def test_oversize_decode_falls_back_unchanged(rt):
     before = rt.stats()
     assert _step(rt, 17, 99) < 1e-4
     after = rt.stats()
-    assert after["graph_replays"] == before["graph_replays"]
+    assert after["bucket_layers"] == before["bucket_layers"]
     assert after["fallbacks"].get("rank_token_capacity_exceeded", 0) == \
         before["fallbacks"].get("rank_token_capacity_exceeded", 0) + 1
     assert after["accepted_routes"] - before["accepted_routes"] == 17 * 2
@@ -81,9 +81,9 @@ def test_generation_change_invalidates_bucket_key(rt):
     buckets = ray.get([h.status.remote() for h in rt.shards.values()])
     g1 = rt.scale(expert=3, replicas=3)
     assert g1 != g0
-    replays = rt.stats()["graph_replays"]
+    replays = rt.stats()["bucket_layers"]
     assert _step(rt, 4, 2) < 1e-4  # a new bucket keyed to g1 is built; the g0 one was freed at retirement
-    assert rt.stats()["graph_replays"] == replays + 1
+    assert rt.stats()["bucket_layers"] == replays + 1
     assert rt.generations()[g0] == "RETIRED"
     assert buckets
 
@@ -104,7 +104,7 @@ def test_mixed_batch_is_split_by_phase(rt):
     after = rt.stats()
     assert after["phase_steps"]["prefill"] == before["phase_steps"].get("prefill", 0) + 1
     assert after["phase_steps"]["decode"] == before["phase_steps"].get("decode", 0) + 1
-    assert after["graph_replays"] == before["graph_replays"] + 1  # the decode unit took the bucket
+    assert after["bucket_layers"] == before["bucket_layers"] + 1  # the decode unit took the bucket
     assert after["accepted_routes"] - before["accepted_routes"] == 2 * t
 
 

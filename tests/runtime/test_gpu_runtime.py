@@ -5,9 +5,10 @@ Skipped without CUDA (``gpu``) / without two GPUs (``multi_gpu``) by ``tests/con
     float64 from ``weight_source(cfg)``): bf16 within 3e-2 of the output scale, float32 on CUDA within 1e-4;
   * replicas are exercised (routes of a replicated expert reach both of its ranks);
   * every step's generation pin is released (refcounts 0 after each step);
-  * decode steps take the bucket path replayed as a CUDA graph (``graph_replays`` += layers per step, every
-    layer's path ``bucket-graph`` on every rank, one captured graph per (rank, layer) freed by
-    ``release_graphs``); an oversize step falls back (``rank_token_capacity_exceeded``), unclipped;
+  * decode steps take the bucket path, the whole step replayed as one CUDA graph (``graph_replays`` +=
+    layers per step, every layer's path ``bucket-graph`` on every rank, one captured step per (rank,
+    generation, bucket) freed by ``release_graphs``); an oversize step takes the variable path
+    (``rank_token_capacity_exceeded``), unclipped;
   * a live scale under traffic copies the expert GPU to GPU over NCCL (copies, no checkpoint loads; the new
     replica's bytes equal the source), the outputs stay equal to the reference throughout (tagged weights),
     the old generation retires with refcount 0 and decode replays graphs again on the new generation;
@@ -92,6 +93,21 @@ def _paths(rt) -> set[str]:
     return {ls.path for res in rt.last.values() for ls in res.layers}
 
 
+def _check_graph(rt, t: int, seed: int, tol: float) -> None:
+    """A decode step replayed from a captured graph: the first step of a (generation, bucket) runs the
+    bucket eagerly on every rank and captures the whole step; the next ones replay it."""
+    before = rt.stats()
+    _check(rt, t, seed, "decode", tol)
+    if _paths(rt) == {"bucket"}:  # captured just now
+        assert rt.stats()["graph_replays"] == before["graph_replays"]
+        before = rt.stats()
+        _check(rt, t, seed + 1, "decode", tol)
+    assert _paths(rt) == {"bucket-graph"}, _paths(rt)
+    after = rt.stats()
+    assert after["graph_replays"] == before["graph_replays"] + rt.cfg.num_layers
+    assert after["fallbacks"] == before["fallbacks"]
+
+
 # ==================================================================================== two GPUs, bf16
 @pytest.fixture(scope="class")
 def rt_bf16(ray_session):
@@ -116,23 +132,21 @@ class TestTwoGpusBf16:
         kinds = ray.get([h.__ray_call__.remote(lambda a: type(a.core.exchange).__name__)
                          for h in rt_bf16.shards.values()])
         assert kinds == ["NcclExchange", "NcclExchange"]
+        modes = ray.get([h.__ray_call__.remote(lambda a: (a.core.paths.normal.mode.value, a.core.paths.capture))
+                         for h in rt_bf16.shards.values()])
+        assert modes == [("direct", True), ("direct", True)]
 
     @pytest.mark.parametrize("tokens", [1, 64, 301])
     def test_prefill_equals_reference(self, rt_bf16, tokens):
         _check(rt_bf16, tokens, tokens, "prefill", BF16_TOL)
-        assert _paths(rt_bf16) == {"variable"}
+        assert _paths(rt_bf16) == {"direct"}
         _refcounts_zero(rt_bf16)
 
     @pytest.mark.parametrize("tokens", [1, 5, 16])
     def test_decode_replays_cuda_graphs(self, rt_bf16, tokens):
         """<= C_T = 8 tokens per rank: admitted; every layer of every rank replays its captured graph."""
-        for rep in range(3):  # first step may capture, the next ones replay the same graph
-            before = rt_bf16.stats()
-            _check(rt_bf16, tokens, 100 * tokens + rep, "decode", BF16_TOL)
-            after = rt_bf16.stats()
-            assert after["graph_replays"] == before["graph_replays"] + rt_bf16.cfg.num_layers
-            assert after["fallbacks"] == before["fallbacks"]
-            assert _paths(rt_bf16) == {"bucket-graph"}, _paths(rt_bf16)
+        for rep in range(3):  # the first step may capture, the next ones replay the same graph
+            _check_graph(rt_bf16, tokens, 100 * tokens + 10 * rep, BF16_TOL)
             _refcounts_zero(rt_bf16)
 
     def test_oversize_decode_falls_back_unclipped(self, rt_bf16):
@@ -144,7 +158,7 @@ class TestTwoGpusBf16:
         key = "rank_token_capacity_exceeded"
         assert after["fallbacks"].get(key, 0) == before["fallbacks"].get(key, 0) + rt_bf16.cfg.num_layers
         assert after["accepted_routes"] - before["accepted_routes"] == 17 * 2 * rt_bf16.cfg.num_layers
-        assert _paths(rt_bf16) == {"variable"}
+        assert _paths(rt_bf16) == {"direct"}
         _refcounts_zero(rt_bf16)
 
     def test_replicas_are_exercised(self, rt_bf16):
@@ -171,14 +185,15 @@ class TestTwoGpusBf16:
         _refcounts_zero(rt_bf16)
 
     def test_captured_graphs_are_released(self, rt_bf16):
-        _check(rt_bf16, 4, 1, "decode", BF16_TOL)
-        assert _paths(rt_bf16) == {"bucket-graph"}
+        import ray
+
+        _check_graph(rt_bf16, 4, 1, BF16_TOL)
         g = rt_bf16.placement().generation
-        assert rt_bf16.release_graphs(g) == 2 * rt_bf16.cfg.num_layers  # one per (rank, layer)
-        before = rt_bf16.stats()["graph_replays"]
-        _check(rt_bf16, 4, 2, "decode", BF16_TOL)  # recaptured on demand
-        assert rt_bf16.stats()["graph_replays"] == before + rt_bf16.cfg.num_layers
-        assert _paths(rt_bf16) == {"bucket-graph"}
+        freed = ray.get(rt_bf16.coordinator.release_graphs.remote(g))
+        assert freed == 2  # one captured decode step per rank
+        _check(rt_bf16, 4, 2, "decode", BF16_TOL)  # recaptured on demand: eager this step
+        assert _paths(rt_bf16) == {"bucket"}
+        _check_graph(rt_bf16, 4, 3, BF16_TOL)
 
     def test_live_scale_copies_over_nccl_under_traffic(self, rt_bf16):
         import ray
@@ -239,10 +254,7 @@ class TestTwoGpusBf16:
         _refcounts_zero(rt_bf16)
         # the new generation serves decode through freshly captured graphs; routes to the scaled expert
         # reach its new replica on rank 1
-        before = rt_bf16.stats()
-        _check(rt_bf16, 8, 77, "decode", BF16_TOL)
-        assert _paths(rt_bf16) == {"bucket-graph"}
-        assert rt_bf16.stats()["graph_replays"] == before["graph_replays"] + cfg.num_layers
+        _check_graph(rt_bf16, 8, 77, BF16_TOL)
         t = 32
         h = torch.randn(t, cfg.hidden_size, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
         ids = torch.tensor([[expert, 2]] * t)
@@ -274,10 +286,7 @@ class TestTwoGpusFloat32:
 
     @pytest.mark.parametrize("tokens", [1, 7, 16])
     def test_decode_graph_equals_reference_tightly(self, rt_fp32, tokens):
-        before = rt_fp32.stats()["graph_replays"]
-        _check(rt_fp32, tokens, 31 * tokens, "decode", F32_TOL)
-        assert _paths(rt_fp32) == {"bucket-graph"}
-        assert rt_fp32.stats()["graph_replays"] == before + 1
+        _check_graph(rt_fp32, tokens, 31 * tokens, F32_TOL)
         _refcounts_zero(rt_fp32)
 
     def test_reference_moe_directly(self, rt_fp32):
@@ -306,10 +315,7 @@ class TestOneGpu:
         _check(rt_one, 200, 1, "prefill", BF16_TOL)
         _refcounts_zero(rt_one)
         for rep in range(2):
-            before = rt_one.stats()["graph_replays"]
-            _check(rt_one, 6, 2 + rep, "decode", BF16_TOL)
-            assert rt_one.stats()["graph_replays"] == before + rt_one.cfg.num_layers
-            assert _paths(rt_one) == {"bucket-graph"}
+            _check_graph(rt_one, 6, 2 + 10 * rep, BF16_TOL)
             _refcounts_zero(rt_one)
 
 

@@ -164,7 +164,7 @@ def test_gloo_exchange_equals_reference(ray_session):
             y = rt.forward(h, ids, w, phase=phase)
             ref = reference_moe(h.double(), ids, w, lambda e: src.expert(0, e))
             torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-5)
-        assert rt.stats()["graph_replays"] == 1
+        assert rt.stats()["bucket_layers"] == 1
         g1 = rt.scale(expert=5, replicas=2)
         h = torch.randn(9, cfg.hidden_size)
         ids, w = _routes(9, cfg.num_experts, cfg.top_k, 3)
