@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from ray_moe.placement.selector import make_selector
 from ray_moe.placement.snapshot import snapshots_for
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.types import DispatchPath, GenerationState
+
+if TYPE_CHECKING:
+    from ray_moe.serving.engine import GenerationExecutor, GenStepRequest, GenStepResult
 
 
 @dataclass
@@ -82,6 +86,7 @@ class ShardCore:
         self._candidates: set[int] = set()
         self._candidate_pins: dict[int, int] = {}
         self._staging = PinnedStaging()
+        self.generator: "GenerationExecutor | None" = None  # the hosted model (load_model)
         self.executor = StepExecutor(rank, dtype=self.dtype, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                                      residual=cfg.residual, device=self.device, router=self._route,
                                      decode_key=self._decode_key)
@@ -292,38 +297,37 @@ class ShardCore:
                 return publish(res)
             return dataclasses.replace(res, hidden=np.array(res.hidden))
 
-    def _pin(self, req: StepRequest) -> tuple[ControlStatus, Any, bool]:
-        """Pin the step's generation (exact refcount): (status, registry lease, candidate pin)."""
+    @contextmanager
+    def _pinned(self, generation: int, step_id: str) -> Iterator[tuple[ControlStatus, GenerationView, DataPaths]]:
+        """Pin ``generation`` for one step (exact refcount) and yield (status, view, the step's data paths
+        with any fired fault installed). A refused generation still yields a view (the active one) so the
+        rank takes part in the step's first control round and every peer aborts together."""
+        status, lease, candidate = ControlStatus.OK, None, False
         try:
-            return ControlStatus.OK, self.registry.acquire_generation(req.generation, holder=req.step_id), False
+            lease = self.registry.acquire_generation(generation, holder=step_id)
         except (StaleGenerationError, GenerationError, KeyError, ValueError):
             with self._lock:
-                if req.generation in self._candidates:
-                    self._candidate_pins[req.generation] = self._candidate_pins.get(req.generation, 0) + 1
-                    return ControlStatus.OK, None, True
-            self.counters["stale_rejects"] += 1
-            return ControlStatus.STALE_GENERATION, None, False
-
-    def _step(self, req: StepRequest, t0: float) -> StepResult:
-        status, lease, candidate_pin = self._pin(req)
-        g = req.generation
-        gen = self._gens.get(g) if status == ControlStatus.OK else self._any_generation()
+                candidate = generation in self._candidates
+                if candidate:
+                    self._candidate_pins[generation] = self._candidate_pins.get(generation, 0) + 1
+            if not candidate:
+                self.counters["stale_rejects"] += 1
+                status = ControlStatus.STALE_GENERATION
+        gen = self._gens.get(generation) if status == ControlStatus.OK else self._any_generation()
         try:
             if gen is None:
-                raise StaleGenerationError(f"rank {self.rank} holds no generation at all", requested=g)
-            marks = Marks(req.marks, self.device.type == "cuda", t0)
-            fired = self.faults.take(g)
+                raise StaleGenerationError(f"rank {self.rank} holds no generation at all", requested=generation)
+            fired = self.faults.take(generation)
             if ShardFault.CRASH in fired:
-                raise RuntimeError(f"injected fault: rank {self.rank} failed serving generation {g}")
-            paths = wrap_paths(fired, self.paths)
-            y, stats, routes = self.executor.run(req, gen.view, paths, status, marks)
+                raise RuntimeError(f"injected fault: rank {self.rank} failed serving generation {generation}")
+            yield status, gen.view, wrap_paths(fired, self.paths)
             self.counters["steps"] += 1
         except StaleGenerationError as exc:
             self.counters["aborted_steps"] += 1
             if status == ControlStatus.STALE_GENERATION:
                 raise StaleGenerationError(
-                    f"{exc} (rank {self.rank}: step pinned generation {g}, active {self.registry.active()})",
-                    requested=g, active=self.registry.active()) from None
+                    f"{exc} (rank {self.rank}: step pinned generation {generation}, active {self.registry.active()})",
+                    requested=generation, active=self.registry.active()) from None
             raise
         except BaseException:
             self.counters["aborted_steps"] += 1
@@ -331,17 +335,48 @@ class ShardCore:
         finally:
             if lease is not None:
                 self.registry.release(lease)
-            if candidate_pin:
+            if candidate:
                 with self._lock:
-                    self._candidate_pins[g] -= 1
+                    self._candidate_pins[generation] -= 1
+
+    def _step(self, req: StepRequest, t0: float) -> StepResult:
+        marks = Marks(req.marks, self.device.type == "cuda", t0)
+        with self._pinned(req.generation, req.step_id) as (status, view, paths):
+            y, stats, routes = self.executor.run(req, view, paths, status, marks)
         observe = getattr(self.selector, "observe", None)
         if observe is not None and stats:  # least-load / locality selectors learn from the rows really sent
             observe(torch.from_numpy(np.sum([ls.rank_routes for ls in stats], axis=0)))
         arr, dt = self._staging.to_host(y)
         marks("hidden_out")
         out_routes = tuple((i.cpu().numpy(), w.cpu().numpy()) for i, w in routes) if req.return_routes else None
-        return StepResult(self.rank, req.step_id, g, arr, dt, stats, out_routes, self.registry.active(),
+        return StepResult(self.rank, req.step_id, req.generation, arr, dt, stats, out_routes, self.registry.active(),
                           time.perf_counter() - t0, marks.done())
+
+    # ================================================================ serving generation
+    def load_model(self, *, kv_tokens: int, block_size: int = 16, seed: int | None = None) -> dict[str, Any]:
+        """Host the model's non-expert modules (transformers classes) from the checkpoint, or seeded random
+        ones of ``cfg.model_config`` for benchmarks; routed experts stay this shard's slots."""
+        from ray_moe.serving.engine import GenerationExecutor
+        from ray_moe.serving.model_host import ModelHost
+
+        with self._step_lock:
+            if self.generator is None:
+                host = ModelHost.from_checkpoint(self.cfg.checkpoint, device=self.device, dtype=self.dtype,
+                                                 kv_tokens=kv_tokens, block_size=block_size)
+                if host.moe_layers != self.cfg.num_layers:
+                    raise ValueError(f"num_layers={self.cfg.num_layers} but the model has {host.moe_layers} MoE layers")
+                self.generator = GenerationExecutor(self.rank, host, hidden_size=self.cfg.hidden_size,
+                                                    top_k=self.cfg.top_k, dtype=self.dtype)
+            kv = self.generator.host.kv
+            return {"rank": self.rank, "kv_blocks": kv.num_blocks, "block_size": kv.block_size,
+                    "vocab_size": self.generator.host.vocab_size}
+
+    def generate_step(self, req: "GenStepRequest") -> "GenStepResult":
+        """One generation step (token ids in, sampled token ids out), SPMD with the other ranks."""
+        if self.generator is None or self.paths is None:
+            raise RuntimeError(f"rank {self.rank}: no model loaded (load_model) or no exchange set")
+        with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
+            return self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
 
     def _route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The runtime's own softmax top-k router (when a request carries no routes)."""

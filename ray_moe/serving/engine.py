@@ -1,0 +1,173 @@
+# ======================================================================================================
+#  ONE GENERATION STEP ON ONE SHARD (pure: no Ray)
+#
+#   GenStepRequest (token ids + positions only) ──> free finished sequences, reserve KV for the new tokens
+#     ──> [decode unit on the bucket path? one agreed admission round]
+#     ──> the model's forward over the rank's packed tokens (data-parallel attention, paged KV cache);
+#         every MoE block: prefill rows -> normal dispatcher, decode rows -> decode dispatcher (spec 0x05E),
+#         expert-parallel across ranks; a rank with no tokens joins every MoE layer with empty batches
+#     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample
+#   ──> GenStepResult (one sampled token id per finished chunk, layer statistics)
+# ======================================================================================================
+"""The shard side of serving: one model step per actor call, token ids in, sampled token ids out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ray_moe.dispatch.protocol import ControlStatus
+from ray_moe.phases.admission import FallbackReason
+from ray_moe.phases.decode import DecodeRecord, agree_overflow, decode_round, generation_digest
+from ray_moe.phases.step import GenerationView, LayerStats, MoEStep
+from ray_moe.serving.kv import KVBudgetError, SeqChunk
+from ray_moe.serving.model_host import ModelHost
+from ray_moe.serving.sampling import sample
+from ray_moe.serving.scheduler import WorkItem
+
+
+@dataclass(frozen=True)
+class GenStepRequest:
+    """One rank's share of one generation step. ``units``: (prefill, decode) units this step runs on every
+    rank (the same on all ranks: a rank without rows of a unit joins it with an empty batch)."""
+
+    step_id: str
+    generation: int
+    items: tuple[WorkItem, ...]
+    free: tuple[str, ...] = ()
+    units: tuple[bool, bool] = (True, False)
+
+
+@dataclass(frozen=True)
+class GenStepResult:
+    """tokens: {sequence id: sampled token} for the chunks that asked for a sample."""
+
+    rank: int
+    step_id: str
+    generation: int
+    tokens: dict[str, int]
+    layers: tuple[LayerStats, ...]
+    elapsed_s: float
+    decode_path: str | None = None
+    fallback_reason: str | None = None
+
+
+class SplitMoE:
+    """Spec 0x05E inside a model step: each MoE layer's decode rows go through the decode unit, the other
+    rows through the prefill unit, outputs back in packed order. Units run in a fixed order on every rank."""
+
+    def __init__(self, prefill: MoEStep | None, decode: MoEStep | None, decode_rows: torch.Tensor,
+                 prefill_rows: torch.Tensor) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.decode_rows, self.prefill_rows = decode_rows, prefill_rows
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.decode is None:
+            return self.prefill.moe_forward(layer, hidden, topk_ids, topk_weights)
+        if self.prefill is None:
+            return self.decode.moe_forward(layer, hidden, topk_ids, topk_weights)
+        out = torch.empty_like(hidden)
+        for unit, rows in ((self.prefill, self.prefill_rows), (self.decode, self.decode_rows)):
+            out[rows] = unit.moe_forward(layer, hidden[rows], topk_ids[rows], topk_weights[rows]).to(out.dtype)
+        return out
+
+
+class GenerationExecutor:
+    """Runs generation steps for one shard over its ModelHost (``step_ctx`` builds MoEStep contexts)."""
+
+    def __init__(self, rank: int, host: ModelHost, *, hidden_size: int, top_k: int, dtype: torch.dtype) -> None:
+        self.rank = rank
+        self.host = host
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.dtype = dtype
+        self.counters: dict[str, int] = {}
+
+    def run(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+            decode_key: int) -> GenStepResult:
+        t0 = time.perf_counter()
+        kv = self.host.kv
+        for sid in req.free:
+            kv.free(sid)
+        local_error: Exception | None = None
+        try:
+            for it in req.items:
+                kv.reserve(it.seq_id, it.start + len(it.tokens))
+        except KVBudgetError as exc:
+            local_error = exc
+            status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
+        items = () if local_error is not None else req.items
+        want_prefill, want_decode = req.units
+        decode_flags = [it.decode for it in items for _ in it.tokens]
+        dev = self.host.device
+        mask = torch.tensor(decode_flags, dtype=torch.bool)
+        decode_rows = torch.nonzero(mask).flatten().to(dev)
+        prefill_rows = torch.nonzero(~mask).flatten().to(dev)
+        # 1. the decode unit's path, agreed once per step
+        reason, bucket = None, False
+        if want_decode:
+            if paths.bucket is None:
+                reason = "bucket_disabled"
+            else:
+                rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch, generation_digest(view.snapshots),
+                                   status, int(decode_rows.numel()), decode_key, 0)
+                decision = decode_round(paths.exchange, rec, paths.bucket.token_cap, req.step_id,
+                                        local_error=local_error)
+                status = ControlStatus.OK  # the decode round carried it (a refusal raised there)
+                reason = None if decision.reason is None else decision.reason.value
+                bucket = decision.reason is None
+        tokens, stats, overflow = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket,
+                                                reason, decode_rows, prefill_rows)
+        if local_error is not None:
+            raise local_error
+        if bucket and agree_overflow(paths.exchange, overflow, req.step_id):
+            reason, bucket = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value, False
+            self.count(f"fallback_{reason}")
+            tokens, stats, _ = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode,
+                                             False, reason, decode_rows, prefill_rows, tag="/rerun")
+        self.count("steps")
+        return GenStepResult(self.rank, req.step_id, view.generation, tokens, stats, time.perf_counter() - t0,
+                             ("bucket" if bucket else "variable") if want_decode else None, reason)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, decode_rows,
+                 prefill_rows, tag: str = ""):
+        def ctx(unit, dispatcher, st, r=None):
+            return MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=paths.runner, dtype=self.dtype,
+                           hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", status=st, fallback_reason=r)
+
+        # the first unit to run carries this rank's status into its first control round
+        pre = ctx("prefill", paths.normal, status) if want_prefill else None
+        dec = None
+        if want_decode:
+            dec = ctx("decode", paths.bucket if bucket else paths.normal,
+                      status if pre is None else ControlStatus.OK, reason)
+        split = SplitMoE(pre, dec, decode_rows, prefill_rows)
+        tokens: dict[str, int] = {}
+        if items:
+            chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
+            ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64)
+            logits = self.host.forward(chunks, ids, split)
+            want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
+            if want:
+                rows = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)
+                picked = sample(logits.index_select(0, rows), [it.sample for _, it in want])
+                tokens = {it.seq_id: tok for (_, it), tok in zip(want, picked)}
+        else:
+            self.host.idle(split, self.hidden_size, self.top_k)
+        stats, overflow = [], False
+        for unit in (pre, dec):
+            if unit is not None:
+                s, o = unit.finish()
+                stats.extend(s)
+                overflow = overflow or o
+        return tokens, tuple(stats), overflow
+
+
+__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE"]

@@ -1,0 +1,251 @@
+"""Continuous batching on the driver (pure: no Ray).
+
+Requests join a FIFO queue; between steps they are admitted to the rank with the most free KV blocks (a
+request reserves blocks for its prompt plus ``max_new_tokens`` when admitted, so an admitted request always
+runs to completion and nothing is preempted); every step gives each rank the next chunk of each of its
+sequences: a prefill chunk (up to the step's token budget) or one decode token. A request that can never fit
+a rank's KV budget or the model's context is refused at submission with an error naming the numbers; the
+others are unaffected. Sequences of a rank that leaves (removed or killed) go back to the queue head with
+what they generated so far and are re-prefilled elsewhere.
+
+    sched = Scheduler(ranks=[0, 1], kv_blocks=256, block_size=16, max_context=4096)
+    rid = sched.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
+    plan = sched.plan()                      # StepPlan: per-rank work items
+    events = sched.commit(plan, sampled)     # sampled: {seq_id: token}
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, Sequence
+
+from ray_moe.serving.kv import KVBudgetError
+from ray_moe.serving.sampling import SampleSpec, SamplingParams
+
+
+class SeqState(str, Enum):
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+
+
+@dataclass
+class SeqStatus:
+    """One request's sequence as the driver tracks it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    generated: list[int] = field(default_factory=list)
+    rank: int | None = None
+    cached: int = 0  # tokens of prompt + generated already written to the rank's KV cache
+    state: SeqState = SeqState.WAITING
+    moves: int = 0  # times the sequence was re-prefilled on another rank
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.generated]
+
+    @property
+    def reserve_tokens(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One sequence's share of one step on its rank: ``tokens`` at positions ``start..``; the next token is
+    sampled when ``sample`` (the chunk reaches the end of what is known). ``decode``: a one-token step of a
+    sequence that already has a cache (the decode phase, spec 0x05E)."""
+
+    seq_id: str
+    tokens: tuple[int, ...]
+    start: int
+    sample: SampleSpec | None
+    decode: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every rank's work in one step; ``free``: sequences each rank must drop from its cache first."""
+
+    step: int
+    items: dict[int, tuple[WorkItem, ...]]
+    free: dict[int, tuple[str, ...]]
+
+    @property
+    def has_decode(self) -> bool:
+        return any(i.decode for items in self.items.values() for i in items)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(not i.decode for items in self.items.values() for i in items)
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.items.values())
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token: int
+    finished: bool
+
+
+class Scheduler:
+    """kv_blocks / block_size: every rank's cache; max_context: the model's positions; step_tokens: the
+    prefill token budget of one rank in one step (decode tokens always run)."""
+
+    def __init__(self, ranks: Sequence[int], *, kv_blocks: int, block_size: int, max_context: int,
+                 step_tokens: int = 2048, max_running: int = 256, eos_token_ids: Iterable[int] = ()) -> None:
+        self.ranks = list(ranks)
+        self.kv_blocks = int(kv_blocks)
+        self.block_size = int(block_size)
+        self.max_context = int(max_context)
+        self.step_tokens = int(step_tokens)
+        self.max_running = int(max_running)
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.seqs: dict[str, SeqStatus] = {}
+        self._queue: deque[str] = deque()
+        self._used: dict[int, int] = {r: 0 for r in self.ranks}  # blocks reserved per rank
+        self._to_free: dict[int, list[str]] = {r: [] for r in self.ranks}
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def blocks(self, tokens: int) -> int:
+        return -(-int(tokens) // self.block_size)
+
+    def check(self, prompt: Sequence[int], params: SamplingParams, vocab_size: int | None = None) -> None:
+        """Refuse a request that can never run, naming the field and the limit (nothing changes)."""
+        if not prompt:
+            raise ValueError("prompt: empty (at least one token id)")
+        if vocab_size is not None:
+            bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is out of range [0, {vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt: {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
+                             f"the model's context of {self.max_context} positions")
+        if self.blocks(total) > self.kv_blocks:
+            raise KVBudgetError(f"prompt: {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} tokens "
+                                f"need {self.blocks(total)} KV blocks of {self.block_size}; a rank's budget is "
+                                f"{self.kv_blocks} blocks ({self.kv_blocks * self.block_size} tokens)")
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+               vocab_size: int | None = None) -> str:
+        self.check(prompt, params, vocab_size)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise ValueError(f"request_id={rid!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        self.seqs[rid] = SeqStatus(rid, tuple(int(t) for t in prompt), params, seed)
+        self._queue.append(rid)
+        return rid
+
+    def cancel(self, rid: str) -> None:
+        s = self.seqs.get(rid)
+        if s is not None and s.state is not SeqState.FINISHED:
+            self._finish(s)
+
+    def pending(self) -> int:
+        return sum(1 for s in self.seqs.values() if s.state is not SeqState.FINISHED)
+
+    # ------------------------------------------------------------------ membership
+    def set_ranks(self, ranks: Sequence[int]) -> list[str]:
+        """New group membership: sequences of ranks that left go back to the queue head (re-prefill)."""
+        gone = [r for r in self.ranks if r not in ranks]
+        moved = []
+        for s in self.seqs.values():
+            if s.rank in gone and s.state is SeqState.RUNNING:
+                s.rank, s.cached, s.state = None, 0, SeqState.WAITING
+                s.moves += 1
+                moved.append(s.request_id)
+        for rid in reversed(moved):
+            self._queue.appendleft(rid)
+        self.ranks = list(ranks)
+        self._used = {r: self._used.get(r, 0) for r in self.ranks}
+        for r in gone:
+            self._used.pop(r, None)
+        self._to_free = {r: self._to_free.get(r, []) for r in self.ranks}  # departed ranks took their caches
+        return moved
+
+    # ------------------------------------------------------------------ steps
+    def _admit(self) -> None:
+        running = sum(1 for s in self.seqs.values() if s.state is SeqState.RUNNING)
+        while self._queue and running < self.max_running:
+            s = self.seqs[self._queue[0]]
+            if s.state is SeqState.FINISHED:
+                self._queue.popleft()
+                continue
+            need = self.blocks(s.reserve_tokens)
+            loads = {r: sum(1 for x in self.seqs.values() if x.rank == r and x.state is SeqState.RUNNING)
+                     for r in self.ranks}
+            fits = [r for r in self.ranks if self.kv_blocks - self._used[r] >= need]
+            if not fits:
+                return  # FIFO: the head waits for blocks to free up
+            r = min(fits, key=lambda u: (loads[u], self._used[u], u))
+            self._queue.popleft()
+            self._used[r] += need
+            s.rank, s.cached, s.state = r, 0, SeqState.RUNNING
+            running += 1
+
+    def plan(self) -> StepPlan:
+        self._admit()
+        items: dict[int, list[WorkItem]] = {r: [] for r in self.ranks}
+        budget = {r: self.step_tokens for r in self.ranks}
+        running = [s for s in self.seqs.values() if s.state is SeqState.RUNNING]
+        # decode tokens first (one each), then prefill chunks within the budget, oldest first
+        for s in sorted(running, key=lambda x: (x.cached == 0, x.request_id)):
+            toks = s.tokens
+            left = len(toks) - s.cached
+            decode = left == 1 and s.cached > 0
+            n = 1 if decode else min(left, max(0, budget[s.rank]))
+            if n <= 0:
+                continue
+            budget[s.rank] -= 0 if decode else n
+            end = s.cached + n
+            spec = None
+            if end == len(toks):
+                p = s.params
+                spec = SampleSpec(p.temperature, p.top_p, s.seed, end)
+            items[s.rank].append(WorkItem(s.request_id, tuple(toks[s.cached:end]), s.cached, spec, decode))
+        free = {r: tuple(v) for r, v in self._to_free.items()}
+        return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free)
+
+    def commit(self, plan: StepPlan, sampled: dict[str, int]) -> list[TokenEvent]:
+        """Apply a successful step: caches advanced, sampled tokens appended, finished sequences freed."""
+        for r, names in plan.free.items():
+            done = set(names)
+            self._to_free[r] = [x for x in self._to_free.get(r, []) if x not in done]
+        events = []
+        for r, items in plan.items.items():
+            for it in items:
+                s = self.seqs.get(it.seq_id)
+                if s is None or s.state is not SeqState.RUNNING or s.rank != r:
+                    continue
+                s.cached = it.start + len(it.tokens)
+                if it.sample is None:
+                    continue
+                tok = int(sampled[it.seq_id])
+                s.generated.append(tok)
+                finished = len(s.generated) >= s.params.max_new_tokens or tok in self.eos or tok in s.params.stop_token_ids
+                events.append(TokenEvent(s.request_id, tok, finished))
+                if finished:
+                    self._finish(s)
+        return events
+
+    def _finish(self, s: SeqStatus) -> None:
+        if s.state is SeqState.RUNNING and s.rank in self._used:
+            self._used[s.rank] -= self.blocks(s.reserve_tokens)
+            self._to_free[s.rank].append(s.request_id)
+        s.state = SeqState.FINISHED
+
+
+__all__ = ["Scheduler", "SeqStatus", "SeqState", "WorkItem", "StepPlan", "TokenEvent"]
