@@ -1,5 +1,9 @@
-"""SwiGLU expert weights: seeded initialisation, Hugging Face style safetensors checkpoints, digests, and
-the stacked per-rank layout the runners consume. Pure torch (no Ray).
+"""SwiGLU expert weights: seeded initialisation, a writer of legacy Mixtral-named safetensors folders,
+digests, and the stacked per-rank layout the runners consume. Pure torch (no Ray).
+
+Checkpoints are read by ``ray_moe.models`` (``CheckpointIndex`` / ``HFWeightSource``: Mixtral, Qwen-MoE,
+DeepSeek and legacy folders, per-expert or fused layouts); ``SafetensorsWeightSource`` is kept as another
+name of ``HFWeightSource``.
 
 One expert computes ``E(x) = (silu(x Wg^T) * (x Wu^T)) Wd^T`` with nn.Linear layout
 ``w_gate [f, d]``, ``w_up [f, d]``, ``w_down [d, f]``. Mixtral checkpoint names map
@@ -212,73 +216,6 @@ class SeededWeightSource(WeightSource):
         return {"kind": "seeded", "seed": self.seed, "tagged": self.tagged, "dtype": str(self.dtype)}
 
 
-class SafetensorsWeightSource(WeightSource):
-    """A Hugging Face style checkpoint folder (Mixtral names), read lazily per tensor.
-
-    ``index``: ``model.safetensors.index.json`` (weight_map) if present, else every ``*.safetensors``
-    file in the folder is scanned once for its keys.
-    """
-
-    def __init__(self, folder: str, *, dtype: torch.dtype | None = None,
-                 key_pattern: str = MIXTRAL_EXPERT_KEY, router_pattern: str = MIXTRAL_ROUTER_KEY) -> None:
-        from safetensors import safe_open
-
-        self.folder = folder
-        self.dtype = dtype
-        self.key_pattern = key_pattern
-        self.router_pattern = router_pattern
-        self._safe_open = safe_open
-        self._where: dict[str, str] = {}
-        index = os.path.join(folder, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as fh:
-                for key, fname in json.load(fh)["weight_map"].items():
-                    self._where[key] = os.path.join(folder, fname)
-        else:
-            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-            if not files:
-                raise ValueError(f"checkpoint folder={folder!r} holds no *.safetensors file")
-            for fname in files:
-                path = os.path.join(folder, fname)
-                with safe_open(path, framework="pt") as fh:
-                    for key in fh.keys():
-                        self._where[key] = path
-        layers, experts = set(), set()
-        for key in self._where:
-            parts = key.split(".")
-            if "experts" in parts:
-                i = parts.index("experts")
-                experts.add(int(parts[i + 1]))
-                layers.add(int(parts[parts.index("layers") + 1]))
-        if not experts:
-            raise ValueError(f"checkpoint folder={folder!r} holds no expert tensors named like {key_pattern!r}")
-        self.num_experts = max(experts) + 1
-        self.num_layers = max(layers) + 1
-        probe = self._tensor(key_pattern.format(layer=0, expert=0, name="w1"))
-        self.ffn_size, self.hidden_size = int(probe.shape[0]), int(probe.shape[1])
-
-    def _tensor(self, key: str) -> torch.Tensor:
-        path = self._where.get(key)
-        if path is None:
-            raise ValueError(f"checkpoint {self.folder!r} has no tensor {key!r}")
-        with self._safe_open(path, framework="pt") as fh:
-            t = fh.get_tensor(key)
-        return t.to(self.dtype) if self.dtype is not None else t
-
-    def expert(self, layer: int, expert: int) -> ExpertWeights:
-        ws = {
-            ours: self._tensor(self.key_pattern.format(layer=layer, expert=expert, name=theirs))
-            for ours, theirs in _MIXTRAL_NAMES.items()
-        }
-        return ExpertWeights(layer, expert, ws["w_gate"], ws["w_up"], ws["w_down"])
-
-    def router(self, layer: int) -> torch.Tensor:
-        return self._tensor(self.router_pattern.format(layer=layer)).to(torch.float32)
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "safetensors", "folder": self.folder}
-
-
 def save_checkpoint(source: WeightSource, folder: str, *, shards: int = 1) -> list[str]:
     """Write every expert and router of ``source`` as a Mixtral-style safetensors folder."""
     from safetensors.torch import save_file
@@ -303,3 +240,12 @@ def save_checkpoint(source: WeightSource, folder: str, *, shards: int = 1) -> li
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {}, "weight_map": weight_map}, fh, indent=1)
     return files
+
+
+def __getattr__(name: str) -> Any:
+    # The checkpoint reader lives in ray_moe.models (which imports this module); resolved lazily.
+    if name == "SafetensorsWeightSource":
+        from ray_moe.models.source import HFWeightSource
+
+        return HFWeightSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
