@@ -40,7 +40,8 @@ class RuntimeConfig(BaseModel):
     router_skew: float = Field(default=0.0, ge=0.0, description="Zipf exponent of a router bias (0 = none)")
     norm_topk: bool = True
     tagged_weights: bool = Field(default=False, description="expert e's output is (e+1) x a shared function")
-    checkpoint: str | None = Field(default=None, description="HF-style safetensors folder (Mixtral names)")
+    checkpoint: str | None = Field(default=None, description="a Hugging Face model folder (config.json + safetensors, "
+                                                             "per-expert or fused experts), or a Mixtral-named folder")
     placement_strategy: str = Field(default="PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     actor_cpus: float = Field(default=0.5, gt=0)
     exchange_timeout_s: float = Field(default=60.0, gt=0)
@@ -74,6 +75,16 @@ class RuntimeConfig(BaseModel):
                 f"{self.payload_format.value} / exchange_schedule={self.exchange_schedule.value} need "
                 f"dispatch_path=engine (or auto)")
         return self
+
+    @classmethod
+    def from_pretrained(cls, folder: str, *, num_ranks: int, device: str = "cpu", dtype: str = "float32",
+                        **overrides) -> "RuntimeConfig":
+        """Shapes, MoE layers, experts and top-k from a Hugging Face folder's config.json (every expert tensor
+        checked from the safetensors headers, in this process); ``slots_per_rank`` defaults to every expert
+        plus about a quarter more for replicas. Any field can be overridden."""
+        from ray_moe.models.config import config_from_pretrained
+
+        return config_from_pretrained(folder, num_ranks=num_ranks, device=device, dtype=dtype, **overrides)
 
     @property
     def resolved_dispatch_path(self) -> DispatchPath:

@@ -36,6 +36,7 @@ from ray_moe.config import RuntimeConfig
 from ray_moe.dispatch.exchange.mailbox import ExchangeAborted
 from ray_moe.dispatch.records import RouteBatch
 from ray_moe.env import EnvSettings, read_env
+from ray_moe.experts.source import weight_source
 from ray_moe.errors import (
     ExchangeTimeoutError,
     RankDeadError,
@@ -151,6 +152,7 @@ class Runtime:
     def start(cls, cfg: RuntimeConfig, *, address: str | None = None, num_cpus: int | None = None) -> "Runtime":
         """Create the coordinator, the placement group and one shard actor per rank; publish generation 0."""
         env = read_env()
+        source = weight_source(cfg)  # checkpoint shapes and headers checked here, before any actor starts
         owns = False
         if not ray.is_initialized():
             addr = address or env.ray_address
@@ -174,7 +176,7 @@ class Runtime:
             r: actor_cls.options(
                 num_cpus=cfg.actor_cpus, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            ).remote(r, cfg.model_dump_json())
+            ).remote(r, cfg.model_dump_json(), source)
             for r in range(cfg.num_ranks)
         }
         infos = ray.get([shards[r].node_info.remote() for r in range(cfg.num_ranks)])
@@ -273,6 +275,12 @@ class Runtime:
                 self._stats.dropped_routes += dropped
             self.telemetry.add_ratio(MetricName.ROUTE_DROP_RATIO, {"release": self.release_id, "phase": phase.value},
                                      dropped, attempted)
+
+    def moe_executor(self) -> "LayerExecutor":
+        """An executor for transformers' ``ray_moe`` experts seam: every MoE block of a driver-side model
+        runs its routed experts as one ``forward(..., layer=l)`` step of this deployment
+        (``ray_moe.models.seam.bind(model, rt.moe_executor())``)."""
+        return LayerExecutor(self)
 
     def _layers(self, layer: int | None) -> tuple[int, ...] | None:
         if layer is None:
@@ -454,7 +462,7 @@ class Runtime:
         actor = shard_actor_class(cfg).options(
             num_cpus=cfg.actor_cpus, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(rank, cfg.model_dump_json())
+        ).remote(rank, cfg.model_dump_json(), weight_source(cfg))
         info = ray.get(actor.node_info.remote())
         self.flush_load()
         with self._step_lock:
@@ -673,6 +681,20 @@ class Runtime:
         rep = ray.get(self.coordinator.rebalance.remote(migration_aware))
         self._generation = rep["new_generation"]
         return rep["new_generation"]
+
+
+class LayerExecutor:
+    """``moe_forward(layer, hidden [T, d], topk_ids [T, k], topk_weights [T, k]) -> [T, d]`` through a Runtime
+    (one actor call per rank per MoE layer: the integration path; serving keeps the model in the shards)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        y = self.rt.forward(hidden.detach().cpu(), topk_ids.detach().cpu(), topk_weights.detach().float().cpu(),
+                            layer=layer)
+        return y.to(device=hidden.device, dtype=hidden.dtype)
 
 
 def _fetch(results: dict[int, Any], ranks: list[int]) -> list[np.ndarray]:

@@ -21,7 +21,7 @@ from ray_moe.config import RuntimeConfig
 from ray_moe.dispatch.exchange.mailbox import Mailbox
 from ray_moe.dispatch.exchange.object_store import ObjectStoreExchange
 from ray_moe.experts.source import weight_source
-from ray_moe.experts.weights import ExpertWeights
+from ray_moe.experts.weights import ExpertWeights, WeightSource
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.types import ExchangeKind, ExchangeSchedule
@@ -30,7 +30,8 @@ from ray_moe.wire import experts_from_wire, experts_to_wire
 class ExpertShardActor:
     """Remote methods are grouped: setup, control path (coordinator), data path (driver), diagnostics."""
 
-    def __init__(self, rank: int, cfg_json: str) -> None:
+    def __init__(self, rank: int, cfg_json: str, source: WeightSource | None = None) -> None:
+        """``source``: the weight source the driver built (and validated) once; None builds it here."""
         cfg = RuntimeConfig.model_validate_json(cfg_json)
         self.cfg = cfg
         self.rank = rank
@@ -42,7 +43,7 @@ class ExpertShardActor:
             device = torch.device("cpu")
         self.device = device
         self.mailbox = Mailbox()
-        self.core = ShardCore(rank, cfg, weight_source(cfg), device=device)
+        self.core = ShardCore(rank, cfg, source if source is not None else weight_source(cfg), device=device)
         self._migration = None
         self._migration_stream = None
 
