@@ -16,12 +16,13 @@ generation as stale (after a publish); per-step generation pins live on the shar
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import ray
@@ -51,6 +52,9 @@ from ray_moe.telemetry.metrics import MetricName, Telemetry, TelemetrySnapshot, 
 from ray_moe.telemetry.quantiles import EvidenceClass, summarize
 from ray_moe.types import ExchangeKind, Phase
 from ray_moe.wire import experts_from_wire, tensor_to_wire, wire_to_tensor
+
+if TYPE_CHECKING:
+    from ray_moe.serving.driver import GenerationEngine
 
 
 @dataclass
@@ -146,6 +150,7 @@ class Runtime:
         self.telemetry = Telemetry(f"driver-{uuid.uuid4().hex[:6]}")
         self.release_id = cfg.name
         self._exporter = None
+        self._engine = None  # the generation loop (serving)
 
     # ================================================================ lifecycle
     @classmethod
@@ -226,6 +231,9 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Stop every actor of the deployment and free its placement group."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         for h in list(self.shards.values()):
             try:
                 ray.kill(h)
@@ -294,13 +302,9 @@ class Runtime:
                  return_routes: bool, pinned: int | None, layers: tuple[int, ...]) -> Any:
         cfg = self.cfg
         t0 = time.perf_counter()
-        for attempt in range(self.max_attempts):
-            ranks = list(self.group.peer_order)
+
+        def requests(ranks: list[int], step_id: str, gen: int) -> dict[int, StepRequest]:
             parts = torch.tensor_split(torch.arange(h.shape[0]), len(ranks))
-            if self._generation is None:
-                self._refresh_generation()
-            gen = self._generation if pinned is None else pinned
-            step_id = f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
             reqs = {}
             for r, idx in zip(ranks, parts):
                 lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
@@ -311,24 +315,9 @@ class Runtime:
                     phase=phase, return_routes=return_routes, marks=self.record_marks,
                     layers=None if len(layers) == cfg.num_layers else layers,
                 )
-            try:
-                results = self._run_step(step_id, reqs)
-            except StaleGenerationError:
-                with self._lock:
-                    self._stats.stale_retries += 1
-                if pinned is not None:
-                    raise
-                self._refresh_generation(backoff=attempt > 0)
-                continue
-            except (RankDeadError, ExchangeAborted, ExchangeTimeoutError) as exc:
-                dead = self._dead_ranks()
-                if not dead:
-                    raise exc
-                self._handle_dead(dead)
-                continue
-            break
-        else:
-            raise StaleGenerationError(f"no generation accepted the step after {self.max_attempts} attempts")
+            return reqs
+
+        ranks, results = self._submit(requests, "step", pinned)
         out = torch.cat([wire_to_tensor(a, results[r].hidden_dtype) for r, a in zip(ranks, _fetch(results, ranks))], 0)
         self._account(results, ranks, phase, h.shape[0], (time.perf_counter() - t0) * 1e3)
         if return_routes:
@@ -390,8 +379,34 @@ class Runtime:
             raise RouteValidationError(f"topk_ids: k={ids.shape[2]} but the deployment has top_k={cfg.top_k}")
         return ids.to(torch.int64).contiguous(), gates.to(torch.float32).contiguous()
 
-    def _run_step(self, step_id: str, reqs: dict[int, StepRequest]) -> dict[int, StepResult]:
-        refs = {r: self.shards[r].step.remote(req) for r, req in reqs.items()}
+    def _submit(self, requests: Callable[[list[int], str, int], dict[int, Any]], method: str,
+                pinned: int | None = None) -> tuple[list[int], dict[int, Any]]:
+        """One step, SPMD on every live rank: ``requests(ranks, step_id, generation)`` builds each rank's share;
+        a stale generation is replanned on the active one (unless ``pinned``), a dead rank is regrouped away
+        and the step re-run on the survivors. Returns (ranks, results by rank)."""
+        for attempt in range(self.max_attempts):
+            ranks = list(self.group.peer_order)
+            if self._generation is None:
+                self._refresh_generation()
+            gen = self._generation if pinned is None else pinned
+            step_id = f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
+            try:
+                return ranks, self._run_step(step_id, requests(ranks, step_id, gen), method)
+            except StaleGenerationError:
+                with self._lock:
+                    self._stats.stale_retries += 1
+                if pinned is not None:
+                    raise
+                self._refresh_generation(backoff=attempt > 0)
+            except (RankDeadError, ExchangeAborted, ExchangeTimeoutError) as exc:
+                dead = self._dead_ranks()
+                if not dead:
+                    raise exc
+                self._handle_dead(dead)
+        raise StaleGenerationError(f"no generation accepted the step after {self.max_attempts} attempts")
+
+    def _run_step(self, step_id: str, reqs: dict[int, Any], method: str = "step") -> dict[int, Any]:
+        refs = {r: getattr(self.shards[r], method).remote(req) for r, req in reqs.items()}
         pending = list(refs.values())
         by_ref = {ref: r for r, ref in refs.items()}
         results: dict[int, StepResult] = {}
@@ -681,6 +696,66 @@ class Runtime:
         rep = ray.get(self.coordinator.rebalance.remote(migration_aware))
         self._generation = rep["new_generation"]
         return rep["new_generation"]
+
+    # ================================================================ serving generation
+    def serving(self, *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
+                max_running: int = 256, max_queued: int = 4096) -> "GenerationEngine":
+        """The deployment's generation loop (started on first use: every shard loads the model's non-expert
+        modules and a paged KV cache of ``kv_tokens`` per rank). The arguments apply to the first call."""
+        with self._lock:
+            if self._engine is None:
+                from ray_moe.serving.driver import GenerationEngine
+
+                if not self.cfg.checkpoint:
+                    raise ValueError("checkpoint=None: generation needs a model folder "
+                                     "(RuntimeConfig.from_pretrained(folder, ...))")
+                self._engine = GenerationEngine(self, kv_tokens=kv_tokens, block_size=block_size,
+                                                step_tokens=step_tokens, max_running=max_running,
+                                                max_queued=max_queued)
+            return self._engine
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, *, timeout_s: float | None = None) -> list[list[int]]:
+        """The new tokens of each prompt (token ids), generated inside the shards with continuous batching.
+        Every prompt is validated before any is queued; ``seed`` seeds prompt i with ``seed + i``."""
+        handles = self._submit_all(prompts, max_new_tokens, temperature, top_p, seed)
+        return [h.result(timeout_s) for h in handles]
+
+    def generate_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                        top_p: float = 1.0, seed: int | None = None) -> Iterator[tuple[int, int]]:
+        """(prompt index, token) as each token is sampled, interleaved across prompts."""
+        handles = self._submit_all(prompts, max_new_tokens, temperature, top_p, seed)
+        merged: "queue.Queue" = queue.Queue()
+
+        def pump(i: int, h) -> None:
+            try:
+                for tok in h.stream():
+                    merged.put((i, tok))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                merged.put(exc)
+            merged.put(None)
+
+        for i, h in enumerate(handles):
+            threading.Thread(target=pump, args=(i, h), daemon=True).start()
+        left = len(handles)
+        while left:
+            item = merged.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+
+    def _submit_all(self, prompts, max_new_tokens, temperature, top_p, seed) -> list:
+        from ray_moe.serving.sampling import SamplingParams
+
+        engine = self.serving()
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 seed=None if seed is None else seed + i) for i in range(len(prompts))]
+        for p, sp in zip(prompts, params):  # all or none: validate every prompt first
+            engine.scheduler.check(list(p), sp, engine.vocab_size)
+        return [engine.submit(p, sp) for p, sp in zip(prompts, params)]
 
 
 class LayerExecutor:

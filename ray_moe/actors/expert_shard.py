@@ -220,6 +220,16 @@ class ExpertShardActor:
         finally:
             self.mailbox.forget(req.step_id + "/")
 
+    # ---------------------------------------------------------------- serving generation
+    def load_model(self, kv_tokens: int, block_size: int = 16) -> dict[str, Any]:
+        return self.core.load_model(kv_tokens=kv_tokens, block_size=block_size)
+
+    def generate_step(self, req: Any) -> Any:
+        try:
+            return self.core.generate_step(req)
+        finally:
+            self.mailbox.forget(req.step_id + "/")
+
     # ---------------------------------------------------------------- diagnostics
     def status(self) -> dict[str, Any]:
         return self.core.status()

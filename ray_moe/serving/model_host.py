@@ -66,7 +66,7 @@ class ModelHost:
 
         config._attn_implementation = "sdpa"
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model.eval()
 
     @classmethod

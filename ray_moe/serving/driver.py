@@ -1,0 +1,195 @@
+# ======================================================================================================
+#  THE GENERATION LOOP ON THE DRIVER
+#
+#   submit(prompt) ──> Scheduler queue ──> loop thread, between steps: admit / free / plan
+#     ──> ONE actor call per rank per step: GenStepRequest (token ids + positions) ──> GenStepResult (ids)
+#     ──> commit: tokens to each request's stream; finished requests release their KV blocks
+#   a stale generation replans the same step on the active one; a dead rank is regrouped away and its
+#   sequences are re-prefilled on the survivors; membership changes (add / remove rank) are picked up
+#   between steps.
+# ======================================================================================================
+"""Continuous-batching generation over a running deployment (``Runtime.generate`` / ``generate_stream``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import ray
+
+from ray_moe.errors import RayMoEError, root_cause
+from ray_moe.serving.engine import GenStepRequest
+from ray_moe.serving.sampling import SamplingParams
+from ray_moe.serving.scheduler import Scheduler
+from ray_moe.types import Phase
+
+if TYPE_CHECKING:
+    from ray_moe.runtime import Runtime
+
+_DONE = object()
+
+
+@dataclass
+class RequestHandle:
+    """One submitted request: its new tokens arrive on ``events`` (a token int, then ``_DONE`` or an error)."""
+
+    request_id: str
+    prompt_len: int
+    events: "queue.Queue" = field(default_factory=queue.Queue)
+    tokens: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def stream(self, timeout_s: float | None = None) -> Iterator[int]:
+        while True:
+            item = self.events.get(timeout=timeout_s)
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def result(self, timeout_s: float | None = None) -> list[int]:
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"request {self.request_id!r}: no result within {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.tokens)
+
+
+class GenerationEngine:
+    """The driver's generation loop over a Runtime's shards (one thread; requests join between steps).
+
+    kv_tokens: KV cache tokens per rank; block_size: tokens per cache block; step_tokens: prefill tokens per
+    rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
+    ``submit`` refuses new ones (overload)."""
+
+    def __init__(self, rt: "Runtime", *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
+                 max_running: int = 256, max_queued: int = 4096) -> None:
+        self.rt = rt
+        self.kv_tokens, self.block_size = int(kv_tokens), int(block_size)
+        self.max_queued = int(max_queued)
+        self._loaded: set[int] = set()
+        info = self._load(list(rt.group.peer_order))
+        self.vocab_size = int(info["vocab_size"])
+        self.max_context = int(info["max_context"])
+        self.scheduler = Scheduler(list(rt.group.peer_order), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
+                                   max_context=self.max_context, step_tokens=step_tokens, max_running=max_running,
+                                   eos_token_ids=())
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+        self.steps = 0
+        self.failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestHandle:
+        """Queue one request (validated now: a request that can never fit raises here, the others run on)."""
+        with self._lock:
+            if self.failed is not None:
+                raise RayMoEError(f"the generation loop stopped: {self.failed}")
+            if self.scheduler.pending() >= self.max_queued:
+                raise OverloadedError(f"{self.scheduler.pending()} requests in flight (max_queued={self.max_queued})")
+            rid = self.scheduler.submit(list(prompt), params, request_id=request_id, vocab_size=self.vocab_size)
+            handle = RequestHandle(rid, len(prompt))
+            self._handles[rid] = handle
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self.scheduler.cancel(request_id)
+            h = self._handles.pop(request_id, None)
+        if h is not None:
+            h.events.put(_DONE)
+            h.done.set()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the loop
+    def _load(self, ranks: list[int]) -> dict:
+        todo = [r for r in ranks if r not in self._loaded]
+        infos = ray.get([self.rt.shards[r].load_model.remote(kv_tokens=self.kv_tokens, block_size=self.block_size)
+                         for r in todo]) if todo else []
+        self._loaded.update(todo)
+        return infos[0] if infos else {}
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and self.scheduler.pending() == 0:
+                    self._wake.wait(timeout=1.0)
+                if self._stop:
+                    return
+            try:
+                self._step()
+            except BaseException as exc:  # noqa: BLE001 - every waiting request learns why
+                cause = root_cause(exc)
+                with self._lock:
+                    self.failed = cause
+                    handles = list(self._handles.values())
+                    self._handles.clear()
+                for h in handles:
+                    h.error = cause
+                    h.events.put(cause)
+                    h.done.set()
+                return
+
+    def _step(self) -> None:
+        rt = self.rt
+        with rt._step_lock:  # elastic operations quiesce between steps
+            members = list(rt.group.peer_order)
+            if members != self.scheduler.ranks:
+                self._load(members)
+                with self._lock:
+                    self.scheduler.set_ranks(members)
+            with self._lock:
+                plan = self.scheduler.plan()
+            if plan.empty and not any(plan.free.values()):
+                time.sleep(0.001)
+                return
+            units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
+            t0 = time.perf_counter()
+
+            def requests(ranks: list[int], step_id: str, gen: int) -> dict[int, GenStepRequest]:
+                return {r: GenStepRequest(step_id, gen, plan.items.get(r, ()), plan.free.get(r, ()), units)
+                        for r in ranks}
+
+            ranks, results = rt._submit(requests, "generate_step")
+            if ranks != members:  # a rank died: the step ran on the survivors; the dead rank's sequences
+                with self._lock:  # go back to the queue and are re-prefilled on a survivor
+                    self.scheduler.set_ranks(ranks)
+            tokens = sum(len(it.tokens) for items in plan.items.values() for it in items)
+            rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
+                        (time.perf_counter() - t0) * 1e3)
+        sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
+        with self._lock:
+            events = self.scheduler.commit(plan, sampled)
+            self.steps += 1
+            for ev in events:
+                h = self._handles.get(ev.request_id)
+                if h is None:
+                    continue
+                h.tokens.append(ev.token)
+                h.events.put(ev.token)
+                if ev.finished:
+                    del self._handles[ev.request_id]
+                    h.events.put(_DONE)
+                    h.done.set()
+
+
+class OverloadedError(RayMoEError):
+    """Too many requests in flight: retry later (HTTP 503)."""
+
+
+__all__ = ["GenerationEngine", "RequestHandle", "OverloadedError"]
