@@ -102,4 +102,38 @@ def reference_output(cfg: RuntimeConfig, hidden: torch.Tensor, topk_ids: torch.T
     return h
 
 
-__all__ = ["InProcessDeployment", "reference_output"]
+
+def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_new_tokens: int, *,
+                       kv_tokens: int = 1024, block_size: int = 8, step_tokens: int = 64,
+                       join_after: dict[int, list[list[int]]] | None = None) -> list[list[int]]:
+    """Greedy generation over the in-process deployment's shards (the same GenStepRequest path the Ray
+    driver uses, no Ray): ``join_after={step: [prompts]}`` submits more prompts between steps."""
+    from ray_moe.serving.engine import GenStepRequest
+    from ray_moe.serving.sampling import SamplingParams
+    from ray_moe.serving.scheduler import Scheduler
+
+    infos = [c.load_model(kv_tokens=kv_tokens, block_size=block_size) for c in dep.cores.values()]
+    sched = Scheduler(list(dep.group.peer_order), kv_blocks=infos[0]["kv_blocks"], block_size=block_size,
+                      max_context=infos[0]["max_context"], step_tokens=step_tokens)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    rids = [sched.submit(p, params) for p in prompts]
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    step = 0
+    while sched.pending() or (join_after and any(s >= step for s in join_after)):
+        for p in (join_after or {}).pop(step, []):
+            rid = sched.submit(p, params)
+            rids.append(rid)
+            out[rid] = []
+        plan = sched.plan()
+        units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
+        reqs = {r: GenStepRequest(f"gen{step}", dep.generation, plan.items[r], plan.free[r], units)
+                for r in dep.group.peer_order}
+        with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+            res = dict(zip(reqs, pool.map(lambda r: dep.cores[r].generate_step(reqs[r]), reqs)))
+        for ev in sched.commit(plan, {k: v for x in res.values() for k, v in x.tokens.items()}):
+            out[ev.request_id].append(ev.token)
+        step += 1
+    return [out[r] for r in rids]
+
+
+__all__ = ["InProcessDeployment", "reference_output", "generate_inprocess"]

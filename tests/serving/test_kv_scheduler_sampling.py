@@ -1,0 +1,117 @@
+"""The pure serving pieces: the paged KV cache's bookkeeping and step layout, the continuous-batching
+scheduler (admission, budgets, chunked prefill, requeue on rank loss), seeded retry-safe sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_moe.serving.kv import KVBudgetError, PagedKVCache, SeqChunk
+from ray_moe.serving.sampling import SampleSpec, SamplingParams, sample
+from ray_moe.serving.scheduler import Scheduler, SeqState
+
+
+def test_paged_cache_reserves_blocks_and_lays_out_a_packed_step():
+    kv = PagedKVCache(num_blocks=6, block_size=4)
+    kv.reserve("a", 6)   # blocks 0, 1
+    kv.reserve("b", 3)   # block 2
+    kv.reserve("a", 8)   # still 2 blocks: idempotent growth
+    assert kv.held("a") == 2 and kv.held("b") == 1 and kv.free_blocks == 3
+    lay = kv.plan([SeqChunk("a", 5, 1), SeqChunk("b", 0, 3)], torch.float32)
+    assert lay.write_index.tolist() == [5, 8, 9, 10]
+    assert lay.read_index.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10]
+    assert lay.positions.tolist() == [5, 0, 1, 2]
+    assert lay.last.tolist() == [0, 3]
+    allowed = (lay.mask[0, 0] == 0)
+    # the decode token of "a" sees a's six positions only; b's tokens see b's causal prefix
+    assert allowed[0].tolist() == [True] * 6 + [False] * 3
+    assert allowed[3].tolist() == [False] * 6 + [True] * 3
+    assert allowed[1].tolist() == [False] * 6 + [True, False, False]
+    # update writes the new tokens at their slots and returns the packed contexts
+    a = torch.arange(4 * 2 * 3, dtype=torch.float32).view(1, 2, 4, 3)
+    k, v = kv.update(a, a + 100, layer_idx=0)
+    assert k.shape == (1, 2, 9, 3) and torch.equal(k[0, :, 6:], a[0, :, 1:]) and torch.equal(v[0, :, 5], a[0, :, 0] + 100)
+    kv.free("a")
+    assert kv.free_blocks == 5
+    with pytest.raises(KVBudgetError, match="need 7 cache blocks"):
+        kv.reserve("c", 25)
+
+
+def test_scheduler_refuses_what_can_never_fit_and_others_run():
+    s = Scheduler([0, 1], kv_blocks=4, block_size=4, max_context=64)
+    with pytest.raises(KVBudgetError, match="need 5 KV blocks"):
+        s.submit([1] * 15, SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+        s.submit([1] * 60, SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="prompt: empty"):
+        s.submit([], SamplingParams(max_new_tokens=1))
+    with pytest.raises(ValueError, match="token id 500"):
+        s.submit([500], SamplingParams(max_new_tokens=1), vocab_size=128)
+    rid = s.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+    plan = s.plan()
+    assert [it.seq_id for items in plan.items.values() for it in items] == [rid]
+
+
+def test_scheduler_chunks_prefill_samples_at_the_end_and_requeues_a_lost_rank():
+    s = Scheduler([0, 1], kv_blocks=16, block_size=4, max_context=256, step_tokens=5)
+    a = s.submit(list(range(12)), SamplingParams(max_new_tokens=3))
+    b = s.submit([7, 8], SamplingParams(max_new_tokens=3))
+    plan = s.plan()
+    ra, rb = s.seqs[a].rank, s.seqs[b].rank
+    assert ra != rb  # spread over the ranks
+    (ia,), (ib,) = plan.items[ra], plan.items[rb]
+    assert (ia.start, len(ia.tokens), ia.sample) == (0, 5, None)   # a chunk of a long prompt: no sample yet
+    assert ib.sample is not None and ib.sample.position == 2
+    s.commit(plan, {b: 40})
+    plan = s.plan()
+    (ia,), (ib,) = plan.items[ra], plan.items[rb]
+    assert (ia.start, len(ia.tokens)) == (5, 5) and ib.decode and ib.tokens == (40,)
+    s.commit(plan, {b: 41})
+    moved = s.set_ranks([ra])  # b's rank left: b goes back to the queue with what it generated
+    assert moved == ([b] if rb != ra else [])
+    assert s.seqs[b].state is SeqState.WAITING and s.seqs[b].generated == [40, 41]
+    plan = s.plan()
+    (ib_new,) = [it for it in plan.items[ra] if it.seq_id == b]
+    # a's last 2 prompt tokens come first, b's re-prefill takes the 3 left of the 5-token budget
+    assert ib_new.tokens == (7, 8, 40) and ib_new.start == 0 and ib_new.sample is None
+    s.commit(plan, {a: 50})
+    (ib_new,) = [it for it in s.plan().items[ra] if it.seq_id == b]
+    # a one-token chunk over an existing cache is a decode step (same math, the decode unit)
+    assert ib_new.tokens == (41,) and ib_new.start == 3 and ib_new.sample.position == 4 and ib_new.decode
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=8), st.integers(1, 6), st.integers(2, 9))
+def test_scheduler_serves_every_request_exactly_its_tokens(lens, new, budget):
+    """Conservation: every request gets exactly max_new_tokens, every prompt token is cached once per
+    placement, blocks return to the pool."""
+    s = Scheduler([0, 1, 2], kv_blocks=24, block_size=4, max_context=256, step_tokens=budget)
+    rids = [s.submit(list(range(n)), SamplingParams(max_new_tokens=new)) for n in lens]
+    got = {r: 0 for r in rids}
+    for _ in range(500):
+        if not s.pending():
+            break
+        plan = s.plan()
+        sampled = {it.seq_id: 1 for items in plan.items.values() for it in items if it.sample is not None}
+        for ev in s.commit(plan, sampled):
+            got[ev.request_id] += 1
+    assert got == {r: new for r in rids}
+    assert all(v == 0 for v in s._used.values())
+
+
+def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    greedy = sample(logits, [SampleSpec(0.0, 1.0, 0, 5)] * 3)
+    assert greedy == logits.argmax(-1).tolist()
+    spec = [SampleSpec(1.0, 0.9, 123, 7), SampleSpec(1.0, 0.9, 123, 8), SampleSpec(0.7, 1.0, 9, 7)]
+    assert sample(logits, spec) == sample(logits, spec)  # a rerun step samples the same tokens
+    many = {sample(logits[:1], [SampleSpec(1.0, 0.9, s, 1)])[0] for s in range(200)}
+    assert len(many) > 3
+    # top_p=tiny keeps only the most likely token
+    assert sample(logits, [SampleSpec(1.0, 1e-6, s, 1) for s in range(3)]) == greedy
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=1, top_p=0.0)
