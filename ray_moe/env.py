@@ -18,12 +18,14 @@ class EnvSettings:
     results_dir: ``RAY_MOE_RESULTS_DIR``, where benchmarks write JSON.
     namespace: ``RAY_MOE_NAMESPACE``, the Ray namespace that holds named coordinators.
     ci: ``CI`` is set (keeps demos and benchmarks short).
+    api_key: ``RAY_MOE_API_KEY``, the bearer token ``ray-moe serve`` requires (None: no key).
     """
 
     ray_address: str | None
     results_dir: str
     namespace: str
     ci: bool
+    api_key: str | None = None
 
 
 def read_env() -> EnvSettings:
@@ -33,4 +35,5 @@ def read_env() -> EnvSettings:
         results_dir=os.environ.get("RAY_MOE_RESULTS_DIR", "bench/results"),
         namespace=os.environ.get("RAY_MOE_NAMESPACE", "ray-moe"),
         ci=bool(os.environ.get("CI")),
+        api_key=os.environ.get("RAY_MOE_API_KEY") or None,
     )

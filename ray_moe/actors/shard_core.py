@@ -317,7 +317,8 @@ class ShardCore:
         try:
             if gen is None:
                 raise StaleGenerationError(f"rank {self.rank} holds no generation at all", requested=generation)
-            fired = self.faults.take(generation)
+            # a refused (stale) step fires nothing: it only takes part in the abort
+            fired = self.faults.take(generation) if status == ControlStatus.OK else frozenset()
             if ShardFault.CRASH in fired:
                 raise RuntimeError(f"injected fault: rank {self.rank} failed serving generation {generation}")
             yield status, gen.view, wrap_paths(fired, self.paths)

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import ray
 
@@ -34,14 +34,28 @@ _DONE = object()
 
 @dataclass
 class RequestHandle:
-    """One submitted request: its new tokens arrive on ``events`` (a token int, then ``_DONE`` or an error)."""
+    """One submitted request: its new tokens arrive on ``events`` (a token int, then ``_DONE`` or an error);
+    ``on_event`` (optional) is called from the loop thread with each token, then None (end) or the error."""
 
     request_id: str
     prompt_len: int
+    max_new_tokens: int
+    on_event: Callable[[Any], None] | None = None
     events: "queue.Queue" = field(default_factory=queue.Queue)
     tokens: list[int] = field(default_factory=list)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, item: Any) -> None:
+        if isinstance(item, int):
+            self.tokens.append(item)
+        elif item is not _DONE:
+            self.error = item
+        self.events.put(item)
+        if self.on_event is not None:
+            self.on_event(None if item is _DONE else item)
+        if not isinstance(item, int):
+            self.done.set()
 
     def stream(self, timeout_s: float | None = None) -> Iterator[int]:
         while True:
@@ -89,7 +103,8 @@ class GenerationEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestHandle:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+               on_event: Callable[[Any], None] | None = None) -> RequestHandle:
         """Queue one request (validated now: a request that can never fit raises here, the others run on)."""
         with self._lock:
             if self.failed is not None:
@@ -97,7 +112,7 @@ class GenerationEngine:
             if self.scheduler.pending() >= self.max_queued:
                 raise OverloadedError(f"{self.scheduler.pending()} requests in flight (max_queued={self.max_queued})")
             rid = self.scheduler.submit(list(prompt), params, request_id=request_id, vocab_size=self.vocab_size)
-            handle = RequestHandle(rid, len(prompt))
+            handle = RequestHandle(rid, len(prompt), params.max_new_tokens, on_event)
             self._handles[rid] = handle
             self._wake.notify()
         return handle
@@ -107,8 +122,7 @@ class GenerationEngine:
             self.scheduler.cancel(request_id)
             h = self._handles.pop(request_id, None)
         if h is not None:
-            h.events.put(_DONE)
-            h.done.set()
+            h.emit(_DONE)
 
     def close(self) -> None:
         with self._lock:
@@ -140,9 +154,7 @@ class GenerationEngine:
                     handles = list(self._handles.values())
                     self._handles.clear()
                 for h in handles:
-                    h.error = cause
-                    h.events.put(cause)
-                    h.done.set()
+                    h.emit(cause)
                 return
 
     def _step(self) -> None:
@@ -180,12 +192,10 @@ class GenerationEngine:
                 h = self._handles.get(ev.request_id)
                 if h is None:
                     continue
-                h.tokens.append(ev.token)
-                h.events.put(ev.token)
+                h.emit(ev.token)
                 if ev.finished:
                     del self._handles[ev.request_id]
-                    h.events.put(_DONE)
-                    h.done.set()
+                    h.emit(_DONE)
 
 
 class OverloadedError(RayMoEError):

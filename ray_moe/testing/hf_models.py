@@ -159,3 +159,16 @@ def live_expert_weights(model: Any, moe_layer: int, expert: int) -> tuple[torch.
         gu, dn = gu.T, dn.T
     f = gu.shape[0] // 2
     return gu[:f], gu[f:], dn
+
+
+def save_char_tokenizer(folder: str | os.PathLike) -> None:
+    """A character-level tokenizer for the tiny models (printable ASCII -> ids 1..95, 0 unknown), written with
+    ``save_pretrained`` so ``AutoTokenizer.from_pretrained(folder)`` loads it offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(os.fspath(folder))
