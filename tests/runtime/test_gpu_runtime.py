@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import ray_moe
+from ray_moe.apps.release_client import ReleaseClient
 from ray_moe.experts.source import weight_source
 from ray_moe.runtime import Runtime
 from ray_moe.testing.reference import reference_moe
@@ -174,7 +175,7 @@ class TestTwoGpusBf16:
         _check(rt_bf16, 4, 1, "decode", BF16_TOL)
         assert _paths(rt_bf16) == {"bucket-graph"}
         g = rt_bf16.placement().generation
-        assert rt_bf16.release_graphs(g) == 2 * rt_bf16.cfg.num_layers  # one per (rank, layer)
+        assert ReleaseClient.for_runtime(rt_bf16).release_graphs(g) == 2 * rt_bf16.cfg.num_layers  # one per (rank, layer)
         before = rt_bf16.stats()["graph_replays"]
         _check(rt_bf16, 4, 2, "decode", BF16_TOL)  # recaptured on demand
         assert rt_bf16.stats()["graph_replays"] == before + rt_bf16.cfg.num_layers
