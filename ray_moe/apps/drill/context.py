@@ -135,7 +135,8 @@ class DrillContext:
         A shard checks an armed crash before it acts on a step's stale status, so a driver whose cached active
         generation is the fenced one would keep failing instead of being refused and replanning."""
         for kind, rank in sorted(self._armed.pop(generation, set())):
-            self.client.inject_fault(kind, rank=rank, count=0, generation=generation)
+            self.client.inject_fault(kind, rank=rank, count=0, generation=generation)  # logged as "x0"
+            self.note(f"placement-v{generation}", "fault-disarmed", f"{kind.value} on rank {rank}: stop fence done")
 
     # ---------------------------------------------------------------- waiting on the stream
     def wait(self, what: str, predicate: Callable[[TrafficStream], bool]) -> None:

@@ -25,6 +25,9 @@ CRASH_COUNT = 1_000_000
 
 DRAIN_POLL_S = 0.005
 
+ROLE_TITLES = {"parity": "parity-faulted candidate", "rehearsal": "rehearsal candidate",
+               "candidate": "healthy candidate"}
+
 
 # ============================================================================================ admission
 def release_inputs(ctx: DrillContext, generation: int, ledger: Mapping[str, Any],
@@ -99,7 +102,8 @@ def stage_candidate(ctx: DrillContext, role: str, kind: StageKind, *, expert: in
     register_series(ctx, bundle.release_id, g)
     what = kind.value if expert is None else f"{kind.value} expert {expert} to {replicas} replicas"
     ctx.note(bundle.release_id, "staged", f"{role}: {what} -> placement-v{g}")
-    ctx.progress(f"{role} candidate: {what} staged as placement-v{g}, LOADED ({time.monotonic() - t0:.1f}s)")
+    title = ROLE_TITLES.get(role, f"{role} candidate")
+    ctx.progress(f"{title}: {what} staged as placement-v{g}, LOADED ({time.monotonic() - t0:.1f}s)")
     return rel
 
 
