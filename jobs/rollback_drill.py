@@ -2,10 +2,11 @@
 
     ray job submit --working-dir . -- python jobs/rollback_drill.py [--fault-at canary|active] [--all-faults]
 
-Starts a drill deployment on the cluster the job runs in (``Runtime.start`` joins ``RAY_ADDRESS``), promotes
-a candidate under live traffic, injects the ten faults of 0x0E, rolls the faulted candidate back in the 0x0EA
-order, prints the report and exits non-zero unless every safe outcome held and every served output was the
-reference. The gate uses the spec's thresholds (N_shadow >= 100, N_canary >= 200).
+Starts a drill deployment on the cluster the job runs in (the drill joins ``RAY_ADDRESS``), promotes a
+candidate under live traffic, injects the ten faults of 0x0E, rolls the faulted candidate back in the 0x0EA
+order, prints one progress line per phase on stderr and the report on stdout, and exits non-zero unless every
+safe outcome held and every served output was the reference. The gate uses the spec's thresholds
+(N_shadow >= 100, N_canary >= 200).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-faults", action="store_true", help="inject each data-path fault on every rank")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--name", default=None, help="deployment name (default: rollback-drill-<random>)")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, which a Ray job sets); "
+                   "'local' starts a fresh local instance")
     return p
 
 
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    from ray_moe.release.drill import run_drill_cli
+    from ray_moe.apps.drill import run_drill_cli
 
     # 2. run the drill on the cluster and exit with its verdict
     return run_drill_cli(build_parser().parse_args(argv))

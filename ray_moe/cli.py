@@ -76,7 +76,7 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    from ray_moe.release.drill import run_drill_cli
+    from ray_moe.apps.drill import run_drill_cli
 
     return run_drill_cli(args)
 
@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     rbk.add_argument("--steps", type=int, default=24)
     rbk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     rbk.add_argument("--all-faults", action="store_true", help="inject each data-path fault on every rank (the ten-fault sweep always runs: FaultsOK gates promotion)")
+    rbk.add_argument("--address", default=None, help="Ray address; 'local' starts a fresh local instance even when "
+                     "RAY_ADDRESS is set (default: RAY_ADDRESS, else a local instance)")
     rbk.set_defaults(fn=cmd_drill)
 
     b = sub.add_parser("bench", help="run a benchmark from bench/")

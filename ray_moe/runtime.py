@@ -655,41 +655,6 @@ class Runtime:
         self._generation = rep["new_generation"]
         return rep["new_generation"]
 
-    # ================================================================ candidates and faults (release drills)
-    def stage(self, kind: str = "rebalance", *, expert: int | None = None, replicas: int | None = None,
-              manifest: PlacementManifest | None = None) -> dict[str, Any]:
-        """Materialise and verify a candidate generation without publishing it; steps may pin it with
-        ``forward(..., generation=g)``. Returns the staging report (``new_generation``, ledger, manifest)."""
-        self.flush_load()
-        return ray.get(self.coordinator.stage.remote(kind, expert, replicas,
-                                                     None if manifest is None else manifest.model_dump_json()))
-
-    def promote(self, generation: int, *, retire_prior: bool = False) -> int | None:
-        """Publish a staged candidate; the prior goes DRAINING (kept loaded unless ``retire_prior``)."""
-        prior = ray.get(self.coordinator.promote.remote(generation, retire_prior))
-        self._generation = generation
-        return prior
-
-    def stop_dispatch(self, generation: int) -> None:
-        ray.get(self.coordinator.stop_dispatch.remote(generation))
-
-    def activate(self, generation: int) -> None:
-        ray.get(self.coordinator.activate.remote(generation))
-        self._generation = generation
-
-    def release_graphs(self, generation: int) -> int:
-        return ray.get(self.coordinator.release_graphs.remote(generation))
-
-    def shard_refcount(self, generation: int) -> int:
-        return ray.get(self.coordinator.shard_refcount.remote(generation))
-
-    def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
-        return ray.get(self.coordinator.drain_and_retire.remote(generation, timeout_s))
-
-    def inject_fault(self, kind: str, *, rank: int, count: int = 1, generation: int | None = None) -> None:
-        """Arm a data-path fault on one shard (count | scale | inverse | parity | crash)."""
-        ray.get(self.coordinator.inject_fault.remote(rank, kind, count, generation))
-
     def rebalance(self, *, migration_aware: bool = True) -> int:
         """EPLB over the coordinator's load window, migrated live; returns the new generation id."""
         self.flush_load()

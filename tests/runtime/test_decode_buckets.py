@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ray_moe
+from ray_moe.apps.release_client import ReleaseClient, ShardFault
 from ray_moe.experts.source import weight_source
 from ray_moe.testing.reference import reference_moe
 
@@ -66,7 +67,7 @@ def test_slot_capacity_fallback(rt):
 
 def test_injected_graph_key_mismatch_falls_back_on_every_rank(rt):
     g = rt.placement().generation
-    rt.inject_fault("graph_key", rank=2, generation=g)
+    ReleaseClient.for_runtime(rt).inject_fault(ShardFault.GRAPH_KEY, rank=2, generation=g)
     before = rt.stats()["fallbacks"].get("graph_key_mismatch", 0)
     assert _step(rt, 6, 7) < 1e-4
     assert rt.stats()["fallbacks"]["graph_key_mismatch"] == before + 1

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ray_moe
+from ray_moe.apps.release_client import ReleaseClient, ShardFault
 from ray_moe.errors import CountAgreementError, RouteValidationError
 from ray_moe.experts.source import weight_source
 from ray_moe.testing.reference import reference_moe
@@ -70,11 +71,11 @@ def test_direct_runtime_equals_reference_and_engine(ray_session):
         torch.testing.assert_close(y.double(), x, rtol=1e-4, atol=1e-4)
         assert direct.placement().generation == gen
         # faults keep their outcomes on the direct path
-        direct.inject_fault("count", rank=1)
+        ReleaseClient.for_runtime(direct).inject_fault(ShardFault.COUNT, rank=1)
         with pytest.raises(Exception) as info:
             direct.forward(h, torch.stack([ids, ids]), torch.stack([w, w]))
         assert "CountAgreementError" in repr(info.value) or isinstance(info.value, CountAgreementError)
-        direct.inject_fault("inverse", rank=2)
+        ReleaseClient.for_runtime(direct).inject_fault(ShardFault.INVERSE, rank=2)
         with pytest.raises(Exception) as info:
             direct.forward(h, torch.stack([ids, ids]), torch.stack([w, w]))
         assert "output rejected before publish" in str(info.value)

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import ray_moe
+from ray_moe.apps.release_client import ReleaseClient
 from ray_moe.experts.source import weight_source
 from ray_moe.runtime import Runtime
 from ray_moe.testing.reference import reference_moe
@@ -189,7 +190,7 @@ class TestTwoGpusBf16:
 
         _check_graph(rt_bf16, 4, 1, BF16_TOL)
         g = rt_bf16.placement().generation
-        freed = ray.get(rt_bf16.coordinator.release_graphs.remote(g))
+        freed = ReleaseClient.for_runtime(rt_bf16).release_graphs(g)
         assert freed == 2  # one captured decode step per rank
         _check(rt_bf16, 4, 2, "decode", BF16_TOL)  # recaptured on demand: eager this step
         assert _paths(rt_bf16) == {"bucket"}

@@ -10,27 +10,30 @@ uses the spec's (>= 100, >= 200).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from ray_moe.release.drill import run_drill
+from ray_moe.apps.drill import DrillOptions, DrillReport, FaultAt, Progress, render_text, run_drill
 from ray_moe.release.faults import FaultKind, SafeOutcome
 from ray_moe.release.gate import GateClause, GateThresholds
 from ray_moe.release.rollback import STEP_ORDER
-from ray_moe.release.service import DrillOptions, DrillReport, FaultAt, render_text
 
 THRESHOLDS = GateThresholds(min_shadow=6, min_canary=10)
 MODES = (FaultAt.CANARY, FaultAt.ACTIVE)
+PROGRESS: dict[FaultAt, Progress] = {}
 
 
 @pytest.fixture(scope="module")
 def reports(ray_session) -> dict[FaultAt, DrillReport]:
-    """One drill per fault point. The CANARY drill injects every data-path fault on every rank (all_faults)."""
+    """One drill per fault point. The CANARY drill injects every data-path fault on every rank (all_faults).
+    Each keeps its progress lines (``PROGRESS``) without printing them."""
     out = {}
     for mode in MODES:
         opts = DrillOptions(name=f"drill-live-{mode.value}", fault_at=mode, thresholds=THRESHOLDS, steps=6,
                             all_faults=mode is FaultAt.CANARY)
-        out[mode] = run_drill(opts)
+        PROGRESS[mode] = Progress(quiet=True)
+        out[mode] = run_drill(opts, progress=PROGRESS[mode])
     return out
 
 
@@ -171,3 +174,29 @@ def test_report_passes_and_renders(reports, mode):
         assert section in text
     again = DrillReport.model_validate_json(json.dumps(rep.model_dump(mode="json")))
     assert again.ok and [r.fault for r in again.faults] == list(FaultKind)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_progress_has_one_line_per_phase(reports, mode):
+    rep, lines = reports[mode], PROGRESS[mode].lines
+    assert all(re.fullmatch(r"\[drill \d+s\] \S.*", line) for line in lines), lines
+    assert all(len(line) < 240 for line in lines)
+    body = [line.split("] ", 1)[1] for line in lines]
+    assert body[0].startswith(f"rollback drill {rep.options.name}: 4 ranks on cpu, fault at {mode.value}")
+    assert body[1] == "ray: using the instance this process already joined"  # the session's instance
+    assert [b.split(" ", 2)[1] for b in body if b.startswith("step ")] == [f"{i}/10" for i in range(1, 11)]
+    # one line per fault, numbered as in the spec's table, with its observed outcome
+    faults = [b for b in body if b.startswith("fault ")]
+    assert len(faults) == 10
+    for r in rep.faults:
+        n = list(FaultKind).index(r.fault) + 1
+        want = f"fault {n} {r.fault.value}: {r.observed.value if r.observed else 'nothing'}"
+        assert any(b.startswith(want) for b in faults), (want, faults)
+    assert "fault 3 peer-count-disagreement: abort before payload exchange (ok)" in body
+    assert sum(b.startswith("rollback (") for b in body) == len(rep.rollbacks) == 3
+    assert any(b.startswith("gate on the healthy candidate: PROMOTE") for b in body)
+    assert body[-1].startswith("result: PASS" if rep.ok else "result: FAIL")
+    # seconds since the start, never decreasing
+    secs = [int(line[len("[drill "):line.index("s]")]) for line in lines]
+    assert secs == sorted(secs)
+
