@@ -170,10 +170,13 @@ class ShardFaults:
             kind = ShardFault(kind)
         except ValueError:
             raise ValueError(f"kind={kind!r} is not one of {sorted(f.value for f in ShardFault)}") from None
-        if count < 1:
-            raise ValueError(f"count={count}: a fault is armed for at least one step")
+        if count < 0:
+            raise ValueError(f"count={count}: must be >= 0 (0 disarms)")
         with self._lock:
-            self._armed[kind] = (int(count), generation)
+            if count == 0:
+                self._armed.pop(kind, None)
+            else:
+                self._armed[kind] = (int(count), generation)
 
     def take(self, generation: int) -> frozenset[ShardFault]:
         """The faults that fire in this step of ``generation`` (each armed one loses one step)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ray_moe.config import RuntimeConfig
-from ray_moe.phases.overlap import Task
+from ray_moe.analysis.overlap_schedule import Task
 from ray_moe.release.build import (
     UPSTREAM_REPORT_NAMES,
     ReleaseInputs,

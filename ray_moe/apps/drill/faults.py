@@ -19,7 +19,7 @@ from ray_moe.apps.drill.releases import admit, release_inputs
 from ray_moe.apps.drill.traffic import Attempt, Batch, Role, TrafficStream, classify_failure, output_error
 from ray_moe.apps.release_client import ShardFault
 from ray_moe.errors import StaleGenerationError, root_cause
-from ray_moe.phases.overlap import Task
+from ray_moe.analysis.overlap_schedule import Task
 from ray_moe.release.build import build_release_bundle, check_step_schedule, process_group_generation, step_tasks
 from ray_moe.release.faults import FaultKind, SafeOutcome, check_fault
 from ray_moe.telemetry.metrics import MetricName
