@@ -94,8 +94,8 @@ class FaultyRunner(ExpertRunner):
     def run(self, x, counts, weights):
         return self._inner.run(x, counts, weights) * self.scale
 
-    def run_capacity(self, x, weights):
-        return self._inner.run_capacity(x, weights) * self.scale
+    def run_capacity(self, x, weights, valid=None):
+        return self._inner.run_capacity(x, weights, valid) * self.scale
 
     def ledger(self, counts, d, f):
         return self._inner.ledger(counts, d, f)

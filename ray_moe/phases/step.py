@@ -65,7 +65,7 @@ def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights 
     if weights is None:  # this rank hosts no slot of the layer: nothing was received
         return rows if rows.dim() == 3 else rows.new_zeros((0, hidden_size))
     if rows.dim() == 3:
-        return runner.run_capacity(rows, weights)
+        return runner.run_capacity(rows, weights, getattr(out, "valid", None))
     if rows.shape[0] == 0:
         return rows.new_zeros((0, hidden_size))
     return runner.run(rows, out.counts_list, weights)

@@ -65,10 +65,11 @@ class ExpertRunner(ABC):
     def run(self, x: torch.Tensor, counts: Sequence[int], weights: SlotWeights) -> torch.Tensor:
         """x: [N, d] expert-major rows; counts: rows per local slot (len Q_local, sum N) -> [N, d]."""
 
-    def run_capacity(self, x: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
-        """x: [Q_local, C, d] capacity layout (padding rows zero) -> [Q_local, C, d], fixed shapes and no
-        host sync (the decode bucket, CUDA-graph capturable). Padding rows stay zero (SwiGLU(0) = 0) and
-        the combine never reads them. Batched matmuls over every slot; runners may override."""
+    def run_capacity(self, x: torch.Tensor, weights: SlotWeights, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [Q_local, C, d] capacity layout (padding rows zero), valid: [Q_local] int64 device-side rows per
+        slot (or None) -> [Q_local, C, d], fixed shapes and no host sync (the decode bucket, CUDA-graph
+        capturable). Padding rows are never read by the combine. Batched matmuls over every slot here;
+        runners may override (the grouped runner skips empty slots)."""
         if x.dim() != 3 or x.shape[0] != weights.num_slots or x.shape[2] != weights.hidden_size:
             raise ValueError(f"x: expected [{weights.num_slots}, C, {weights.hidden_size}], got {tuple(x.shape)}")
         wg, wu = gate_up_operands(weights)

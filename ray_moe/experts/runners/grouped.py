@@ -147,6 +147,36 @@ def grouped_swiglu(x: torch.Tensor, bounds: Sequence[int], weights: SlotWeights,
     return y
 
 
+def capacity_swiglu(x: torch.Tensor, valid: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
+    """SwiGLU of a capacity layout with grouped launches whose offsets stay on the device (no host sync,
+    CUDA-graph capturable): x [Q, C, d] (rows past ``valid[q]`` are padding), valid [Q] int64 -> [Q, C, d].
+
+    1. compact: row (q, c < valid[q]) moves to ``start[q] + c`` (exclusive prefix of valid); padding goes to
+       one trash row
+    2. one grouped launch per projection over the compacted rows with ``offs = cumsum(valid)`` on the device:
+       an empty slot is an empty group (its weights are never read), rows past ``offs[-1]`` are not computed
+    3. gather back to the capacity positions (padding positions read a zero row; the combine never reads them)
+    """
+    q, c, d = x.shape
+    vq = valid.to(torch.int64).clamp(0, c)
+    offs = torch.cumsum(vq, 0)
+    start = offs - vq
+    col = torch.arange(c, device=x.device)
+    trash = q * c
+    dest = torch.where(col[None, :] < vq[:, None], start[:, None] + col[None, :], torch.full_like(start[:, None], trash))
+    compact = x.new_zeros(trash + 1, d)
+    compact[dest.reshape(-1)] = x.reshape(q * c, d)
+    offs32 = offs.to(torch.int32)
+    wg, wu = gate_up_operands(weights)
+    rows = compact[:trash]
+    a = swiglu_act(torch._grouped_mm(rows, wg, offs=offs32), torch._grouped_mm(rows, wu, offs=offs32))
+    y = torch._grouped_mm(a, down_operand(weights), offs=offs32)
+    # rows past offs[-1] were not computed (only padding positions map there): zero them, plus the trash row
+    live = torch.arange(trash, device=x.device) < offs[-1]
+    y = torch.cat([torch.where(live[:, None], y, torch.zeros_like(y)), y.new_zeros(1, d)])
+    return y[dest.reshape(-1)].view(q, c, d)
+
+
 @dataclass(frozen=True)
 class GroupedDescriptors:
     """The 0x04C teaching descriptor table of one call: one row of eight INT64 fields per ACTIVE slot.
@@ -190,6 +220,14 @@ class GroupedRunner(ExpertRunner):
         self.use_grouped_mm = use_grouped_mm
         self.loop_max_active = loop_max_active
         self.loop_min_rows = loop_min_rows
+
+    def run_capacity(self, x: torch.Tensor, weights: SlotWeights, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode bucket's capacity layout: grouped launches with device-side offsets where
+        ``torch._grouped_mm`` takes the operands (empty slots read no weights), else batched matmuls."""
+        if valid is None or self.use_grouped_mm is False or not grouped_mm_available(
+                x.device, x.dtype, weights.hidden_size, weights.ffn_size):
+            return super().run_capacity(x, weights, valid)
+        return capacity_swiglu(x, valid, weights)
 
     def backend(self, x: torch.Tensor, weights: SlotWeights, counts: Sequence[int] | None = None) -> str:
         """``"grouped_mm"`` or ``"loop"``: what ``run`` uses for these rows, counts and weights."""
