@@ -57,7 +57,7 @@ def run_demo(args: argparse.Namespace) -> int:
     rebalance_at = args.steps // 2
     worst = 0.0
     try:
-        bar = tqdm(range(args.steps), desc="serving", unit="step", file=sys.stdout, disable=args.quiet)
+        bar = tqdm(range(args.steps), desc="serving", unit="step", file=sys.stderr, disable=args.quiet)  # progress: stderr
         for i in bar:
             if i == rebalance_at:
                 loads["before"] = dict(rt.stats()["rank_rows"])
