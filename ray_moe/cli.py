@@ -1,26 +1,56 @@
-"""The ``ray-moe`` command.
+"""The ray-moe command.
 
     ray-moe demo                              serve a small MoE on a local Ray instance, checked
-    ray-moe status    [--name N]              generations, refcounts, placement, timeline of a deployment
+    ray-moe status    [--name N] [--all]      generations, refcounts, placement, timeline of a deployment
     ray-moe scale     --expert E --replicas R live replica scaling; prints the new generation
     ray-moe rebalance [--name N]              live EPLB rebalance from the load window
     ray-moe drill rollback [--json]           promote a candidate under traffic, inject a fault, roll back
-    ray-moe bench NAME [args...]              run bench/NAME.py (python -m bench.NAME)
+    ray-moe bench [NAME [args...]]            list the benchmarks, or run one (python -m ray_moe.bench.NAME)
+
+status, scale and rebalance join a running Ray cluster (--address, else RAY_ADDRESS, else the cluster
+`ray start` left on this machine) and find the deployment by its named coordinator. On a cluster with
+Ray token authentication, export RAY_AUTH_MODE=token first (`ray get-auth-token` on the head node prints
+the token; Ray reads it from RAY_AUTH_TOKEN or ~/.ray/auth_token).
+
+Errors print one line. Exit codes: 0 ok, 1 failure (no cluster, authentication refused, a failed
+operation), 2 bad input (an unknown deployment, expert, benchmark, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import runpy
 import sys
+import traceback
 from typing import Sequence
+
+RETIRED_SHOWN = 3  # ray-moe status lists the last few RETIRED generations (--all: every generation)
+
+
+class BadInput(ValueError):
+    """A command-line value names nothing that exists (exit code 2)."""
 
 
 def _connect(args: argparse.Namespace):
+    from ray_moe.connection import join_cluster
+
+    join_cluster(args.address)  # one-line errors for a missing cluster or a refused token, fast
     from ray_moe.runtime import Runtime
 
     return Runtime.connect(args.name, address=args.address)
+
+
+def shown_generations(gens: dict[int, str], *, show_all: bool = False,
+                      retired: int = RETIRED_SHOWN) -> tuple[dict[int, str], int]:
+    """The generations ``status`` lists: every one that is not RETIRED (ACTIVE, DRAINING, staged) and the
+    last ``retired`` RETIRED ones, oldest first; ``show_all`` lists all. Returns (shown, hidden count)."""
+    if show_all:
+        return dict(sorted(gens.items())), 0
+    old = sorted(g for g, s in gens.items() if s == "RETIRED")
+    keep = set(old[-retired:] if retired > 0 else [])
+    shown = {g: s for g, s in sorted(gens.items()) if s != "RETIRED" or g in keep}
+    return shown, len(gens) - len(shown)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -32,12 +62,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     rt = _connect(args)
     man = rt.placement()
-    gens = rt.generations()
+    gens, hidden = shown_generations(rt.generations(), show_all=args.all)
     refs = rt.refcounts()
     body = {
         "deployment": args.name,
         "active_generation": man.generation,
         "generations": {str(g): {"state": s, "refcount": refs.get(g)} for g, s in gens.items()},
+        "generations_hidden": hidden,
         "replica_counts": {str(l): man.replica_counts(l) for l in range(man.num_layers)},
         "slots_per_rank": {str(r): len(man.rank_slots(r)) for r in range(man.num_ranks)},
         "telemetry": rt.telemetry_snapshot(),
@@ -51,6 +82,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print("generation  state     refcount")
     for g, s in sorted(gens.items()):
         print(f"{g:>10}  {s:<8}  {refs.get(g, '-')}")
+    if hidden:
+        print(f"({hidden} older RETIRED generation(s) not shown; --all lists every generation)")
     print(f"replicas per expert (layer 0): {man.replica_counts(0)}")
     tel = rt.telemetry_table()
     if tel:
@@ -81,16 +114,49 @@ def cmd_drill(args: argparse.Namespace) -> int:
     return run_drill_cli(args)
 
 
+def bench_listing() -> str:
+    from ray_moe.bench import available
+
+    benches = available()
+    width = max(map(len, benches), default=0)
+    lines = ["benchmarks (ray-moe bench NAME --help for a benchmark's options):"]
+    lines += [f"  {name:<{width}}  {doc}" for name, doc in benches.items()]
+    lines += ["", "Each writes its result JSON to --out DIR (default: $RAY_MOE_RESULTS_DIR, else ./ray-moe-results)."]
+    return "\n".join(lines)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    sys.argv = [f"bench.{args.bench}", *args.rest]
-    runpy.run_module(f"bench.{args.bench}", run_name="__main__")
+    from ray_moe.bench import available
+
+    if args.bench is None:
+        print(bench_listing())
+        return 0
+    names = available()
+    if args.bench not in names:
+        raise BadInput(f"bench={args.bench!r} is not a benchmark; choose one of: {', '.join(names)}")
+    module = importlib.import_module(f"ray_moe.bench.{args.bench}")
+    argv0 = sys.argv[0] if sys.argv else "ray-moe"
+    sys.argv = [f"ray-moe bench {args.bench}", *args.rest]  # the benchmark's usage line names the command
+    try:
+        module.main(list(args.rest))
+    finally:
+        sys.argv = [argv0]
     return 0
+
+
+def exit_code(exc: BaseException) -> int:
+    """2 for bad input (a ValueError behind any wrappers, not a connection failure), 1 for other failures."""
+    from ray_moe.errors import root_cause
+
+    cause = root_cause(exc)
+    return 2 if isinstance(cause, ValueError) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ray_moe.demo import add_arguments as demo_args
 
     p = argparse.ArgumentParser(prog="ray-moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--traceback", action="store_true", help="on an error, print the full traceback too")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="serve a small MoE on a local Ray instance and check it")
@@ -99,24 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     def conn(q: argparse.ArgumentParser) -> None:
         q.add_argument("--name", default="default", help="deployment name (its coordinator is named after it)")
-        q.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or auto)")
+        q.add_argument("--address", default=None,
+                       help="Ray cluster address HOST:PORT (default: RAY_ADDRESS, else this machine's cluster)")
 
     s = sub.add_parser("status", help="state of a running deployment")
     conn(s)
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--tail", type=int, default=12)
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--tail", type=int, default=12, help="control events to show (default 12)")
+    s.add_argument("--all", action="store_true",
+                   help=f"list every generation (default: ACTIVE, DRAINING and the last {RETIRED_SHOWN} RETIRED)")
     s.set_defaults(fn=cmd_status)
 
     sc = sub.add_parser("scale", help="set one logical expert's replica count, live")
     conn(sc)
-    sc.add_argument("--expert", type=int, required=True)
-    sc.add_argument("--replicas", type=int, required=True)
-    sc.add_argument("--layer", type=int, default=None)
+    sc.add_argument("--expert", type=int, required=True, help="logical expert id")
+    sc.add_argument("--replicas", type=int, required=True, help="copies it should have (at most one per rank)")
+    sc.add_argument("--layer", type=int, default=None, help="MoE layer (default: every layer)")
     sc.set_defaults(fn=cmd_scale)
 
     rb = sub.add_parser("rebalance", help="EPLB rebalance from the load window, live")
     conn(rb)
-    rb.add_argument("--no-migration-aware", action="store_true")
+    rb.add_argument("--no-migration-aware", action="store_true",
+                    help="solve EPLB from scratch instead of keeping slots that need not move")
     rb.set_defaults(fn=cmd_rebalance)
 
     dr = sub.add_parser("drill", help="operational drills")
@@ -132,20 +202,30 @@ def build_parser() -> argparse.ArgumentParser:
                      "RAY_ADDRESS is set (default: RAY_ADDRESS, else a local instance)")
     rbk.set_defaults(fn=cmd_drill)
 
-    b = sub.add_parser("bench", help="run a benchmark from bench/")
-    b.add_argument("bench")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b = sub.add_parser("bench", help="list the benchmarks, or run one", usage="ray-moe bench [NAME [args ...]]",
+                       description="Without NAME, list the benchmarks; with NAME, run one (its options follow NAME).",
+                       epilog=bench_listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("bench", nargs="?", metavar="NAME", help="benchmark to run")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments (NAME --help lists them)")
     b.set_defaults(fn=cmd_bench)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; an error prints one line (the root cause, no Ray banner) and returns 1 or 2."""
+    from ray_moe.errors import error_line
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except (ValueError, RuntimeError) as exc:
-        print(f"ray-moe {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and an exit code
+        if args.traceback:
+            traceback.print_exc()
+        print(f"ray-moe {args.command}: error: {error_line(exc)}", file=sys.stderr)
+        return exit_code(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

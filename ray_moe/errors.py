@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class RayMoEError(Exception):
     """The root of every ray-moe error. Bad input raises the subclasses that are also ``ValueError``s
@@ -69,6 +71,20 @@ class AdmissionError(RayMoEError, ValueError):
     """A plan was refused before anything moved (memory budget, layout change under one generation)."""
 
 
+class RequestError(RayMoEError, ValueError):
+    """An argument of a driver or control call is out of range or names nothing that exists (expert, layer,
+    rank, replica count, ...). Raised on the driver, or by the coordinator / a shard and unwrapped by
+    ``ray_moe.actors.remote.call``."""
+
+
+class ClusterConnectionError(RayMoEError, ConnectionError):
+    """No Ray cluster answers at the address given (or none runs on this machine)."""
+
+
+class ClusterAuthError(ClusterConnectionError):
+    """The Ray cluster refused this client: Ray token authentication (``RAY_AUTH_MODE=token``)."""
+
+
 def _rebuild_stale(message: str, requested: int | None, active: int | None) -> StaleGenerationError:
     return StaleGenerationError(message, requested=requested, active=active)
 
@@ -91,3 +107,43 @@ def root_cause(exc: BaseException) -> BaseException:
         exc = cause
         seen += 1
     return exc
+
+
+def unwrap_remote(exc: BaseException) -> BaseException:
+    """The exception a caller of ray-moe should see for ``exc`` raised across an actor boundary.
+
+    1. Behind Ray's ``RayTaskError`` wrappers (nested ones too), the original exception (``root_cause``).
+    2. A ray-moe error as it is; a plain ``ValueError`` (bad input refused inside an actor) as a
+       ``RequestError`` with the same message; anything else as its original type. (A Ray error whose
+       cause did not survive pickling stays Ray's error.)
+    """
+    cause = root_cause(exc)
+    if isinstance(cause, ValueError) and not isinstance(cause, RayMoEError) and not _is_ray_error(cause):
+        return RequestError(str(cause))
+    return cause
+
+
+def _is_ray_error(exc: BaseException) -> bool:
+    """One of Ray's own exception classes (checked by name: this module does not import Ray)."""
+    return any(k.__name__ == "RayError" and k.__module__ == "ray.exceptions" for k in type(exc).__mro__)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def error_line(exc: BaseException) -> str:
+    """One plain line for ``exc``: the root cause's message without Ray's banner, traceback or ANSI codes.
+
+    ray-moe's own errors and bad input (``ValueError``) read as their message; other errors are prefixed by
+    their type name. A Ray task error whose cause did not survive pickling gives its last line (the
+    ``Type: message`` of the remote traceback); other multi-line messages give their first line.
+    """
+    cause = root_cause(exc)
+    lines = [ln.strip() for ln in _ANSI.sub("", str(cause)).splitlines() if ln.strip()]
+    if not lines:
+        return type(cause).__name__
+    banner = lines[0].startswith(("ray::", "Traceback"))
+    text = lines[-1] if banner else lines[0]
+    if banner or isinstance(cause, (RayMoEError, ValueError)):
+        return text
+    return f"{type(cause).__name__}: {text}"

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_moe.actors.coordinator import coordinator_class, coordinator_name
 from ray_moe.actors.expert_shard import shard_actor_class
+from ray_moe.actors.remote import call
 from ray_moe.actors.step import StepRequest, StepResult
 from ray_moe.config import RuntimeConfig
 from ray_moe.dispatch.exchange.mailbox import ExchangeAborted
@@ -41,6 +42,7 @@ from ray_moe.experts.source import weight_source
 from ray_moe.errors import (
     ExchangeTimeoutError,
     RankDeadError,
+    RequestError,
     RouteValidationError,
     StaleGenerationError,
     root_cause,
@@ -220,14 +222,14 @@ class Runtime:
         handles = {r: self.shards[r] for r in group.peer_order}
         if self.cfg.exchange_kind is ExchangeKind.NCCL:
             first = handles[group.peer_order[0]]
-            uid, mid = ray.get([first.nccl_unique_id.remote(), first.nccl_unique_id.remote()])
-            ray.get(self.coordinator.put_nccl_id.remote(group.epoch, uid))
-            ray.get([h.init_nccl.remote(uid, group.model_dump_json(), mid) for h in handles.values()])
+            uid, mid = call([first.nccl_unique_id.remote(), first.nccl_unique_id.remote()])
+            call(self.coordinator.put_nccl_id.remote(group.epoch, uid))
+            call([h.init_nccl.remote(uid, group.model_dump_json(), mid) for h in handles.values()])
         elif self.cfg.exchange_kind is ExchangeKind.GLOO:
-            endpoint = ray.get(handles[group.peer_order[0]].gloo_endpoint.remote())
-            ray.get([h.init_gloo.remote(endpoint, group.model_dump_json()) for h in handles.values()])
+            endpoint = call(handles[group.peer_order[0]].gloo_endpoint.remote())
+            call([h.init_gloo.remote(endpoint, group.model_dump_json()) for h in handles.values()])
         else:
-            ray.get([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
+            call([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
 
     def shutdown(self) -> None:
         """Stop every actor of the deployment and free its placement group."""
@@ -459,7 +461,7 @@ class Runtime:
         (experts left with no copy are rebuilt from the checkpoint, or the error names the expert)."""
         survivors = [r for r in self.group.peer_order if r not in set(dead)]
         group = self._regroup(survivors)
-        rep = ray.get(self.coordinator.remove_ranks.remote(list(dead), group.model_dump_json()))
+        rep = call(self.coordinator.remove_ranks.remote(list(dead), group.model_dump_json()))
         for r in dead:
             self.shards.pop(r, None)
         self.lost_ranks.extend(dead)
@@ -478,16 +480,16 @@ class Runtime:
             num_cpus=cfg.actor_cpus, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         ).remote(rank, cfg.model_dump_json(), weight_source(cfg))
-        info = ray.get(actor.node_info.remote())
+        info = call(actor.node_info.remote())
         self.flush_load()
         with self._step_lock:
             self._node_infos.append(info)
             self.topology = topology_from_nodes(self._node_infos)
             self.shards[rank] = actor
             self._extra_pgs[rank] = pg
-            ray.get([h.set_topology.remote(self.topology.model_dump_json()) for h in self.shards.values()])
+            call([h.set_topology.remote(self.topology.model_dump_json()) for h in self.shards.values()])
             group = self._regroup([*self.group.peer_order, rank])
-            rep = ray.get(self.coordinator.regroup.remote(
+            rep = call(self.coordinator.regroup.remote(
                 {r: self.shards[r] for r in group.peer_order}, self.topology.model_dump_json(),
                 group.model_dump_json(), rebalance))
             self.group = group
@@ -498,14 +500,14 @@ class Runtime:
         """Scale in: move ``rank``'s slots away while traffic flows, then (quiesced) regroup without it and
         stop its actor. Returns the new generation id."""
         if rank not in self.group.peer_order:
-            raise ValueError(f"rank={rank} is not a live member of the group {list(self.group.peer_order)}")
+            raise RequestError(f"rank={rank} is not a live member of the group {list(self.group.peer_order)}")
         if len(self.group.peer_order) == 1:
-            raise ValueError(f"rank={rank} is the last rank; shut the deployment down instead")
-        ray.get(self.coordinator.evacuate_rank.remote(rank))
+            raise RequestError(f"rank={rank} is the last rank; shut the deployment down instead")
+        call(self.coordinator.evacuate_rank.remote(rank))
         with self._step_lock:
             survivors = [r for r in self.group.peer_order if r != rank]
             group = self._regroup(survivors)
-            rep = ray.get(self.coordinator.regroup.remote(
+            rep = call(self.coordinator.regroup.remote(
                 {r: self.shards[r] for r in survivors}, self.topology.model_dump_json(), group.model_dump_json(), False))
             self.group = group
             self._generation = rep["new_generation"]
@@ -519,7 +521,7 @@ class Runtime:
     def _refresh_generation(self, backoff: bool = False) -> None:
         if backoff:
             time.sleep(0.002)
-        self._generation = ray.get(self.coordinator.active_generation.remote())
+        self._generation = call(self.coordinator.active_generation.remote())
 
     def _account(self, results: dict[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
         with self._lock:
@@ -603,7 +605,7 @@ class Runtime:
     def _merged_telemetry(self):
         if self.telemetry.snapshot().ratios:
             self.publish_telemetry()
-        blobs = ray.get(self.coordinator.telemetry_snapshots.remote())
+        blobs = call(self.coordinator.telemetry_snapshots.remote())
         snaps = [TelemetrySnapshot.model_validate_json(b) for b in blobs]
         return merge_snapshots(snaps) if snaps else None
 
@@ -611,54 +613,54 @@ class Runtime:
         """Push the driver's pending load counts to the coordinator's window now."""
         with self._lock:
             if self._load_steps and self._generation is not None:
-                ray.get(self.coordinator.record_load.remote(self._load.copy(), Phase.PREFILL.value, self._generation))
+                call(self.coordinator.record_load.remote(self._load.copy(), Phase.PREFILL.value, self._generation))
                 self._load[:] = 0
                 self._load_steps = 0
 
     # ================================================================ inspection
     def placement(self, generation: int | None = None) -> PlacementManifest:
-        return PlacementManifest.model_validate_json(ray.get(self.coordinator.manifest_json.remote(generation)))
+        return PlacementManifest.model_validate_json(call(self.coordinator.manifest_json.remote(generation)))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return self._stats.as_dict()
 
     def refcounts(self) -> dict[int, int]:
-        return ray.get(self.coordinator.refcounts.remote())
+        return call(self.coordinator.refcounts.remote())
 
     def generations(self) -> dict[int, str]:
-        return ray.get(self.coordinator.generations.remote())
+        return call(self.coordinator.generations.remote())
 
     def timeline(self) -> list[dict[str, Any]]:
-        return ray.get(self.coordinator.timeline.remote())
+        return call(self.coordinator.timeline.remote())
 
     def shard_status(self) -> dict[int, dict[str, Any]]:
-        return dict(zip(self.shards, ray.get([h.status.remote() for h in self.shards.values()])))
+        return dict(zip(self.shards, call([h.status.remote() for h in self.shards.values()])))
 
     def expert_weights(self, expert: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w_gate [f, d], w_up [f, d], w_down [d, f]) of a logical expert, read from a rank hosting it."""
         if not 0 <= expert < self.cfg.num_experts:
-            raise ValueError(f"expert={expert} is out of range [0, {self.cfg.num_experts})")
+            raise RequestError(f"expert={expert} is out of range [0, {self.cfg.num_experts})")
         man = self.placement()
         for s in man.replicas(expert, layer):
-            payload = ray.get(self.shards[s.destination_rank].expert_weights.remote(layer, expert))
+            payload = call(self.shards[s.destination_rank].expert_weights.remote(layer, expert))
             if payload is not None:
                 w = experts_from_wire(payload)[(layer, expert)]
                 return w.w_gate, w.w_up, w.w_down
-        raise ValueError(f"expert={expert}: no live rank holds layer {layer}")
+        raise RequestError(f"expert={expert}: no live rank holds layer {layer}")
 
     # ================================================================ elastic operations
     def scale(self, expert: int, replicas: int, layer: int | None = None) -> int:
         """Give logical ``expert`` exactly ``replicas`` copies; returns the new generation id."""
         self.flush_load()
-        rep = ray.get(self.coordinator.scale.remote(expert, replicas, layer))
+        rep = call(self.coordinator.scale.remote(expert, replicas, layer))
         self._generation = rep["new_generation"]
         return rep["new_generation"]
 
     def rebalance(self, *, migration_aware: bool = True) -> int:
         """EPLB over the coordinator's load window, migrated live; returns the new generation id."""
         self.flush_load()
-        rep = ray.get(self.coordinator.rebalance.remote(migration_aware))
+        rep = call(self.coordinator.rebalance.remote(migration_aware))
         self._generation = rep["new_generation"]
         return rep["new_generation"]
 

@@ -15,6 +15,13 @@ source (that would double count).
 
 Labels are bounded (0x0DB): each metric has a fixed label-key set; request ids, token ids and prompt
 text are rejected as unbounded keys, and each metric has a cap on distinct label sets.
+
+A ratio may have a *partition label* (``reason`` of ``moe_fallback_step_ratio``): every unit of its
+denominator (a decode step) is counted in exactly one series, the one of its reason (``none`` when the step
+did not fall back). Stored counts therefore add across the partition label, and the ratio's real
+denominator is the pool over it: ``ratio()`` pools, ``breakdown()`` gives each reason's numerator over
+that pooled denominator, and the status table and the Prometheus export show exactly that (6 fallback
+steps of 147 decode steps read ``6/147``, never ``6/6`` beside ``0/141``).
 """
 
 from __future__ import annotations
@@ -85,20 +92,26 @@ class MetricSpec:
     numerator: str = ""
     denominator: str = ""
     unit: str = ""
+    partition: LabelKey | None = None  # a label that splits the denominator's units (see the module doc)
 
     @property
     def label_names(self) -> tuple[str, ...]:
         return tuple(k.value for k in self.labels)
 
+    def pool_key(self, labels: Mapping[str, str]) -> tuple[str, ...]:
+        """The label values that share one denominator: every label but the partition label."""
+        part = self.partition.value if self.partition is not None else None
+        return tuple(labels[k] for k in self.label_names if k != part)
+
 
 _R, _P = LabelKey.RELEASE, LabelKey.PHASE
 
 
-def _ratio_spec(name: MetricName, labels: tuple[LabelKey, ...]) -> MetricSpec:
+def _ratio_spec(name: MetricName, labels: tuple[LabelKey, ...], partition: LabelKey | None = None) -> MetricSpec:
     d = RATIO_DEFINITIONS[RatioKind(name.value)]
     return MetricSpec(
         name, MetricType.RATIO, labels, f"{d.numerator_label} / {d.denominator_label}",
-        numerator=d.numerator_label, denominator=d.denominator_label,
+        numerator=d.numerator_label, denominator=d.denominator_label, partition=partition,
     )
 
 
@@ -110,7 +123,9 @@ METRIC_SPECS: Mapping[MetricName, MetricSpec] = MappingProxyType(
             MetricName.INTER_NODE_ROUTE_RATIO, (_R, _P, LabelKey.TOPOLOGY)
         ),
         MetricName.GRAPH_REPLAY_RATIO: _ratio_spec(MetricName.GRAPH_REPLAY_RATIO, (_R, _P, LabelKey.GRAPH)),
-        MetricName.FALLBACK_STEP_RATIO: _ratio_spec(MetricName.FALLBACK_STEP_RATIO, (_R, _P, LabelKey.REASON)),
+        # each step lands in the series of its fallback reason ("none": no fallback): the denominator is the pool
+        MetricName.FALLBACK_STEP_RATIO: _ratio_spec(MetricName.FALLBACK_STEP_RATIO, (_R, _P, LabelKey.REASON),
+                                                    partition=LabelKey.REASON),
         MetricName.ROUTE_OUTPUT_MISMATCH_TOTAL: MetricSpec(
             MetricName.ROUTE_OUTPUT_MISMATCH_TOTAL, MetricType.COUNTER, (_R, _P),
             "route outputs that differ from the reference (mismatches)",
@@ -313,13 +328,49 @@ class TelemetrySnapshot(BaseModel):
         xs = [x for s in self.samples if s.matches(selector) for x in s.samples]
         return summarize(xs, unit=spec.unit, evidence=EvidenceClass.MEASURED) if xs else None
 
+    def breakdown(self, metric: MetricName | str, **selector: str) -> dict[str, Ratio]:
+        """Per value of the metric's partition label (``reason``): its numerator over the pooled denominator of
+        every matching series (all steps, whatever their reason), so the values add up to ``ratio()``."""
+        spec = _metric(metric, MetricType.RATIO)
+        if spec.partition is None:
+            raise ValueError(f"metric={spec.name.value!r} has no partition label to break down by")
+        _check_selector(spec, selector)
+        part = spec.partition.value
+        nums: dict[str, int] = {}
+        den = 0
+        for s in self.ratios:
+            if s.metric is spec.name and s.matches(selector):
+                nums[s.labels[part]] = nums.get(s.labels[part], 0) + s.numerator
+                den += s.denominator
+        return {k: Ratio(spec.name.value, n, den) for k, n in sorted(nums.items())}
+
     def render_table(self) -> str:
-        """Plain-text table for ``ray-moe status``: every ratio shows numerator/denominator; no data is n/a."""
+        """Plain-text table for ``ray-moe status``: every ratio shows numerator/denominator; no data is n/a.
+
+        A ratio with a partition label (the fallback reason) shows one row per pool (all steps of a release
+        and phase) and then one row per reason that occurred, its numerator over the same pooled denominator.
+        """
         rows: list[tuple[str, str, str, str, str]] = [("metric", "labels", "numerator", "denominator", "value")]
-        for r in sorted(self.ratios, key=lambda s: (s.metric.value, s.key()[1])):
-            v = r.value
-            rows.append((r.metric.value, r.label_text(), str(r.numerator), str(r.denominator),
-                         "n/a" if v is None else f"{v:.6f}"))
+
+        def ratio_row(metric: MetricName, labels: str, num: int, den: int) -> tuple[str, str, str, str, str]:
+            v = Ratio(metric.value, num, den).value
+            return metric.value, labels, str(num), str(den), "n/a" if v is None else f"{v:.6f}"
+
+        for metric in sorted({r.metric for r in self.ratios}, key=lambda m: m.value):
+            spec = METRIC_SPECS[metric]
+            series = sorted((r for r in self.ratios if r.metric is metric), key=lambda r: r.key()[1])
+            if spec.partition is None:
+                rows.extend(ratio_row(metric, r.label_text(), r.numerator, r.denominator) for r in series)
+                continue
+            part = spec.partition.value
+            pools: dict[tuple[str, ...], list[RatioSeries]] = {}
+            for r in series:
+                pools.setdefault(spec.pool_key(r.labels), []).append(r)
+            for _, members in sorted(pools.items()):
+                den = sum(m.denominator for m in members)
+                pool_labels = ",".join(f"{k}={members[0].labels[k]}" for k in spec.label_names if k != part)
+                rows.append(ratio_row(metric, pool_labels, sum(m.numerator for m in members), den))
+                rows.extend(ratio_row(metric, m.label_text(), m.numerator, den) for m in members if m.numerator)
         for c in sorted(self.counters, key=lambda s: (s.metric.value, s.key()[1])):
             rows.append((c.metric.value, c.label_text(), "-", "-", str(c.value)))
         for s in sorted(self.samples, key=lambda s: (s.metric.value, s.key()[1])):

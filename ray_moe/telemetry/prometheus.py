@@ -16,10 +16,14 @@ step-latency samples ``m``  ``m_p50``, ``m_p95``, ``m_max``, ``m_count``        
 ==========================  =====================================================  =========
 
 A ratio with denominator 0 exports its numerator and denominator (both 0) but no value gauge: absent,
-never a silent 0. Numerator and denominator gauges carry cumulative counts, so
-``rate(num) / rate(den)`` gives a windowed ratio in PromQL. Counters are cumulative in the snapshot;
-the exporter increments each Ray counter by the growth since its previous export (Ray counters only
-take positive increments, so a counter that is still 0 appears after its first increment).
+never a silent 0. A ratio with a partition label (``reason`` of ``moe_fallback_step_ratio``: each step is
+counted under exactly one reason) exports, per reason, that reason's numerator over the pooled denominator
+(every step of its release and phase), so ``{reason="oversize"}`` reads 6/147 rather than 6/6; the rate
+over all reasons is ``sum by (release, phase)`` of the numerators over any one reason's denominator.
+Numerator and denominator gauges carry cumulative counts, so ``rate(num) / rate(den)`` gives a windowed
+ratio in PromQL. Counters are cumulative in the snapshot; the exporter increments each Ray counter by the
+growth since its previous export (Ray counters only take positive increments, so a counter that is still 0
+appears after its first increment).
 """
 
 from __future__ import annotations
@@ -86,20 +90,29 @@ def exported_metrics() -> tuple[ExportedMetric, ...]:
 def export_points(snapshot: TelemetrySnapshot) -> tuple[ExportPoint, ...]:
     """The values a snapshot maps to (pure).
 
-    1. Ratios: numerator and denominator gauges always; the value gauge only when denominator > 0.
+    1. Ratios: numerator and denominator gauges always; the value gauge only when denominator > 0. A ratio
+       with a partition label exports the pooled denominator (and value) of its series' pool.
     2. Counters: one cumulative counter point.
     3. Samples: p50/p95/max of the retained window and the total observed count.
     """
     if not isinstance(snapshot, TelemetrySnapshot):
         raise ValueError(f"snapshot={type(snapshot).__name__} is not a TelemetrySnapshot")
     pts: list[ExportPoint] = []
+    pooled: dict[tuple, int] = {}
     for r in snapshot.ratios:
-        tags = tuple((k, r.labels[k]) for k in METRIC_SPECS[r.metric].label_names)
+        spec = METRIC_SPECS[r.metric]
+        if spec.partition is not None:
+            key = (r.metric, spec.pool_key(r.labels))
+            pooled[key] = pooled.get(key, 0) + r.denominator
+    for r in snapshot.ratios:
+        spec = METRIC_SPECS[r.metric]
+        tags = tuple((k, r.labels[k]) for k in spec.label_names)
         name = r.metric.value
-        if r.value is not None:
-            pts.append(ExportPoint(name, PointKind.GAUGE, tags, r.value))
+        den = r.denominator if spec.partition is None else pooled[(r.metric, spec.pool_key(r.labels))]
+        if den:
+            pts.append(ExportPoint(name, PointKind.GAUGE, tags, r.numerator / den))
         pts.append(ExportPoint(f"{name}_numerator", PointKind.GAUGE, tags, float(r.numerator)))
-        pts.append(ExportPoint(f"{name}_denominator", PointKind.GAUGE, tags, float(r.denominator)))
+        pts.append(ExportPoint(f"{name}_denominator", PointKind.GAUGE, tags, float(den)))
     for c in snapshot.counters:
         tags = tuple((k, c.labels[k]) for k in METRIC_SPECS[c.metric].label_names)
         pts.append(ExportPoint(c.metric.value, PointKind.COUNTER, tags, float(c.value)))

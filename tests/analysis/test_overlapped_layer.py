@@ -380,8 +380,8 @@ def test_property_equals_engine(world, chunks, seed, k, shared, order, policy):
 
 
 def test_bench_rank_worker_runs_on_local_threads():
-    """bench/overlap.py's rank function end to end on two CPU threads (tiny shape, one timed step)."""
-    from bench.overlap import Plan, Shape, _rank_worker, configs, summarize
+    """ray_moe/bench/overlap.py's rank function end to end on two CPU threads (tiny shape, one timed step)."""
+    from ray_moe.bench.overlap import Plan, Shape, _rank_worker, configs, summarize
     from ray_moe.testing.spmd import run_spmd
 
     plan = Plan(shapes=(Shape("t", tokens=8, d=16, f=16, experts_per_rank=2, k=2, dtype="float32", shared_f=8),),

@@ -1,4 +1,4 @@
-"""bench/fp8_dispatch.py on CPU: the quick run end to end (JSON on disk, real values), and the SPMD rank
+"""ray_moe/bench/fp8_dispatch.py on CPU: the quick run end to end (JSON on disk, real values), and the SPMD rank
 body that the GPU run uses (``bench_rank`` through ``run_spmd``), here with backend="local" on two ranks."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from bench.fp8_dispatch import Fp8BenchConfig, aggregate, bench_rank, main
+from ray_moe.bench.fp8_dispatch import Fp8BenchConfig, aggregate, bench_rank, main
 from ray_moe.testing.spmd import run_spmd
 
 FORMATS = ("native", "fp8_row", "fp8_block128")

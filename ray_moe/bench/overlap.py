@@ -1,7 +1,7 @@
 """Overlap benchmark: the chunked stream/event DAG of one MoE layer vs the serialized step (spec 0x09-0x09F).
 
-    python -m bench.overlap --world 2      # GPUs: one process per GPU, NCCL (CuPy), prefill shapes, bf16
-    python -m bench.overlap --quick        # CPU: threads over LocalExchangeGroup, tiny shapes
+    python -m ray_moe.bench.overlap --world 2      # GPUs: one process per GPU, NCCL (CuPy), prefill shapes, bf16
+    python -m ray_moe.bench.overlap --quick        # CPU: threads over LocalExchangeGroup, tiny shapes
 
 Every rank runs the same layer (SPMD, ``ray_moe.testing.spmd.run_spmd``). Per shape and per shared-expert
 setting the step is timed as:
@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import host_kind, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, host_kind, write_result
 from ray_moe.analysis.overlapped_layer import COMM_ORDERS, overlapped_layer
 from ray_moe.analysis.overlapped_streams import StreamSet
 from ray_moe.dispatch.engine import combine, dispatch
@@ -300,7 +301,7 @@ def _print(shapes: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--world", type=int, default=2, help="ranks (GPUs with NCCL; threads with --quick/CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU threads (backend local)")
     ap.add_argument("--backend", default="auto", choices=("auto", "nccl", "local"))
@@ -310,6 +311,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--orders", default=",".join(COMM_ORDERS), help="comma-separated comm orders")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=580.0, help="limit of the whole SPMD run")
+    add_output_argument(ap)
     args = ap.parse_args(argv)
 
     backend = args.backend
@@ -353,7 +355,7 @@ def main(argv: list[str] | None = None) -> str:
         "shapes": shapes,
     }
     suffix = host_kind() if backend == "nccl" else f"cpu-w{args.world}"
-    path = write_result("overlap", payload, suffix=suffix)
+    path = write_result("overlap", payload, suffix=suffix, out=args.out)
     print(f"wrote {path}")
     return path
 

@@ -1,9 +1,11 @@
-"""FP8 vs BF16 dispatch: dispatch and dispatch+combine time (measured), payload bytes (from the real count
-matrix, and analytical), and the error of the combined output, per payload format and tokens per rank.
+"""FP8 vs BF16 dispatch: time, payload bytes and the combined output's error, per payload format.
 
-    python -m bench.fp8_dispatch --world 2 --tokens 128,1024,4096 --iters 20   # GPU: 2 x H200, NCCL (< 90 s)
-    python -m bench.fp8_dispatch                    # CPU: 4 ranks as threads over the in-process exchange
-    python -m bench.fp8_dispatch --quick            # CPU smoke (< 60 s on 2 cores): d=1024, 64 tokens/rank
+Dispatch and dispatch+combine time (measured), payload bytes (from the real count matrix, and analytical),
+and the error of the combined output, per payload format and tokens per rank.
+
+    python -m ray_moe.bench.fp8_dispatch --world 2 --tokens 128,1024,4096 --iters 20   # GPU: 2 x H200, NCCL (< 90 s)
+    python -m ray_moe.bench.fp8_dispatch                    # CPU: 4 ranks as threads over the in-process exchange
+    python -m ray_moe.bench.fp8_dispatch --quick            # CPU smoke (< 60 s on 2 cores): d=1024, 64 tokens/rank
 
 Backends (``--backend``, default ``auto``: ``nccl`` when CUDA is available and not ``--quick``, else
 ``local``): ``nccl`` runs one process per GPU (``--world``, default every visible GPU) over
@@ -28,8 +30,9 @@ bytes (the return round stays BF16), which is what the GPU run measures the time
 
 Defaults: d=7168, k=8, E=32 experts (E / P contiguous per rank, no replicas), uniform routing; on nccl
 tokens 128,1024,4096, warmup 3, iters 20; on local tokens 256, warmup 1, iters 5 (--quick: d=1024, 64 tokens,
-3 iters). Output: ``$RAY_MOE_RESULTS_DIR/fp8_dispatch-<suffix>.json`` with suffix ``host_kind()`` on nccl
-(e.g. ``h200x2``), ``cpu`` on local, ``cpu-quick`` with --quick.
+3 iters). Output: ``fp8_dispatch-<suffix>.json`` in ``--out DIR`` (default ``$RAY_MOE_RESULTS_DIR``, else
+``./ray-moe-results``) with suffix ``host_kind()`` on nccl (e.g. ``h200x2``), ``cpu`` on local, ``cpu-quick``
+with --quick.
 
 Bytes of the dispatch round (all ranks together, remote rows only: the local rows cross no link):
   wire_bytes_from_counts  remote rows of the real count matrix * (d * element bytes + scales * 4 + 4
@@ -50,7 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import build_snapshot, host_kind, spmd_measure, step_stats, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, build_snapshot, host_kind, spmd_measure, step_stats, write_result
 from ray_moe.analysis.precision_ledger import PrecisionPayloadLedger
 from ray_moe.dispatch.engine import combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
@@ -233,9 +237,7 @@ def config_from_args(a: argparse.Namespace) -> Fp8BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> str:
-    from ray_moe.env import read_env
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--backend", default="auto", choices=("auto", "local", "nccl"),
                     help="auto: nccl when CUDA is available and not --quick, else local (CPU threads)")
     ap.add_argument("--world", type=int, default=0, help="ranks (default: every visible GPU on nccl, 4 on local)")
@@ -249,14 +251,15 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="CPU smoke: local threads, d=1024, 64 tokens, 3 iters")
     ap.add_argument("--timeout-s", type=float, default=570.0, help="limit of the whole run")
+    ap.add_argument("--exchange-timeout-s", type=float, default=60.0, help="watchdog on one exchange round")
+    add_output_argument(ap)
     a = ap.parse_args(argv)
     cfg = config_from_args(a)
-    env = read_env()
     print(f"fp8_dispatch: world={cfg.world} backend={cfg.backend} tokens/rank={list(cfg.tokens)} d={cfg.d}",
           flush=True)
     t0 = time.monotonic()
     ranks = run_spmd(bench_rank, cfg.world, args=(asdict(cfg),), backend=cfg.backend, timeout_s=a.timeout_s,
-                     exchange_timeout_s=env.exchange_timeout_s)
+                     exchange_timeout_s=a.exchange_timeout_s)
     res = aggregate(cfg, ranks)
     gpu = cfg.backend == "nccl"
     timer = "CUDA events" if gpu else "perf_counter, CPU threads"
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> str:
         },
         "results": res,
         "wall_s": wall,
-    }, suffix=suffix)
+    }, suffix=suffix, out=a.out)
     print(f"wrote {path} ({wall:.1f} s)")
     return path
 

@@ -1,9 +1,9 @@
 """Whole MoE layer steps through the Ray runtime: prefill throughput, decode latency per path, Ray overhead.
 
-    python -m bench.layer_step                      # GPU: every rank count visible..1 GPUs (NCCL, bf16)
-    python -m bench.layer_step --gpus 2             # one rank count
-    python -m bench.layer_step --gpus 2 --models mixtral:1,4 --decode-tokens 1,8,32,128
-    python -m bench.layer_step --quick              # CPU smoke (< 60 s): 2 ranks, object-store exchange, tiny shapes
+    python -m ray_moe.bench.layer_step                      # GPU: every rank count visible..1 GPUs (NCCL, bf16)
+    python -m ray_moe.bench.layer_step --gpus 2             # one rank count
+    python -m ray_moe.bench.layer_step --gpus 2 --models mixtral:1,4 --decode-tokens 1,8,32,128
+    python -m ray_moe.bench.layer_step --quick              # CPU smoke (< 60 s): 2 ranks, object-store exchange, tiny shapes
 
 What one step is: ``Runtime.forward`` on the driver -> one actor call per rank for ALL layers -> every
 shard runs its layers SPMD (plan, exchange, experts, return, combine) -> outputs back to the driver.
@@ -54,7 +54,8 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.common import host_kind, nearest_rank, time_fn, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, host_kind, nearest_rank, time_fn, write_result
 
 # ============================================================================ the runtime, recording results
 try:
@@ -212,7 +213,7 @@ def local_baseline(model: Model, tokens: int, device: torch.device, dtype: torch
                    seed: int) -> dict[str, Any]:
     """The expert GEMMs of one layer step alone: T*k routed rows through GroupedRunner on one device that
     holds all E experts (driver process; no Ray, no exchange, no routing, no combine)."""
-    from bench.runners import ModelShape, make_weights
+    from ray_moe.bench.runners import ModelShape, make_weights
     from ray_moe.experts.runners.grouped import GroupedRunner
 
     w = make_weights(ModelShape(model.name, model.d, model.f, model.num_experts, model.num_experts, model.k),
@@ -406,7 +407,7 @@ def parse_matrix(specs: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--quick", action="store_true", help="CPU smoke: 2 ranks, tiny shapes (< 60 s)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--gpus", default=None,
@@ -428,6 +429,7 @@ def main(argv: list[str] | None = None) -> str:
                     help="normal-mode data path of the deployments (auto: direct on NCCL)")
     ap.add_argument("--keep-steps", action="store_true", help="keep every step's record in the JSON")
     ap.add_argument("--seed", type=int, default=0)
+    add_output_argument(ap)
     args = ap.parse_args(argv)
 
     import ray
@@ -509,7 +511,7 @@ def main(argv: list[str] | None = None) -> str:
             "runs": runs, "overhead_vs_layers": ovl, "skipped": skipped,
             "elapsed_s": time.perf_counter() - t_start,
         })
-        return write_result("layer_step", payload, suffix=suffix)
+        return write_result("layer_step", payload, suffix=suffix, out=args.out)
 
     try:
         for dep in deps:

@@ -1,12 +1,12 @@
 """Where the direct data path spends a step: host stage marks, bare control-round costs, torch profiler.
 
-    python -m bench.direct_profile --world 2 --tokens 128,8192
+    python -m ray_moe.bench.direct_profile --world 2 --tokens 128,8192
 
 Per rank and case: the mean host milliseconds between the stage marks of ``DirectDispatcher`` (plan
 enqueued, counts on host, control rounds, layout, payload enqueued / done, combine enqueued / done),
 the bare cost of one control all-gather and of one small device->host copy on an idle stream, and on
 rank 0 the torch profiler's top operators by device and by host time for one step. Diagnostic output
-(stdout + JSON); the speed comparison against raw NCCL is ``bench.dispatch_combine``.
+(stdout + JSON); the speed comparison against raw NCCL is ``ray_moe.bench.dispatch_combine``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import build_snapshot, host_kind, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, build_snapshot, host_kind, write_result
 from ray_moe.dispatch.direct import DirectDispatcher
 from ray_moe.dispatch.protocol import DeferredChecks
 from ray_moe.dispatch.records import RouteBatch
@@ -101,7 +102,7 @@ def profile_rank(exchange, rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--tokens", default="128,8192")
     ap.add_argument("--chunks", default="1,2")
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--backend", default="auto", choices=("auto", "nccl", "local"))
+    add_output_argument(ap)
     a = ap.parse_args(argv)
     backend = a.backend if a.backend != "auto" else ("nccl" if torch.cuda.is_available() else "local")
     cfg = {"tokens": [int(t) for t in a.tokens.split(",")], "chunks": [int(c) for c in a.chunks.split(",")],
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"\n== rank 0, T={c['tokens']}: {key}\n{c[key]}")
     path = write_result("direct_profile", {"backend": backend, "config": cfg, "evidence": "measured (host clocks, "
                                            "torch profiler)", "ranks": ranks}, suffix=host_kind() if backend == "nccl"
-                        else "cpu")
+                        else "cpu", out=a.out)
     print(f"wrote {path}")
 
 

@@ -1,8 +1,8 @@
 """Expert migration under traffic: a live rebalance and a live scale while decode/prefill steps stream.
 
-    python -m bench.migration                 # GPU (>= 2): Mixtral-like experts (352 MiB each in bf16), NCCL copies
-    python -m bench.migration --layers 4      # more bytes per operation
-    python -m bench.migration --quick         # CPU smoke (< 60 s): object-store copies, small experts
+    python -m ray_moe.bench.migration                 # GPU (>= 2): Mixtral-like experts (352 MiB each in bf16), NCCL copies
+    python -m ray_moe.bench.migration --layers 4      # more bytes per operation
+    python -m ray_moe.bench.migration --quick         # CPU smoke (< 60 s): object-store copies, small experts
 
 Setup: 2 ranks (one GPU each), E=8 experts of d=4096 f=14336 (bf16: 3*d*f*2 = 352 MiB per expert), top-2,
 slots_per_rank = E/2 + 1 (the initial spread replicates experts 0 and 1), ``--layers`` layers (default 2).
@@ -48,8 +48,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from bench.common import host_kind, nearest_rank, write_result
-from bench.layer_step import RecordingRuntime, step_record
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, host_kind, nearest_rank, write_result
+from ray_moe.bench.layer_step import RecordingRuntime, step_record
 
 HOT = (6, 7)
 
@@ -255,7 +256,7 @@ def replay_copy(rt, src: int, dst: int, keys, reps: int, cuda: bool) -> dict[str
 
 # ============================================================================ main
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--quick", action="store_true", help="CPU smoke: small experts, object-store copies (< 60 s)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--ranks", type=int, default=2)
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--raw-reps", type=int, default=None, help="baseline repetitions (GPU 5, CPU 3)")
     ap.add_argument("--exchange-timeout-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
+    add_output_argument(ap)
     args = ap.parse_args(argv)
 
     import ray
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> str:
         "refcounts_after": {str(k): v for k, v in refcounts.items()},
         "generations": {str(k): v for k, v in gens.items()},
     }
-    path = write_result("migration", payload, suffix=host_kind() + ("-quick" if args.quick else ""))
+    path = write_result("migration", payload, suffix=host_kind() + ("-quick" if args.quick else ""), out=args.out)
 
     # ---------------------------------------------------------------- tables
     print("\n== migration (bytes: ledger analytical, tensor measured; times measured) ==")

@@ -1,7 +1,7 @@
 """Expert-runner benchmark: grouped GEMM vs per-expert loop vs capacity-padded vs block-padded.
 
-    python -m bench.runners            # full shapes (GPU: Mixtral / DeepSeek sizes; CPU: scaled, < 5 min)
-    python -m bench.runners --quick    # small CPU shapes, < 60 s
+    python -m ray_moe.bench.runners            # full shapes (GPU: Mixtral / DeepSeek sizes; CPU: scaled, < 5 min)
+    python -m ray_moe.bench.runners --quick    # small CPU shapes, < 60 s
 
 Per case (model shape x phase x token count x routing) every runner runs the same rows and weights,
 timed in alternating rounds (loop, grouped, grouped_mm, padded, block, loop, ...) so drift hits all alike.
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from bench.common import host_kind, time_fn, time_interleaved, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, host_kind, time_fn, time_interleaved, write_result
 from ray_moe.experts.runners import ExpertRunner, LoopRunner
 from ray_moe.experts.runners.block import BlockRunner
 from ray_moe.experts.runners.grouped import GroupedRunner
@@ -180,7 +181,7 @@ def run_case(model: ModelShape, weights: SlotWeights, phase: str, tokens: int, r
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--quick", action="store_true", help="small shapes (CPU < 60 s)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--block-size", type=int, default=128, help="block runner row/column block (MegaBlocks: 128)")
     ap.add_argument("--zipf-s", type=float, default=1.2)
     ap.add_argument("--seed", type=int, default=0)
+    add_output_argument(ap)
     args = ap.parse_args(argv)
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> str:
             f"{c['model']}/{c['phase']}/T{c['tokens']}/{c['routing']}": c["speedup_grouped_vs_loop"] for c in cases
         },
     }
-    path = write_result("runners", payload, suffix=host_kind())
+    path = write_result("runners", payload, suffix=host_kind(), out=args.out)
     print(f"wrote {path}")
     return path
 

@@ -1,7 +1,7 @@
 """EPLB solver benchmark: vectorised ``rebalance_experts`` vs the loop-form oracle, same run.
 
-    python -m bench.eplb            # full run
-    python -m bench.eplb --quick    # fewer repeats, fewer shapes
+    python -m ray_moe.bench.eplb            # full run
+    python -m ray_moe.bench.eplb --quick    # fewer repeats, fewer shapes
 
 For every shape: wall time of ``ray_moe.placement.eplb.rebalance_experts`` (median and min of
 repeats) and of ``ray_moe.testing.eplb_reference.rebalance_experts_reference`` (the per-layer,
@@ -9,7 +9,8 @@ per-item transcription of the pinned public solver), and a check that the three 
 identical. Also measured on the target shape: option (a) (avoid same-GPU duplicates) and option
 (b) (migration-aware, on a drifted load), with slots changed and ideal Gamma_rank. Gamma and slot
 counts are analytical (ideal W_e / m_e loads); only the times are measurements.
-Writes ``bench/results/eplb-<host>.json`` (``eplb-<host>-quick.json`` with ``--quick``).
+Writes ``eplb-<host>.json`` (``eplb-<host>-quick.json`` with ``--quick``) to ``--out DIR`` (default
+``$RAY_MOE_RESULTS_DIR``, else ``./ray-moe-results``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.common import host_kind, time_fn, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, host_kind, time_fn, write_result
 from ray_moe.placement.eplb import rebalance_experts
 from ray_moe.placement.eplb_solver import ideal_rank_loads, slots_changed
 from ray_moe.testing.eplb_reference import rebalance_experts_reference
@@ -123,9 +125,10 @@ def bench_options(shape: tuple, *, iters: int, seed: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--quick", action="store_true", help="fewer repeats and shapes")
     parser.add_argument("--seed", type=int, default=0)
+    add_output_argument(parser)
     args = parser.parse_args(argv)
     iters, ref_iters = (10, 1) if args.quick else (50, 3)
     shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shapes": results,
         "options": options,
     }
-    path = write_result("eplb", payload, suffix=f"{host_kind()}-quick" if args.quick else None)
+    path = write_result("eplb", payload, suffix=f"{host_kind()}-quick" if args.quick else None, out=args.out)
     for r in results:
         print(
             f"{r['name']:32s} ours {r['ours']['median_ms']:7.2f} ms (min {r['ours']['min_ms']:.2f})  "

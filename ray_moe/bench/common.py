@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -53,23 +54,32 @@ def host_kind() -> str:
     return "cpu"
 
 
-def results_dir() -> str:
+def add_output_argument(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR``: where this run writes its result JSON."""
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="folder for the result JSON (default: $RAY_MOE_RESULTS_DIR, else ./ray-moe-results)")
+
+
+def results_dir(out: str | None = None) -> str:
+    """The folder a run writes to: ``out`` (``--out``), else ``RAY_MOE_RESULTS_DIR``, else ``./ray-moe-results``.
+
+    The repository's tracked ``bench/results/`` is written only when named explicitly (``bench/run_h200x2.sh``)."""
     from ray_moe.env import read_env
 
-    path = read_env().results_dir
+    path = out or read_env().results_dir
     os.makedirs(path, exist_ok=True)
     return path
 
 
-def write_result(name: str, payload: dict[str, Any], *, suffix: str | None = None) -> str:
-    """Write ``bench/results/<name>-<host>.json`` with hardware and timestamp added; returns the path."""
+def write_result(name: str, payload: dict[str, Any], *, suffix: str | None = None, out: str | None = None) -> str:
+    """Write ``<results dir>/<name>-<host>.json`` with hardware and timestamp added; returns the path."""
     body = {
         "benchmark": name,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hardware": hardware(),
         **payload,
     }
-    path = os.path.join(results_dir(), f"{name}-{suffix or host_kind()}.json")
+    path = os.path.join(results_dir(out), f"{name}-{suffix or host_kind()}.json")
     with open(path, "w") as fh:
         json.dump(body, fh, indent=2, sort_keys=False, default=str)
     return path

@@ -1,8 +1,8 @@
 """Dispatch + combine exchange benchmark: our planned all-to-all-v against raw NCCL and torch.distributed.
 
-    python -m bench.dispatch_combine                 # GPU: one process per visible GPU (--world N), NCCL
-    python -m bench.dispatch_combine --world 2 --tokens 64,4096
-    python -m bench.dispatch_combine --quick         # CPU smoke (< 60 s): local exchange threads, tiny shapes
+    python -m ray_moe.bench.dispatch_combine                 # GPU: one process per visible GPU (--world N), NCCL
+    python -m ray_moe.bench.dispatch_combine --world 2 --tokens 64,4096
+    python -m ray_moe.bench.dispatch_combine --quick         # CPU smoke (< 60 s): local exchange threads, tiny shapes
 
 Paths, all on the same routes, rows and split vectors (per case, measured in the same run):
 
@@ -64,7 +64,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.common import build_snapshot, device_sync, host_kind, spmd_measure, step_stats, timed_ms, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import (add_output_argument, build_snapshot, device_sync, host_kind, spmd_measure, step_stats,
+                                  timed_ms, write_result)
 from ray_moe.dispatch.combine import combine_routes
 from ray_moe.dispatch.engine import check_handle, combine, dispatch
 from ray_moe.dispatch.exchange.base import Exchange
@@ -483,7 +485,7 @@ def run_case(ctx: RankContext, phase: str, tokens: int, case_id: str) -> dict[st
         checks["deferred_handle_checks_ok_exact"] = True
     except RouteValidationError:
         checks["deferred_handle_checks_ok_exact"] = False
-    deferred.clear()
+    deferred = DeferredChecks()  # drop the flags read above (the closures use the fresh one)
     # 3. raw exchange of the same bytes (pre-packed, no planning)
     g = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 17 * ctx.rank + tokens)
     buf = torch.randn(r_rows, cfg.d, generator=g, device=ctx.device, dtype=torch.float32).to(dtype)
@@ -662,9 +664,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> str:
-    from ray_moe.env import read_env
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--quick", action="store_true", help="CPU smoke: local exchange, tiny shapes (< 60 s)")
     ap.add_argument("--world", type=int, default=0, help="ranks (default: every visible GPU; 2 on CPU)")
     ap.add_argument("--backend", default="auto", choices=("auto", "nccl", "local"))
@@ -683,13 +683,14 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--no-proposed", action="store_true", help="skip the proposed-combine variant")
     ap.add_argument("--direct-chunks", default="1,2,4", help="chunk counts of the direct path ('' for none)")
     ap.add_argument("--timeout-s", type=float, default=570.0, help="limit of the whole run")
+    ap.add_argument("--exchange-timeout-s", type=float, default=60.0, help="watchdog on one exchange round")
+    add_output_argument(ap)
     args = ap.parse_args(argv)
     cfg = config_from_args(args)
-    env = read_env()
     print(f"dispatch_combine: world={cfg.world} backend={cfg.backend} cases={cfg.cases()}", flush=True)
     t0 = time.monotonic()
     ranks = run_spmd(bench_rank, cfg.world, args=(asdict(cfg),), backend=cfg.backend, timeout_s=args.timeout_s,
-                     exchange_timeout_s=env.exchange_timeout_s, torch_dist=cfg.dist)
+                     exchange_timeout_s=args.exchange_timeout_s, torch_dist=cfg.dist)
     rows = aggregate(cfg, ranks)
     print_table(cfg, rows)
     payload = {
@@ -714,7 +715,8 @@ def main(argv: list[str] | None = None) -> str:
         "cases": rows,
         "wall_s": time.monotonic() - t0,
     }
-    path = write_result("dispatch_combine", payload, suffix=host_kind() if not args.quick else "cpu-quick")
+    path = write_result("dispatch_combine", payload, suffix=host_kind() if not args.quick else "cpu-quick",
+                        out=args.out)
     print(f"wrote {path} ({time.monotonic() - t0:.1f} s)")
     return path
 

@@ -1,7 +1,9 @@
-"""CPU exchange backends through the whole Ray runtime: Ray object store (one actor call per peer per
-round, the CPU default and the fallback everywhere) vs torch.distributed gloo (one collective per round).
+"""CPU exchange backends through the whole Ray runtime: Ray object store vs torch.distributed gloo.
 
-    python -m bench.cpu_exchange [--quick]
+Ray object store: one actor call per peer per round, the CPU default and the fallback everywhere;
+gloo: one collective per round.
+
+    python -m ray_moe.bench.cpu_exchange [--quick]
 
 Same model, same routes, same steps; outputs checked against the float64 reference. Measured wall time
 per step (driver to driver), nearest-rank p50/p95.
@@ -14,15 +16,17 @@ import time
 
 import torch
 
-from bench.common import nearest_rank, write_result
+from ray_moe.bench import summary
+from ray_moe.bench.common import add_output_argument, nearest_rank, write_result
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
+    add_output_argument(ap)
     a = ap.parse_args(argv)
     if a.quick:
         a.steps = 8
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
               f"decode {r['decode']['p50_ms']:7.1f} / {r['decode']['p95_ms']:7.1f}")
     print(f"  gloo speedup: prefill {out['speedup_gloo_prefill']:.2f}x, decode {out['speedup_gloo_decode']:.2f}x")
     path = write_result("cpu_exchange", {"config": vars(a), "results": out, "evidence": "measured"},
-                        suffix="cpu-quick" if a.quick else None)
+                        suffix="cpu-quick" if a.quick else None, out=a.out)
     print(f"wrote {path}")
 
 
