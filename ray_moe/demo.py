@@ -93,6 +93,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 th.start()
         gen_s = time.perf_counter() - t_gen
         bar.close()
+        total = sum(len(o) for o in outputs)  # a sequence that samples its end-of-sequence token stops early
         if "generation" not in rebalance:
             th.join(timeout=120)
         stats = rt.stats()

@@ -371,7 +371,8 @@ class ShardCore:
             kv = self.generator.host.kv
             return {"rank": self.rank, "kv_blocks": kv.num_blocks, "block_size": kv.block_size,
                     "vocab_size": self.generator.host.vocab_size,
-                    "max_context": int(getattr(self.generator.host.config, "max_position_embeddings", 1 << 20))}
+                    "max_context": int(getattr(self.generator.host.config, "max_position_embeddings", 1 << 20)),
+                    "eos_token_ids": self.generator.host.eos_token_ids()}
 
     def generate_step(self, req: "GenStepRequest") -> "GenStepResult":
         """One generation step (token ids in, sampled token ids out), SPMD with the other ranks."""

@@ -92,7 +92,7 @@ class GenerationEngine:
         self.max_context = int(info["max_context"])
         self.scheduler = Scheduler(list(rt.group.peer_order), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
                                    max_context=self.max_context, step_tokens=step_tokens, max_running=max_running,
-                                   eos_token_ids=())
+                                   eos_token_ids=info.get("eos_token_ids", ()))
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

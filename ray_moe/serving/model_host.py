@@ -80,6 +80,10 @@ class ModelHost:
                    block_size=block_size)
         host._materialize()
         host._load(folder)
+        if os.path.exists(os.path.join(folder, "generation_config.json")):
+            from transformers import GenerationConfig
+
+            host.model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
         return host
 
     @classmethod
@@ -138,6 +142,16 @@ class ModelHost:
                               f"{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)")
         if tied:
             self.model.tie_weights()
+
+    def eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence ids (``generation_config`` first, as ``generate`` uses them)."""
+        gc = getattr(self.model, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
     # ------------------------------------------------------------------ the seam
     def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,

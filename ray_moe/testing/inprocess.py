@@ -114,7 +114,8 @@ def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_n
 
     infos = [c.load_model(kv_tokens=kv_tokens, block_size=block_size) for c in dep.cores.values()]
     sched = Scheduler(list(dep.group.peer_order), kv_blocks=infos[0]["kv_blocks"], block_size=block_size,
-                      max_context=infos[0]["max_context"], step_tokens=step_tokens)
+                      max_context=infos[0]["max_context"], step_tokens=step_tokens,
+                      eos_token_ids=infos[0]["eos_token_ids"])
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rids = [sched.submit(p, params) for p in prompts]
     out: dict[str, list[int]] = {r: [] for r in rids}
