@@ -4,6 +4,7 @@
     ray-moe status    [--name N] [--all]      generations, refcounts, placement, timeline of a deployment
     ray-moe scale     --expert E --replicas R live replica scaling; prints the new generation
     ray-moe rebalance [--name N]              live EPLB rebalance from the load window
+    ray-moe serve --checkpoint DIR --ranks N  OpenAI-compatible completions (Ray Serve) over a deployment
     ray-moe drill rollback [--json]           promote a candidate under traffic, inject a fault, roll back
     ray-moe bench [NAME [args...]]            list the benchmarks, or run one (python -m ray_moe.bench.NAME)
 
@@ -108,6 +109,15 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ray_moe.apps.server import run_server
+    from ray_moe.connection import join_cluster
+
+    if args.address != "local":
+        join_cluster(args.address)  # one-line errors for a missing cluster or a refused token
+    return run_server(args)
+
+
 def cmd_drill(args: argparse.Namespace) -> int:
     from ray_moe.apps.drill import run_drill_cli
 
@@ -188,6 +198,29 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--no-migration-aware", action="store_true",
                     help="solve EPLB from scratch instead of keeping slots that need not move")
     rb.set_defaults(fn=cmd_rebalance)
+
+    sv = sub.add_parser("serve", help="serve a checkpoint: OpenAI-compatible completions over Ray Serve",
+                        description="Start (or join) Ray, start a deployment from a Hugging Face folder and serve "
+                                    "POST /v1/completions, GET /v1/models and GET /health until Ctrl-C.")
+    sv.add_argument("--checkpoint", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    sv.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (one shard actor each)")
+    sv.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="default: bfloat16 on cuda, float32 on cpu")
+    sv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or RAY_MOE_API_KEY)")
+    sv.add_argument("--name", default="serve", help="deployment name (ray-moe status/scale/rebalance --name)")
+    sv.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
+    sv.add_argument("--address", default=None, help="Ray address; 'local' starts a local instance "
+                    "(default: RAY_ADDRESS, else a local instance)")
+    sv.add_argument("--kv-tokens", type=int, default=8192, help="KV cache tokens per rank")
+    sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    sv.add_argument("--step-tokens", type=int, default=2048, help="prefill tokens per rank per step")
+    sv.add_argument("--max-running", type=int, default=256, help="sequences in flight over every rank")
+    sv.add_argument("--max-queued", type=int, default=1024,
+                    help="requests in flight before new ones get 503 (overload)")
+    sv.set_defaults(fn=cmd_serve)
 
     dr = sub.add_parser("drill", help="operational drills")
     drs = dr.add_subparsers(dest="drill", required=True)

@@ -220,9 +220,13 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
 
     env = read_env()
     api_key = args.api_key or env.api_key
-    cfg = RuntimeConfig.from_pretrained(args.checkpoint, num_ranks=args.ranks, device=args.device, dtype=args.dtype,
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    cfg = RuntimeConfig.from_pretrained(args.checkpoint, num_ranks=args.ranks, device=args.device, dtype=dtype,
                                         name=args.name)
-    rt = Runtime.start(cfg)
+    address = getattr(args, "address", None)
+    if not ray.is_initialized() and address == "local":
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace=env.namespace)
+    rt = Runtime.start(cfg, address=None if address == "local" else address)
     model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
