@@ -132,6 +132,12 @@ class FaultyDispatcher(Dispatcher):
         self._inner = inner
         self.mode = inner.mode
 
+    def __getattr__(self, name: str) -> Any:  # token_cap, shape, ... of the wrapped dispatcher
+        return getattr(self._inner, name)
+
+    def for_tokens(self, tokens: int) -> "FaultyDispatcher":
+        return FaultyDispatcher(self._inner.for_tokens(tokens))
+
     def dispatch(self, batch, snapshot, *, tag, status=None):
         kw = {} if status is None else {"status": status}
         out = self._inner.dispatch(batch, snapshot, tag=tag, **kw)

@@ -221,7 +221,8 @@ class ShardCore:
 
     def release_graphs(self, generation: int) -> int:
         """Free captured decode graphs keyed to ``generation``; returns how many were freed."""
-        return self.executor.graphs.release(generation)
+        served = 0 if self.generator is None else self.generator.graphs.release(generation)
+        return self.executor.graphs.release(generation) + served
 
     def inject_fault(self, kind: ShardFault | str, count: int = 1, generation: int | None = None) -> None:
         """Arm a data-path fault for the next ``count`` steps (of ``generation`` only, if given)."""
@@ -238,7 +239,7 @@ class ShardCore:
             if state == GenerationState.ACTIVE:
                 raise GenerationError(f"generation={generation} is ACTIVE on rank {self.rank}; publish a successor first")
             self._candidates.discard(generation)
-            self.executor.graphs.release(generation)
+            self.release_graphs(generation)
             self._decode_keys.pop(generation, None)
             if state == GenerationState.PENDING:
                 self.registry.abandon(generation)

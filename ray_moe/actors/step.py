@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ray_moe.dispatch.bucket import BucketDispatcher
+from ray_moe.dispatch.bucket import BucketDispatcher, token_buckets
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.protocol import ControlStatus, Dispatcher
 from ray_moe.errors import RouteValidationError
@@ -198,15 +199,19 @@ class StepExecutor:
             if local_error is not None:
                 status = ControlStatus.BAD_INPUT
         key = self.decode_key(view)
-        graph_key = (key, bucket.token_cap, len(layers), given is None)
-        captured = self.graphs.get(view.generation, graph_key) if paths.capture else None
+        base = (key, len(layers), given is None)
+        ready = self.graphs.ready_mask(view.generation, base, token_buckets(bucket.max_token_cap)) if paths.capture else 0
         rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch, generation_digest(view.snapshots), status,
-                           t, key, int(captured is not None))
+                           t, key, ready)
         decision = decode_round(paths.exchange, rec, bucket.token_cap, tag, local_error=local_error)
         marks("decode_round")
         if decision.reason is not None:
             return self._variable(h, given, layers, view, paths, ControlStatus.OK, tag, decision.reason.value,
                                   routes_out, keep_routes)
+        bucket = bucket.for_tokens(decision.cap)
+        paths = dataclasses.replace(paths, bucket=bucket)
+        graph_key = (*base, bucket.token_cap)
+        captured = self.graphs.get(view.generation, graph_key)
         staged = self._stage(h, given, len(layers), bucket.token_cap)
         seen: list | None = [] if keep_routes else None
         # routes chosen inside a replayed graph are not kept: a step that must return them runs eagerly

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import uuid
 from dataclasses import dataclass
@@ -72,6 +73,21 @@ def default_slot_capacity(token_cap: int, top_k: int, group_size: int, num_slots
 def worst_case_slot_capacity(token_cap: int, group_size: int) -> int:
     """C_q that no routing can exceed: a token routes to one expert (so one slot) at most once."""
     return token_cap * group_size
+
+
+def token_buckets(token_cap: int) -> tuple[int, ...]:
+    """The decode token capacities a deployment keeps buckets for: powers of two below ``token_cap``, then
+    ``token_cap`` (a step takes the smallest bucket its largest rank fits)."""
+    caps, c = [], 1
+    while c < token_cap:
+        caps.append(c)
+        c *= 2
+    return (*caps, int(token_cap))
+
+
+def bucket_for(tokens: int, token_cap: int) -> int:
+    """The smallest bucket of ``token_buckets(token_cap)`` that holds ``tokens`` (``tokens <= token_cap``)."""
+    return next(c for c in token_buckets(token_cap) if c >= tokens)
 
 
 def bucket_shape(snapshot: PlacementSnapshot, rank: int, group_size: int, *, token_cap: int, top_k: int,
@@ -130,13 +146,23 @@ class BucketDispatcher(Dispatcher):
         self.exchange = exchange
         self.selector = selector
         self.token_cap = int(token_cap)
+        self.max_token_cap = int(token_cap)
         self.top_k = int(top_k)
         self.hidden_size = int(hidden_size)
         self.slot_cap = slot_cap
         self._shapes: dict[tuple, BucketShape] = {}
 
+    def for_tokens(self, tokens: int) -> "BucketDispatcher":
+        """This dispatcher at the smallest token bucket that holds ``tokens`` per rank (shares the shape cache)."""
+        cap = bucket_for(max(int(tokens), 1), self.max_token_cap)
+        if cap == self.token_cap:
+            return self
+        d = copy.copy(self)
+        d.token_cap = cap
+        return d
+
     def shape(self, snapshot: PlacementSnapshot) -> BucketShape:
-        key = (snapshot.generation, snapshot.layer, snapshot.map_digest)
+        key = (snapshot.generation, snapshot.layer, snapshot.map_digest, self.token_cap)
         s = self._shapes.get(key)
         if s is None:
             if len(self._shapes) > 256:
@@ -263,5 +289,6 @@ class BucketDispatcher(Dispatcher):
         return out.valid
 
 
-__all__ = ["BucketShape", "BucketHandle", "BucketDispatchOutput", "BucketDispatcher", "bucket_shape",
+__all__ = ["BucketShape", "BucketHandle", "BucketDispatchOutput", "BucketDispatcher", "bucket_shape", "token_buckets",
+           "bucket_for",
            "pair_capacity", "default_slot_capacity", "worst_case_slot_capacity"]

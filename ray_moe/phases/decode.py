@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ray_moe.dispatch.bucket import bucket_for, token_buckets
 from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.errors import CountAgreementError, StaleGenerationError
 from ray_moe.phases.admission import FallbackReason
@@ -41,7 +42,7 @@ class DecodeRecord:
 
     gen_digest: digest of every layer's map digest of the pinned generation
     key_digest: digest of the bucket's graph keys (every layer); a rank with another key refuses replay
-    graph_ready: 1 when this rank holds a captured graph of the step's (generation, bucket)
+    graph_ready: bit i set when this rank holds a captured graph of the step for token bucket i
     """
 
     generation: int
@@ -67,13 +68,15 @@ class DecodeDecision:
     """The agreed outcome of a decode step's control round (identical on every rank).
 
     reason: None -> the bucket path; else why the step takes the variable path
-    replay: every rank holds the step's captured graph (else the bucket step runs eagerly and ranks
-            without a graph capture one afterwards)
+    cap:    the token bucket of the step (the smallest that holds the largest rank's tokens)
+    replay: every rank holds the step's captured graph for ``cap`` (else the bucket step runs eagerly and
+            ranks without a graph capture one afterwards)
     """
 
     reason: FallbackReason | None
     replay: bool
     rank_tokens: tuple[int, ...]
+    cap: int = 0
 
 
 def decide(records: list[DecodeRecord], group_ranks: tuple[int, ...], token_cap: int, tag: str) -> DecodeDecision:
@@ -99,7 +102,12 @@ def decide(records: list[DecodeRecord], group_ranks: tuple[int, ...], token_cap:
         reason = FallbackReason.GRAPH_KEY_MISMATCH
     elif max(tokens) > token_cap:
         reason = FallbackReason.RANK_TOKEN_CAPACITY_EXCEEDED
-    return DecodeDecision(reason, reason is None and all(r.graph_ready for r in records), tokens)
+    if reason is not None:
+        return DecodeDecision(reason, False, tokens, 0)
+    caps = token_buckets(token_cap)
+    cap = bucket_for(max(max(tokens), 1), token_cap)
+    bit = 1 << caps.index(cap)
+    return DecodeDecision(None, all(r.graph_ready & bit for r in records), tokens, cap)
 
 
 def decode_round(exchange, record: DecodeRecord, token_cap: int, tag: str, *,
@@ -177,6 +185,10 @@ class StepGraphs:
 
     def get(self, generation: int, key: Any) -> CapturedStep | None:
         return self._graphs.get((generation, key))
+
+    def ready_mask(self, generation: int, key: Any, caps: tuple[int, ...]) -> int:
+        """Bit i set when a step of ``key + (caps[i],)`` is captured for ``generation``."""
+        return sum(1 << i for i, c in enumerate(caps) if (generation, (*key, c)) in self._graphs)
 
     def put(self, generation: int, key: Any, step: CapturedStep) -> None:
         self._graphs[(generation, key)] = step

@@ -86,11 +86,13 @@ class MoEStep:
     status:   what this rank reports in the step's first control round (a refused generation still takes
               part, so every peer aborts together)
     path:     the label recorded in the layer statistics
+    row_valid: [T] bool or None; rows marked False are padding of a static-shape step (route id -1)
     """
 
     def __init__(self, *, rank: int, view: GenerationView, dispatcher: Dispatcher, runner: ExpertRunner,
                  dtype: torch.dtype, hidden_size: int, tag: str, status: ControlStatus = ControlStatus.OK,
-                 path: str | None = None, fallback_reason: str | None = None) -> None:
+                 path: str | None = None, fallback_reason: str | None = None,
+                 row_valid: torch.Tensor | None = None) -> None:
         self.rank = rank
         self.view = view
         self.dispatcher = dispatcher
@@ -101,6 +103,7 @@ class MoEStep:
         self.status = status
         self.path = path or dispatcher.mode.value
         self.fallback_reason = fallback_reason
+        self.row_valid = row_valid  # [T] bool: padding rows of a static-shape step route nowhere
         self.checks = DeferredChecks()
         self._pending: list[tuple[int, Any, Any, Any]] = []  # (layer, sent slots, slot rows, overflow flag)
 
@@ -110,6 +113,8 @@ class MoEStep:
         snap = self.view.snapshots[layer]
         tag = f"{self.tag}/L{layer}"
         status = self.status if not self._pending else ControlStatus.OK
+        if self.row_valid is not None:
+            topk_ids = torch.where(self.row_valid[:, None], topk_ids, torch.full_like(topk_ids, -1))
         out = self.dispatcher.dispatch(RouteBatch(self.rank, hidden, topk_ids, topk_weights), snap, tag=tag,
                                        status=status)
         y_rows = run_experts(self.runner, out, self.view.weights[layer], self.hidden_size)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,9 @@ import torch
 
 from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.phases.admission import FallbackReason
-from ray_moe.phases.decode import DecodeRecord, agree_overflow, decode_round, generation_digest
+from ray_moe.phases.decode import CapturedStep, DecodeRecord, StepGraphs, agree_overflow, decode_round, generation_digest
 from ray_moe.phases.step import GenerationView, LayerStats, MoEStep
-from ray_moe.serving.kv import KVBudgetError, SeqChunk
+from ray_moe.serving.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.serving.model_host import ModelHost
 from ray_moe.serving.sampling import sample
 from ray_moe.serving.scheduler import WorkItem
@@ -86,6 +87,7 @@ class GenerationExecutor:
         self.top_k = top_k
         self.dtype = dtype
         self.counters: dict[str, int] = {}
+        self.graphs = StepGraphs()  # captured decode steps by (generation, (rows, keys))
 
     def run(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
             decode_key: int) -> GenStepResult:
@@ -120,6 +122,8 @@ class GenerationExecutor:
                 status = ControlStatus.OK  # the decode round carried it (a refusal raised there)
                 reason = None if decision.reason is None else decision.reason.value
                 bucket = decision.reason is None
+                if bucket:
+                    paths = dataclasses.replace(paths, bucket=paths.bucket.for_tokens(decision.cap))
         tokens, stats, overflow = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket,
                                                 reason, decode_rows, prefill_rows)
         if local_error is not None:
@@ -132,6 +136,50 @@ class GenerationExecutor:
         self.count("steps")
         return GenStepResult(self.rank, req.step_id, view.generation, tokens, stats, time.perf_counter() - t0,
                              ("bucket" if bucket else "variable") if want_decode else None, reason)
+
+    def _graph_decode(self, req, items, view, paths, reason, tag: str):
+        """A decode-only step with static shapes: rows = the token bucket, keys = the next power of two of the
+        rank's context (>= 64). The first step of a (generation, rows, keys) runs eagerly and is then captured
+        as ONE CUDA graph (attention, routers, every MoE layer's bucket dispatch/experts/combine, LM head);
+        later steps copy their inputs into the graph's buffers and replay it. Sampling runs on the logits."""
+        kv, dev = self.host.kv, self.host.device
+        rows = paths.bucket.token_cap
+        chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
+        context = sum(c.start + c.num_tokens for c in chunks)
+        keys = max(64, 1 << max(0, context - 1).bit_length())
+        staged = kv.plan_padded(chunks, rows, keys, self.dtype)
+        ids = torch.zeros(rows, dtype=torch.int64)
+        ids[: len(items)] = torch.tensor([it.tokens[0] for it in items], dtype=torch.int64)
+        staged["token_ids"] = ids.to(dev)
+
+        def body(inp: dict[str, torch.Tensor]):
+            ctx = MoEStep(rank=self.rank, view=view, dispatcher=paths.bucket, runner=paths.runner, dtype=self.dtype,
+                          hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/decode", fallback_reason=reason,
+                          row_valid=inp["row_valid"])
+            layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp["mask"], None)
+            return self.host.forward_layout(layout, inp["token_ids"], SplitMoE(None, ctx, None, None)), ctx
+
+        key = (rows, keys)
+        captured = self.graphs.get(view.generation, key)
+        if captured is not None:
+            logits, ctx = captured.replay(staged)
+            ctx.path = "bucket-graph"
+            self.count("graph_replays")
+        else:
+            logits, ctx = body(staged)  # eager, same shapes: this step's answer, and the warm-up
+            ctx.path = "bucket"
+            step = CapturedStep({k: v.clone() for k, v in staged.items()})
+            step.capture(body)  # records only: no collective runs while capturing
+            self.graphs.put(view.generation, key, step)
+            self.count("graphs_captured")
+        want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
+        tokens = {}
+        if want:
+            sel = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)
+            picked = sample(logits.index_select(0, sel), [it.sample for _, it in want])
+            tokens = {it.seq_id: tok for (_, it), tok in zip(want, picked)}
+        stats, overflow = ctx.finish()
+        return tokens, stats, overflow
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -150,6 +198,8 @@ class GenerationExecutor:
                       status if pre is None else ControlStatus.OK, reason)
         split = SplitMoE(pre, dec, decode_rows, prefill_rows)
         tokens: dict[str, int] = {}
+        if items and bucket and pre is None and paths.capture:
+            return self._graph_decode(req, items, view, paths, reason, tag)
         if items:
             chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
             ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64)

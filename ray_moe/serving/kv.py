@@ -45,14 +45,15 @@ class StepLayout:
     read_index:  [K] cache slots of every sequence's context (positions 0 .. end), sequence after sequence
     positions:   [N] position of each new token in its sequence (rotary embeddings)
     mask:        [1, 1, N, K] additive float mask (0 attend, dtype min elsewhere): block-diagonal causal
-    last:        [S] packed index of each sequence's last new token (where its next token is sampled)
+    last:        [S] packed index of each sequence's last new token (where its next token is sampled), or
+                 None: every row is one sequence's only new token (a decode step)
     """
 
     write_index: torch.Tensor
     read_index: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor
-    last: torch.Tensor
+    last: torch.Tensor | None
 
 
 class PagedKVCache:
@@ -123,8 +124,51 @@ class PagedKVCache:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     # ------------------------------------------------------------------ one step
+    @property
+    def trash_slot(self) -> int:
+        """A slot no sequence owns: padding tokens of a captured step write and read it."""
+        return self.capacity_tokens
+
     def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype) -> StepLayout:
         """The layout of one step (reserve every chunk's positions first). Host work, one upload."""
+        write, read, positions, allowed, last = self._host_plan(chunks)
+        mask = torch.zeros(allowed.shape, dtype=mask_dtype)
+        mask.masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+        dev = self.device
+        layout = StepLayout(write_index=write.to(dev), read_index=read.to(dev), positions=positions.to(dev),
+                            mask=mask[None, None].to(dev), last=last.to(dev))
+        self.layout = layout
+        return layout
+
+    def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype
+                    ) -> dict[str, torch.Tensor]:
+        """A one-token-per-sequence (decode) step padded to ``rows`` tokens and ``keys`` context slots: the
+        static shapes of a captured step. Padding tokens write the trash slot and attend only to key 0 (their
+        outputs are never read; their routes are masked); padding keys read the trash slot and are masked.
+        Returns device tensors: write_index [rows], read_index [keys], positions [rows], mask [1, 1, rows,
+        keys], row_valid [rows] bool."""
+        write, read, positions, allowed, _ = self._host_plan(chunks)
+        n, k = int(write.numel()), int(read.numel())
+        if n > rows or k > keys:
+            raise ValueError(f"rows={rows}, keys={keys}: the step has {n} tokens and {k} context slots")
+        pad_w = torch.full((rows,), self.trash_slot, dtype=torch.int64)
+        pad_w[:n] = write
+        pad_r = torch.full((keys,), self.trash_slot, dtype=torch.int64)
+        pad_r[:k] = read
+        pos = torch.zeros(rows, dtype=torch.int64)
+        pos[:n] = positions
+        ok = torch.zeros(rows, keys, dtype=torch.bool)
+        ok[:n, :k] = allowed
+        ok[n:, 0] = True
+        mask = torch.zeros(rows, keys, dtype=mask_dtype)
+        mask.masked_fill_(~ok, torch.finfo(mask_dtype).min)
+        valid = torch.arange(rows) < n
+        dev = self.device
+        return {"write_index": pad_w.to(dev), "read_index": pad_r.to(dev), "positions": pos.to(dev),
+                "mask": mask[None, None].to(dev), "row_valid": valid.to(dev)}
+
+    def _host_plan(self, chunks: Sequence[SeqChunk]):
+        """(write [N], read [K], positions [N], allowed [N, K] bool, last [S]) on the host."""
         writes, reads, positions, q_seq, k_seq, q_pos, k_pos, last = [], [], [], [], [], [], [], []
         n = 0
         for i, c in enumerate(chunks):
@@ -142,14 +186,7 @@ class PagedKVCache:
         cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64))
         qs, qp, ks, kp = cat(q_seq), cat(q_pos), cat(k_seq), cat(k_pos)
         allowed = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
-        mask = torch.zeros(allowed.shape, dtype=mask_dtype)
-        mask.masked_fill_(~allowed, torch.finfo(mask_dtype).min)
-        dev = self.device
-        layout = StepLayout(write_index=cat(writes).to(dev), read_index=cat(reads).to(dev),
-                            positions=cat(positions).to(dev), mask=mask[None, None].to(dev),
-                            last=torch.tensor(last, dtype=torch.int64).to(dev))
-        self.layout = layout
-        return layout
+        return cat(writes), cat(reads), cat(positions), allowed, torch.tensor(last, dtype=torch.int64)
 
     def update(self, a: torch.Tensor, b: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,8 +197,8 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.update outside a planned step")
         store = self._store.get(layer_idx)
         if store is None:
-            store = tuple(torch.zeros(self.capacity_tokens, x.shape[1], x.shape[3], dtype=x.dtype, device=self.device)
-                          for x in (a, b))
+            store = tuple(torch.zeros(self.capacity_tokens + 1, x.shape[1], x.shape[3], dtype=x.dtype,
+                                      device=self.device) for x in (a, b))  # + the trash slot
             self._store[layer_idx] = store
         out = []
         for x, buf in zip((a, b), store):

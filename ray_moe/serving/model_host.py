@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from ray_moe.errors import ConfigError
-from ray_moe.serving.kv import PagedKVCache, SeqChunk
+from ray_moe.serving.kv import PagedKVCache, SeqChunk, StepLayout
 
 
 def _safetensors_files(folder: str) -> dict[str, str]:
@@ -165,12 +165,18 @@ class ModelHost:
     def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
         """chunks: the step's sequences in packed order; token_ids: [N] int64 their new tokens (packed).
         Returns [S, V] float32 logits at each sequence's last new token. Positions must be reserved."""
+        return self.forward_layout(self.kv.plan(chunks, self.dtype), token_ids, executor)
+
+    @torch.no_grad()
+    def forward_layout(self, layout: StepLayout, token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
+        """The model over one planned layout (``layout.last`` None: logits of every row). No host sync: a
+        padded layout with static shapes runs inside a CUDA graph capture as well."""
         self._executor = executor
+        self.kv.layout = layout
         try:
-            layout = self.kv.plan(chunks, self.dtype)
             out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=layout.positions[None],
                              attention_mask=layout.mask, cache=self.kv, use_cache=True,
-                             logits_to_keep=layout.last)
+                             logits_to_keep=0 if layout.last is None else layout.last)
             return out.logits[0].float()
         finally:
             self._executor = None

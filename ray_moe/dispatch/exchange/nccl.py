@@ -97,6 +97,8 @@ class NcclExchange(Exchange):
     # -------------------------------------------------------------- collectives
     def all_gather(self, tag: str, vec: np.ndarray) -> np.ndarray:
         arr = np.asarray(vec, dtype=np.int64)
+        if self.size == 1:  # a one-rank group agrees with itself: no collective, no host wait
+            return arr.reshape(1, -1).copy()
         n = arr.size
         send = torch.as_tensor(arr, device=self.device)
         recv = torch.empty(self.size * n, dtype=torch.int64, device=self.device)
@@ -113,6 +115,8 @@ class NcclExchange(Exchange):
         recv_splits: Sequence[int],
     ) -> dict[str, torch.Tensor]:
         check_splits("send_splits", tensors, send_splits, self.size)
+        if self.size == 1:  # every row stays on this rank: no network round, no host wait
+            return {k: t.contiguous() for k, t in tensors.items()}
         out = self._enqueue(tensors, send_splits, recv_splits, torch.cuda.current_stream(self.device), None)
         if self.sync_payload and not torch.cuda.is_current_stream_capturing():
             self.wait(f"exchange {tag!r} (all-to-all-v)")  # a dead peer raises here, never hangs a later sync
