@@ -666,19 +666,23 @@ class Runtime:
 
     # ================================================================ serving generation
     def serving(self, *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
-                max_running: int = 256, max_queued: int = 4096) -> "GenerationEngine":
+                max_running: int = 256, max_queued: int = 4096,
+                random_model: dict[str, Any] | None = None) -> "GenerationEngine":
         """The deployment's generation loop (started on first use: every shard loads the model's non-expert
-        modules and a paged KV cache of ``kv_tokens`` per rank). The arguments apply to the first call."""
+        modules and a paged KV cache of ``kv_tokens`` per rank). The arguments apply to the first call.
+        ``random_model`` (a transformers config dict): seeded random non-expert weights of that model instead
+        of the checkpoint's, for benchmarks of checkpoint-sized shapes (the experts come from the config's
+        weight source as always)."""
         with self._lock:
             if self._engine is None:
                 from ray_moe.serving.driver import GenerationEngine
 
-                if not self.cfg.checkpoint:
+                if not self.cfg.checkpoint and random_model is None:
                     raise ValueError("checkpoint=None: generation needs a model folder "
                                      "(RuntimeConfig.from_pretrained(folder, ...))")
                 self._engine = GenerationEngine(self, kv_tokens=kv_tokens, block_size=block_size,
                                                 step_tokens=step_tokens, max_running=max_running,
-                                                max_queued=max_queued)
+                                                max_queued=max_queued, random_model=random_model)
             return self._engine
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,

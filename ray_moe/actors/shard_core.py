@@ -355,16 +355,25 @@ class ShardCore:
                           time.perf_counter() - t0, marks.done())
 
     # ================================================================ serving generation
-    def load_model(self, *, kv_tokens: int, block_size: int = 16, seed: int | None = None) -> dict[str, Any]:
+    def load_model(self, *, kv_tokens: int, block_size: int = 16, random_model: dict | None = None) -> dict[str, Any]:
         """Host the model's non-expert modules (transformers classes) from the checkpoint, or seeded random
-        ones of ``cfg.model_config`` for benchmarks; routed experts stay this shard's slots."""
+        ones of the transformers config dict ``random_model`` (benchmarks); routed experts stay this shard's
+        slots."""
         from ray_moe.serving.engine import GenerationExecutor
         from ray_moe.serving.model_host import ModelHost
 
         with self._step_lock:
             if self.generator is None:
-                host = ModelHost.from_checkpoint(self.cfg.checkpoint, device=self.device, dtype=self.dtype,
-                                                 kv_tokens=kv_tokens, block_size=block_size)
+                if random_model is not None:
+                    from transformers import AutoConfig
+
+                    conf = dict(random_model)
+                    conf_obj = AutoConfig.for_model(conf.pop("model_type"), **conf)
+                    host = ModelHost.random(conf_obj, seed=self.cfg.seed, device=self.device, dtype=self.dtype,
+                                            kv_tokens=kv_tokens, block_size=block_size)
+                else:
+                    host = ModelHost.from_checkpoint(self.cfg.checkpoint, device=self.device, dtype=self.dtype,
+                                                     kv_tokens=kv_tokens, block_size=block_size)
                 if host.moe_layers != self.cfg.num_layers:
                     raise ValueError(f"num_layers={self.cfg.num_layers} but the model has {host.moe_layers} MoE layers")
                 self.generator = GenerationExecutor(self.rank, host, hidden_size=self.cfg.hidden_size,

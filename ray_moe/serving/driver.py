@@ -82,8 +82,9 @@ class GenerationEngine:
     ``submit`` refuses new ones (overload)."""
 
     def __init__(self, rt: "Runtime", *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
-                 max_running: int = 256, max_queued: int = 4096) -> None:
+                 max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None) -> None:
         self.rt = rt
+        self.random_model = random_model
         self.kv_tokens, self.block_size = int(kv_tokens), int(block_size)
         self.max_queued = int(max_queued)
         self._loaded: set[int] = set()
@@ -133,7 +134,8 @@ class GenerationEngine:
     # ------------------------------------------------------------------ the loop
     def _load(self, ranks: list[int]) -> dict:
         todo = [r for r in ranks if r not in self._loaded]
-        infos = ray.get([self.rt.shards[r].load_model.remote(kv_tokens=self.kv_tokens, block_size=self.block_size)
+        infos = ray.get([self.rt.shards[r].load_model.remote(kv_tokens=self.kv_tokens, block_size=self.block_size,
+                                                               random_model=self.random_model)
                          for r in todo]) if todo else []
         self._loaded.update(todo)
         return infos[0] if infos else {}
