@@ -272,7 +272,9 @@ class ShardCore:
                 "experts_held": len(self._experts),
                 "weight_bytes": sum(w.nbytes for w in self._experts.values()),
                 "counters": {**self.counters, **self.executor.counters, **self.faults.fired},
-                "graphs": len(self.executor.graphs),
+                "graphs": len(self.executor.graphs) + (0 if self.generator is None else len(self.generator.graphs)),
+                "capture_error": self.executor.capture_error or (None if self.generator is None
+                                                                 else self.generator.capture_error),
             }
 
     def expert_weights(self, layer: int, expert: int) -> ExpertWeights | None:

@@ -133,6 +133,7 @@ class StepExecutor:
         self.decode_key = decode_key
         self.graphs = StepGraphs()
         self.counters: dict[str, int] = {}
+        self.capture_error: str | None = None  # a failed capture: decode steps stay eager (reported in status)
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -264,11 +265,15 @@ class StepExecutor:
 
     def _capture(self, view, paths, tag, routed_here, layers, graph_key, staged) -> None:
         """Record the whole decode step as one CUDA graph over stable copies of this step's inputs."""
-        if self.graphs.get(view.generation, graph_key) is not None:
+        if self.graphs.get(view.generation, graph_key) is not None or self.capture_error is not None:
             return
         inputs = {k: v.clone() for k, v in staged.items()}
         step = CapturedStep(inputs)
-        step.capture(self._bucket_body(view, paths, f"{tag}/graph", routed_here, layers))
+        try:
+            step.capture(self._bucket_body(view, paths, f"{tag}/graph", routed_here, layers))
+        except Exception as exc:  # noqa: BLE001 - keep serving the bucket eagerly; say why in status
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            return
         self.graphs.put(view.generation, graph_key, step)
         self.count("graphs_captured")
 

@@ -88,6 +88,7 @@ class GenerationExecutor:
         self.dtype = dtype
         self.counters: dict[str, int] = {}
         self.graphs = StepGraphs()  # captured decode steps by (generation, (rows, keys))
+        self.capture_error: str | None = None  # a failed capture: decode steps stay eager (reported in status)
 
     def run(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
             decode_key: int) -> GenStepResult:
@@ -168,10 +169,15 @@ class GenerationExecutor:
         else:
             logits, ctx = body(staged)  # eager, same shapes: this step's answer, and the warm-up
             ctx.path = "bucket"
-            step = CapturedStep({k: v.clone() for k, v in staged.items()})
-            step.capture(body)  # records only: no collective runs while capturing
-            self.graphs.put(view.generation, key, step)
-            self.count("graphs_captured")
+            if self.capture_error is None:
+                step = CapturedStep({k: v.clone() for k, v in staged.items()})
+                try:
+                    step.capture(body)  # records only: no collective runs while capturing
+                except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
+                    self.capture_error = f"{type(exc).__name__}: {exc}"
+                else:
+                    self.graphs.put(view.generation, key, step)
+                    self.count("graphs_captured")
         want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
         tokens = {}
         if want:
@@ -198,7 +204,7 @@ class GenerationExecutor:
                       status if pre is None else ControlStatus.OK, reason)
         split = SplitMoE(pre, dec, decode_rows, prefill_rows)
         tokens: dict[str, int] = {}
-        if items and bucket and pre is None and paths.capture:
+        if items and bucket and pre is None and paths.capture and self.capture_error is None:
             return self._graph_decode(req, items, view, paths, reason, tag)
         if items:
             chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
