@@ -271,7 +271,8 @@ class ShardCore:
                                 for g in self._gens},
                 "experts_held": len(self._experts),
                 "weight_bytes": sum(w.nbytes for w in self._experts.values()),
-                "counters": {**self.counters, **self.executor.counters, **self.faults.fired},
+                "counters": {**self.counters, **self.executor.counters, **self.faults.fired,
+                             **({} if self.generator is None else self.generator.counters)},
                 "graphs": len(self.executor.graphs) + (0 if self.generator is None else len(self.generator.graphs)),
                 "capture_error": self.executor.capture_error or (None if self.generator is None
                                                                  else self.generator.capture_error),
