@@ -134,7 +134,7 @@ class GenerationExecutor:
             self.count(f"fallback_{reason}")
             tokens, stats, _ = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode,
                                              False, reason, decode_rows, prefill_rows, tag="/rerun")
-        self.count("steps")
+        self.count("generate_steps")
         return GenStepResult(self.rank, req.step_id, view.generation, tokens, stats, time.perf_counter() - t0,
                              ("bucket" if bucket else "variable") if want_decode else None, reason)
 
