@@ -130,12 +130,13 @@ class DispatchMode(str, Enum):
     """The data path a dispatcher implements (one typed output per mode, ``dispatch/protocol.py``).
 
     ENGINE: the reference (``engine.py``); DIRECT: the fast normal mode (``direct.py``); BUCKET: the
-    fixed-capacity decode mode (``bucket.py``, CUDA-graph capturable).
+    fixed-capacity decode mode (``bucket.py``, CUDA-graph capturable); LOCAL: a one-rank group (``local.py``).
     """
 
     ENGINE = "engine"
     DIRECT = "direct"
     BUCKET = "bucket"
+    LOCAL = "local"  # a group of one: no exchange (``local.py``), prefill and decode
 
 
 class ExchangeSchedule(str, Enum):

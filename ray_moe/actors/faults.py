@@ -28,6 +28,7 @@ import numpy as np
 
 from ray_moe.dispatch.bucket import BucketHandle
 from ray_moe.dispatch.direct import DirectHandle
+from ray_moe.dispatch.local import LocalHandle
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.protocol import HEADER_FIELDS, Dispatcher
 from ray_moe.dispatch.records import DispatchHandle, Handle
@@ -97,6 +98,9 @@ class FaultyRunner(ExpertRunner):
     def run_capacity(self, x, weights, valid=None):
         return self._inner.run_capacity(x, weights, valid) * self.scale
 
+    def run_offsets(self, x, offsets, weights):
+        return self._inner.run_offsets(x, offsets, weights) * self.scale
+
     def ledger(self, counts, d, f):
         return self._inner.ledger(counts, d, f)
 
@@ -117,6 +121,11 @@ def corrupt_handle(handle: Handle) -> Handle:
         else:
             rs = rs[:0]
         return dataclasses.replace(handle, route_src=rs.view(-1, max(handle.top_k, 1)))
+    if isinstance(handle, LocalHandle):
+        dest = handle.dest.clone()
+        if dest.numel() >= 2:
+            dest[1] = dest[0]  # route 1 reads route 0's row
+        return dataclasses.replace(handle, dest=dest)
     if isinstance(handle, BucketHandle):
         idx = handle.send_index.clone()
         if idx.numel() >= 2:

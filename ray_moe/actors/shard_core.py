@@ -32,6 +32,7 @@ from ray_moe.dispatch.bucket import BucketDispatcher
 from ray_moe.dispatch.direct import DirectDispatcher
 from ray_moe.dispatch.engine import EngineDispatcher
 from ray_moe.dispatch.exchange.base import Exchange
+from ray_moe.dispatch.local import LocalDispatcher
 from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.errors import GenerationError, StaleGenerationError
 from ray_moe.experts.runners import make_runner
@@ -100,15 +101,22 @@ class ShardCore:
         """Pick the data paths of this deployment (every rank picks alike: they speak one protocol)."""
         cfg = self.cfg
         runner = make_runner(cfg.runner)
-        if cfg.resolved_dispatch_path is DispatchPath.DIRECT:
-            normal = DirectDispatcher(exchange, self.selector)
-        else:
-            normal = EngineDispatcher(exchange, self.selector, payload_format=cfg.payload_format,
-                                      compute_dtype=self.dtype)
         bucket = None
-        if cfg.decode_buckets:
-            bucket = BucketDispatcher(exchange, self.selector, token_cap=cfg.decode_token_capacity, top_k=cfg.top_k,
-                                      hidden_size=cfg.hidden_size, slot_cap=cfg.decode_slot_capacity)
+        if exchange.size == 1 and cfg.dispatch_path is DispatchPath.AUTO:  # a group of one: nothing to exchange
+            normal = LocalDispatcher(exchange, self.selector, validate=True)
+            if cfg.decode_buckets:
+                bucket = LocalDispatcher(exchange, self.selector, validate=False, token_cap=cfg.decode_token_capacity,
+                                         top_k=cfg.top_k, hidden_size=cfg.hidden_size)
+        else:
+            if cfg.resolved_dispatch_path is DispatchPath.DIRECT:
+                normal = DirectDispatcher(exchange, self.selector)
+            else:
+                normal = EngineDispatcher(exchange, self.selector, payload_format=cfg.payload_format,
+                                          compute_dtype=self.dtype)
+            if cfg.decode_buckets:
+                bucket = BucketDispatcher(exchange, self.selector, token_cap=cfg.decode_token_capacity,
+                                          top_k=cfg.top_k, hidden_size=cfg.hidden_size,
+                                          slot_cap=cfg.decode_slot_capacity)
         capture = self.device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
         self.paths = DataPaths(exchange, normal, bucket, runner, capture)
         self._decode_keys.clear()

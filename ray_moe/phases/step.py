@@ -64,6 +64,9 @@ def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights 
     rows = out.rows
     if weights is None:  # this rank hosts no slot of the layer: nothing was received
         return rows if rows.dim() == 3 else rows.new_zeros((0, hidden_size))
+    offsets = getattr(out, "offsets", None)
+    if offsets is not None:  # expert-major rows with device-side offsets (the one-rank path)
+        return runner.run_offsets(rows, offsets, weights)
     if rows.dim() == 3:
         return runner.run_capacity(rows, weights, getattr(out, "valid", None))
     if rows.shape[0] == 0:

@@ -11,11 +11,14 @@ import json
 import socket
 import threading
 
-import httpx
 import pytest
-import torch
 
-from ray_moe.apps.server import run_server
+pytest.importorskip("fastapi")  # ray[serve]: installed by the project; absent on the bare GPU machine
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from ray_moe.apps.server import run_server  # noqa: E402
 from ray_moe.testing.hf_models import save_char_tokenizer, tiny_model
 
 KEY = "test-key-123"

@@ -75,6 +75,18 @@ class ExpertRunner(ABC):
         wg, wu = gate_up_operands(weights)
         return torch.bmm(swiglu_act(torch.bmm(x, wg), torch.bmm(x, wu)), down_operand(weights))
 
+    def run_offsets(self, x: torch.Tensor, offsets: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
+        """x: [R, d] expert-major rows, offsets: [Q_local] int32 device-side inclusive row ends per slot (rows
+        past ``offsets[-1]`` are padding and need not be computed) -> [R, d]. Here: one host read of the
+        offsets, then ``run``; runners with device-offset kernels override (no host sync)."""
+        ends = [int(v) for v in offsets.tolist()]
+        n = ends[-1] if ends else 0
+        counts = [b - a for a, b in zip([0, *ends[:-1]], ends)]
+        y = torch.zeros_like(x)
+        if n:
+            y[:n] = self.run(x[:n], counts, weights)
+        return y
+
     @abstractmethod
     def ledger(self, counts: Sequence[int], d: int, f: int) -> RunnerLedger:
         """Analytical rows/values/FLOPs this runner executes for ``counts``."""

@@ -229,6 +229,17 @@ class GroupedRunner(ExpertRunner):
             return super().run_capacity(x, weights, valid)
         return capacity_swiglu(x, valid, weights)
 
+    def run_offsets(self, x: torch.Tensor, offsets: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
+        """Expert-major rows with device-side offsets: three grouped launches, no host sync (rows past
+        ``offsets[-1]`` are left uncomputed: the combine never reads them)."""
+        if self.use_grouped_mm is False or not grouped_mm_available(x.device, x.dtype, weights.hidden_size,
+                                                                    weights.ffn_size):
+            return super().run_offsets(x, offsets, weights)
+        xa = _aligned(x)
+        wg, wu = gate_up_operands(weights)
+        a = swiglu_act(torch._grouped_mm(xa, wg, offs=offsets), torch._grouped_mm(xa, wu, offs=offsets))
+        return torch._grouped_mm(a, down_operand(weights), offs=offsets)
+
     def backend(self, x: torch.Tensor, weights: SlotWeights, counts: Sequence[int] | None = None) -> str:
         """``"grouped_mm"`` or ``"loop"``: what ``run`` uses for these rows, counts and weights."""
         ok = grouped_mm_available(x.device, x.dtype, weights.hidden_size, weights.ffn_size)
