@@ -85,6 +85,30 @@ class ClusterAuthError(ClusterConnectionError):
     """The Ray cluster refused this client: Ray token authentication (``RAY_AUTH_MODE=token``)."""
 
 
+class DeploymentStartError(RayMoEError, RuntimeError):
+    """``Runtime.start`` failed after validation; everything it had created was removed. ``stage`` names
+    the step that failed; ``__cause__`` is the root cause (not Ray's wrapper)."""
+
+    def __init__(self, message: str, *, stage: str = ""):
+        super().__init__(message)
+        self.stage = stage
+
+
+class DeploymentExistsError(DeploymentStartError):
+    """A live deployment already holds the name (use ``Runtime.connect``)."""
+
+
+class ResourcesUnavailableError(DeploymentStartError):
+    """The deployment's placement group could not be placed within the start timeout. ``missing``: resource
+    -> amount short now; ``holders``: who holds those resources (other deployments' placement groups)."""
+
+    def __init__(self, message: str, *, stage: str = "reserving resources", missing: dict | None = None,
+                 holders: list | None = None):
+        super().__init__(message, stage=stage)
+        self.missing = dict(missing or {})
+        self.holders = list(holders or [])
+
+
 def _rebuild_stale(message: str, requested: int | None, active: int | None) -> StaleGenerationError:
     return StaleGenerationError(message, requested=requested, active=active)
 

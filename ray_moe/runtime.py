@@ -30,7 +30,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_moe.actors.coordinator import coordinator_class, coordinator_name
+from ray_moe.actors.coordinator import coordinator_name
 from ray_moe.actors.expert_shard import shard_actor_class
 from ray_moe.actors.remote import call
 from ray_moe.actors.step import StepRequest, StepResult
@@ -156,10 +156,21 @@ class Runtime:
 
     # ================================================================ lifecycle
     @classmethod
-    def start(cls, cfg: RuntimeConfig, *, address: str | None = None, num_cpus: int | None = None) -> "Runtime":
-        """Create the coordinator, the placement group and one shard actor per rank; publish generation 0."""
+    def start(cls, cfg: RuntimeConfig, *, address: str | None = None, num_cpus: int | None = None,
+              timeout_s: float = 60.0, detached: bool = False) -> "Runtime":
+        """Create the coordinator, the placement group and one shard actor per rank; publish generation 0.
+
+        All or nothing (``ray_moe.actors.launch``): the config and the checkpoint are validated here in the
+        driver before any actor starts (``ConfigError``); a failure after that removes every actor and
+        placement group this start created, frees the coordinator name and raises ``DeploymentStartError``
+        naming the stage and the root cause. ``timeout_s`` bounds the wait for resources (a placement group
+        that cannot be placed raises ``ResourcesUnavailableError`` naming what is missing and who holds it)
+        and for the shards to start. ``detached``: the actors and placement group outlive this driver (a
+        new driver reattaches with ``Runtime.connect(name)``; stop it with ``shutdown``)."""
+        from ray_moe.actors import launch
+
+        cfg, source = launch.validate_start(cfg)  # checkpoint shapes and headers checked here, before any actor
         env = read_env()
-        source = weight_source(cfg)  # checkpoint shapes and headers checked here, before any actor starts
         owns = False
         if not ray.is_initialized():
             addr = address or env.ray_address
@@ -170,37 +181,33 @@ class Runtime:
                          namespace=env.namespace, include_dashboard=False, log_to_driver=False)
                 owns = True
         ns = ray.get_runtime_context().namespace
-        coord = coordinator_class().options(name=coordinator_name(cfg.name), namespace=ns, get_if_exists=True,
-                                            num_cpus=0).remote(cfg.model_dump_json())
-        if ray.get(coord.is_deployed.remote()):
-            raise RuntimeError(f"deployment {cfg.name!r} is already running; use Runtime.connect({cfg.name!r})")
-        gpus = 1 if cfg.device == "cuda" else 0
-        bundle = {"CPU": cfg.actor_cpus, **({"GPU": 1} if gpus else {})}
-        pg = placement_group([dict(bundle) for _ in range(cfg.num_ranks)], strategy=cfg.placement_strategy)
-        ray.get(pg.ready(), timeout=300)
-        actor_cls = shard_actor_class(cfg)
-        shards = {
-            r: actor_cls.options(
-                num_cpus=cfg.actor_cpus, num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            ).remote(r, cfg.model_dump_json(), source)
-            for r in range(cfg.num_ranks)
-        }
-        infos = ray.get([shards[r].node_info.remote() for r in range(cfg.num_ranks)])
-        topology = topology_from_nodes(infos)
-        group = ProcessGroupSpec(group_id="ep-group-0", peer_order=tuple(range(cfg.num_ranks)), epoch=0)
-        ray.get([h.set_topology.remote(topology.model_dump_json()) for h in shards.values()])
-        rt = cls(cfg, coord, shards, group, topology, pg, env, owns)
-        rt._node_infos = list(infos)
-        rt._connect_exchange(group)
-        expert_bytes = 3 * cfg.hidden_size * cfg.ffn_size * torch.tensor([], dtype=rt.dtype).element_size()
-        ray.get(coord.attach.remote(shards, topology.model_dump_json(), group.model_dump_json(), expert_bytes))
-        rt._generation = ray.get(coord.deploy.remote())
-        return rt
+
+        def finish(attempt: "launch.Launch", shards: dict[int, Any], infos: list[dict[str, Any]]) -> "Runtime":
+            attempt.stage = "connecting the exchange"
+            topology = topology_from_nodes(infos)
+            group = ProcessGroupSpec(group_id="ep-group-0", peer_order=tuple(range(cfg.num_ranks)), epoch=0)
+            ray.get([h.set_topology.remote(topology.model_dump_json()) for h in shards.values()])
+            rt = cls(cfg, attempt.coordinator, shards, group, topology, attempt.pg, env, owns)
+            rt._node_infos = list(infos)
+            rt._connect_exchange(group)
+            attempt.stage = "deploying generation 0"
+            expert_bytes = 3 * cfg.hidden_size * cfg.ffn_size * torch.tensor([], dtype=rt.dtype).element_size()
+            ray.get(attempt.coordinator.attach.remote(shards, topology.model_dump_json(), group.model_dump_json(),
+                                                      expert_bytes))
+            rt._generation = ray.get(attempt.coordinator.deploy.remote())
+            return rt
+
+        try:
+            return launch.Launch(cfg, ns, source=source, timeout_s=timeout_s, detached=detached).run(finish)
+        except BaseException:
+            if owns:
+                ray.shutdown()
+            raise
 
     @classmethod
-    def connect(cls, name: str = "default", *, address: str | None = None) -> "Runtime":
-        """Attach to a running deployment through its named coordinator (``ray-moe status/scale``)."""
+    def connect(cls, name: str = "default", *, address: str | None = None, timeout_s: float = 60.0) -> "Runtime":
+        """Attach to a running deployment through its named coordinator (``ray-moe status/scale``). A
+        coordinator that is restarting is waited for (``timeout_s``); a dead or never-deployed one is an error."""
         env = read_env()
         if not ray.is_initialized():
             ray.init(address=address or env.ray_address or "auto", namespace=env.namespace, log_to_driver=False)
@@ -209,14 +216,36 @@ class Runtime:
         except ValueError:
             raise ValueError(f"name={name!r}: no running ray-moe deployment (coordinator "
                              f"{coordinator_name(name)!r} not found)") from None
-        cfg = RuntimeConfig.model_validate_json(ray.get(coord.config_json.remote()))
-        shards = ray.get(coord.shard_handles.remote())
-        group = ProcessGroupSpec.model_validate_json(ray.get(coord.group_json.remote()))
-        topo_json = ray.get(coord.topology.remote())
+        try:
+            status = cls._coord_call(coord, "status", timeout_s=timeout_s)
+        except ray.exceptions.RayActorError:
+            raise ValueError(f"name={name!r}: no running ray-moe deployment (coordinator {coordinator_name(name)!r} "
+                             f"is dead)") from None
+        if status.get("active") is None:
+            why = f"; its restart could not rebuild: {status['rebuild_error']}" if status.get("rebuild_error") else ""
+            raise ValueError(f"name={name!r}: deployment has no ACTIVE generation (a start that is in progress or "
+                             f"failed{why})")
+        cfg = RuntimeConfig.model_validate_json(cls._coord_call(coord, "config_json", timeout_s=timeout_s))
+        shards = cls._coord_call(coord, "shard_handles", timeout_s=timeout_s)
+        group = ProcessGroupSpec.model_validate_json(cls._coord_call(coord, "group_json", timeout_s=timeout_s))
+        topo_json = cls._coord_call(coord, "topology", timeout_s=timeout_s)
         topology = Topology.model_validate_json(topo_json) if topo_json else Topology.single_node(cfg.num_ranks)
         rt = cls(cfg, coord, shards, group, topology, None, env, False)
-        rt._generation = ray.get(coord.active_generation.remote())
+        rt._generation = cls._coord_call(coord, "active_generation", timeout_s=timeout_s)
         return rt
+
+    @staticmethod
+    def _coord_call(coord: Any, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        """One coordinator call that waits out a coordinator restart (``ActorUnavailableError``) for up to
+        ``timeout_s`` instead of failing; a coordinator that is dead for good still raises."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(getattr(coord, method).remote(*args), timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def _connect_exchange(self, group: ProcessGroupSpec) -> None:
         handles = {r: self.shards[r] for r in group.peer_order}
@@ -232,25 +261,18 @@ class Runtime:
             call([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
 
     def shutdown(self) -> None:
-        """Stop every actor of the deployment and free its placement group."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        for h in list(self.shards.values()):
-            try:
-                ray.kill(h)
-            except Exception:  # noqa: BLE001
-                pass
-        try:
-            ray.kill(self.coordinator)
-        except Exception:  # noqa: BLE001
-            pass
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
+        """Stop every actor of the deployment and free its placement groups, its durable coordinator record
+        and its name (waited for, bounded)."""
+        from ray_moe.actors import launch
+
+        if ray.is_initialized():
+            launch.teardown(self.cfg.name, ray.get_runtime_context().namespace, coordinator=self.coordinator,
+                            shards=self.shards, pgs=[self._pg, *self._extra_pgs.values()])
         self.shards = {}
+        self._extra_pgs = {}
         if self._owns_ray:
             ray.shutdown()
 
@@ -521,7 +543,25 @@ class Runtime:
     def _refresh_generation(self, backoff: bool = False) -> None:
         if backoff:
             time.sleep(0.002)
-        self._generation = call(self.coordinator.active_generation.remote())
+        self._generation = self._active_generation()
+
+    def _active_generation(self, patience_s: float = 0.25) -> int | None:
+        """The coordinator's ACTIVE generation. While the coordinator restarts (it does not answer within
+        ``patience_s``), the generation every live shard has ACTIVE serves instead: the shards pin each step
+        themselves, so traffic keeps flowing even when a publish landed just before the coordinator died."""
+        ref = self.coordinator.active_generation.remote()  # retried by Ray across a restart
+        while True:
+            try:
+                return ray.get(ref, timeout=patience_s)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            try:
+                seen = set(ray.get([self.shards[r].active_generation.remote() for r in self.group.peer_order],
+                                   timeout=10))
+            except Exception:  # noqa: BLE001 - a dead shard: wait for the coordinator
+                seen = set()
+            if len(seen) == 1 and None not in seen:
+                return seen.pop()
 
     def _account(self, results: dict[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
         with self._lock:

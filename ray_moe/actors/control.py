@@ -19,6 +19,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from ray_moe.actors.recovery import (
+    RETIRED_KEPT,
+    PendingOp,
+    PlaneState,
+    ShardRegistrySnapshot,
+    next_generation_id,
+    plan_rebuild,
+)
 from ray_moe.config import RuntimeConfig
 from ray_moe.errors import AdmissionError, ExpertUnavailableError, GenerationError, RankDeadError
 from ray_moe.placement.initial import spread_assignment
@@ -111,6 +119,121 @@ class ControlPlane:
         self._lock = threading.RLock()  # one control operation at a time
         self._tl_lock = threading.Lock()
         self._next_generation = 0
+        # replica floors set by a manual ``scale``: EPLB keeps at least this many copies of (layer, expert)
+        self.floors: dict[Key, int] = {}
+        # durability (see recovery.py): ``on_change`` is called after every change of the plane's own state
+        # (the coordinator actor writes its durable record there); ``op`` is the multi-shard operation in
+        # flight, recorded before the first shard is touched
+        self.on_change: Callable[[], None] | None = None
+        self.op: PendingOp | None = None
+        self.retired_before: list[int] = []  # generations retired before a restart (ids only)
+        self.retire_pending: set[int] = set()  # superseded generations an operation will retire once drained
+        self.rebuild_report: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- durability
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _begin(self, kind: str, generation: int | None, detail: str = "") -> None:
+        self.op = PendingOp(kind=kind, generation=generation, detail=detail)
+        self._changed()
+
+    def _end(self) -> None:
+        self.op = None
+        self._changed()
+
+    def durable_state(self) -> PlaneState:
+        """The plane's own state that no shard holds (written on every change; see recovery.py)."""
+        retired = set(self.retired_before)
+        for g in self.registry.generations():
+            if self.registry.state(g) == GenerationState.RETIRED:
+                retired.add(g)
+        floors = dict(self.floors)
+        return PlaneState(next_generation=self._next_generation, retired=sorted(retired)[-RETIRED_KEPT:],
+                          floors=[(l, e, n) for (l, e), n in floors.items()],
+                          dead_ranks=sorted(set(self.dead_ranks)), expert_bytes=self.expert_bytes, op=self.op,
+                          retire_pending=sorted(set(self.retire_pending)))
+
+    def generation_states(self) -> dict[int, str]:
+        """Every generation's state, those retired before a restart included."""
+        out = {g: GenerationState.RETIRED.value for g in self.retired_before}
+        reg = self.registry
+        out.update({g: reg.state(g).value for g in reg.generations()})
+        return dict(sorted(out.items()))
+
+    @classmethod
+    def restore(cls, cfg: RuntimeConfig, fleet: Fleet, topology: Topology, group: ProcessGroupSpec,
+                state: PlaneState, *, load_rows: Sequence[Mapping[str, Any]] = (),
+                clock: Callable[[], float] = time.time, retire_timeout_s: float = 5.0) -> "ControlPlane":
+        """A control plane rebuilt after a coordinator restart (see recovery.py): generations, states and
+        manifests from the live shards' registry mirrors, digests from the manifests, the rest from
+        ``state``. Interrupted work is finished or undone on the shards before it returns."""
+        t0 = time.perf_counter()
+        plane = cls(cfg, fleet, topology, group, clock=clock)
+        plane.expert_bytes = int(state.expert_bytes)
+        plane.dead_ranks = set(state.dead_ranks)
+        plane.floors = {(int(l), int(e)): int(n) for l, e, n in state.floors}
+        plane.retired_before = list(state.retired)
+        for row in load_rows:
+            try:
+                plane.load.record(np.asarray(row["counts"], dtype=np.int64), phase=row["phase"],
+                                  generation=int(row["generation"]), checkpoint=row["checkpoint"], step=int(row["step"]))
+            except (KeyError, ValueError, TypeError):  # a malformed row loses load history, not the restart
+                continue
+        with plane._lock:
+            raw = plane._call_live("registry_snapshot", lambda r: ())
+            snaps = {r: ShardRegistrySnapshot.model_validate(v) for r, v in raw.items()}
+            plan = plan_rebuild(plane.live_ranks(), snaps, state.op, state.retire_pending)
+            # 1. undo: never-published generations and the weights staged for them
+            for g, ranks in sorted(plan.abandon.items()):
+                done = plane.fleet.call("retire", {r: (g,) for r in ranks if r in plan.live})
+                if not all(done.values()):
+                    plan.notes.append(f"generation {g}: abandon refused on ranks {[r for r, ok in done.items() if not ok]}")
+            dropped = plane._call_live("drop_unreferenced", lambda r: ())
+            # 2. the registry: manifests from one holder each, states as planned
+            by_holder: dict[int, list[int]] = defaultdict(list)
+            for g, r in plan.holder.items():
+                by_holder[r].append(g)
+            got = plane.fleet.call("generation_manifests", {r: (sorted(gs),) for r, gs in by_holder.items()})
+            manifests = {int(g): (m if isinstance(m, PlacementManifest) else PlacementManifest.model_validate_json(m))
+                         for per in got.values() for g, m in per.items()}
+            for g in sorted(plan.states):
+                plane.registry.register(manifests[g])
+            for g in sorted(plan.states):
+                if plan.states[g] == "DRAINING":
+                    plane.registry.publish(g)
+                    plane.registry.mark_draining(g)
+            if plan.active is not None:
+                plane.registry.publish(plan.active)
+            for man in manifests.values():
+                for sl in man.slots:
+                    plane.digests.setdefault((sl.layer, sl.logical_expert_id), sl.parameter_digest)
+            if state.op is not None and state.op.kind == "retire" and state.op.generation not in plan.states:
+                plane.retired_before.append(int(state.op.generation))  # its retire had reached every live shard
+            plane.retired_before = sorted(set(plane.retired_before) | set(plan.abandon))
+            plane._next_generation = next_generation_id(state.next_generation, plan, plane.retired_before)
+            # 3. finish interrupted work so that every live shard agrees with the registry
+            if plan.publish_on:
+                plane.fleet.call("publish", {r: (plan.active,) for r in plan.publish_on})
+            for g, ranks in plan.stop.items():
+                plane.fleet.call("stop_dispatch", {r: (g,) for r in ranks})
+            for g, ranks in plan.candidates_on.items():
+                plane.fleet.call("allow_candidate", {r: (g,) for r in ranks})
+            plane.retire_pending = set(plan.finish_retire)  # a drain that times out here is retried by later changes
+            retired_now = [g for g in plan.finish_retire if plane.drain_and_retire(g, timeout_s=retire_timeout_s)]
+            plane.op = None
+            plane.rebuild_report = {
+                "active": plan.active, "generations": dict(plan.states), "abandoned": sorted(plan.abandon),
+                "published_on": plan.publish_on, "retired": retired_now, "dropped_weights": int(sum(dropped.values())),
+                "interrupted_op": None if state.op is None else state.op.model_dump(), "notes": list(plan.notes),
+                "next_generation": plane._next_generation, "live_ranks": plan.live,
+                "dead_ranks": sorted(plane.dead_ranks), "rebuild_s": time.perf_counter() - t0,
+            }
+            plane.log("rebuild", plan.active, f"coordinator restarted: {len(plan.states)} generations from "
+                      f"{len(plan.live)} shards, active {plan.active}, abandoned {sorted(plan.abandon)}; "
+                      + "; ".join(plan.notes))
+        return plane
 
     # ---------------------------------------------------------------- timeline
     def log(self, event: str, generation: int | None = None, detail: str = "") -> None:
@@ -144,6 +267,7 @@ class ControlPlane:
             except RankDeadError as exc:
                 self.dead_ranks.update(exc.ranks)
                 self.log("rank-dead", None, f"{method}: ranks {list(exc.ranks)} unreachable")
+                self._changed()
         raise RankDeadError(f"{method}: ranks keep dying", ranks=tuple(self.dead_ranks))
 
     def refcounts(self) -> dict[int, int]:
@@ -157,9 +281,59 @@ class ControlPlane:
             out[g] = self.registry.refcount(g) + sum(shard.values())
         return out
 
+    # ---------------------------------------------------------------- replica floors
+    def set_floor(self, expert: int, replicas: int, layer: int | None = None) -> None:
+        """A manual scale: (layer, expert) keeps at least ``replicas`` copies through EPLB rebalances until
+        a later scale lowers it (``replicas`` 1 removes the floor). ``floors`` keeps set order (newest last)."""
+        for l in (range(self.cfg.num_layers) if layer is None else (layer,)):
+            self.floors.pop((int(l), int(expert)), None)
+            if replicas > 1:
+                self.floors[(int(l), int(expert))] = int(replicas)
+        self._changed()
+
+    def floor_list(self) -> list[dict[str, int]]:
+        return [{"layer": l, "expert": e, "replicas": n} for (l, e), n in sorted(dict(self.floors).items())]
+
+    def effective_floors(self, num_slots: int) -> tuple[dict[Key, int], list[str]]:
+        """The floors EPLB gets with ``num_slots`` physical slots per layer. They always fit while the slots
+        that existed when they were set still do; when ranks were lost since, the newest floors are kept
+        whole and older ones are lowered until they fit (the recorded floors are unchanged and come back
+        with the capacity). Returns (floors, notes naming each lowered floor)."""
+        out: dict[Key, int] = {}
+        notes: list[str] = []
+        budget = {l: num_slots - self.cfg.num_experts for l in range(self.cfg.num_layers)}
+        for (l, e), n in reversed(list(dict(self.floors).items())):  # newest first
+            take = max(0, min(n - 1, budget[l]))
+            budget[l] -= take
+            if take + 1 < n:
+                notes.append(f"expert {e} of layer {l}: floor {n} lowered to {take + 1} ({num_slots} slots per layer)")
+            if take:
+                out[(l, e)] = take + 1
+        return out, notes
+
+    def _floor_matrix(self, num_slots: int) -> np.ndarray | None:
+        floors, notes = self.effective_floors(num_slots)
+        if notes:
+            self.log("floor-clipped", None, "; ".join(notes))
+        if not floors:
+            return None
+        m = np.ones((self.cfg.num_layers, self.cfg.num_experts), dtype=np.int64)
+        for (l, e), n in floors.items():
+            m[l, e] = n
+        return m
+
+    def scale(self, expert: int, replicas: int, layer: int | None = None, *, drain_timeout_s: float = 60.0) -> ApplyReport:
+        """Give ``expert`` exactly ``replicas`` copies (live) and record that count as its replica floor."""
+        with self._lock:
+            new = self.propose_scale(expert, replicas, layer)
+            rep = self.apply(new, reason=f"scale expert {expert} to {replicas} replicas", drain_timeout_s=drain_timeout_s)
+            self.set_floor(expert, replicas, layer)
+            return rep
+
     # ---------------------------------------------------------------- building manifests
     def _new_manifest(self, phy2log: Sequence[Sequence[int]], slot_rank: Sequence[Sequence[int]]) -> PlacementManifest:
         self._next_generation += 1
+        self._changed()  # the id is spent even if the change never publishes
         digests = {(l, e): d for (l, e), d in self.digests.items()}
         return manifest_from_assignment(
             generation=self._next_generation - 1,
@@ -178,6 +352,7 @@ class ControlPlane:
                 for e, u in zip(phy2log[l], slot_rank[l]):
                     need[u].add((l, e))
             t0 = self._clock()
+            self._begin("deploy", 0)
             got = self.fleet.call("load_experts", {u: (sorted(keys),) for u, keys in need.items()})
             for u, digs in got.items():
                 for key, d in digs.items():
@@ -191,6 +366,7 @@ class ControlPlane:
             self.log("load", 0, f"{sum(len(k) for k in need.values())} expert copies loaded in {self._clock() - t0:.2f}s")
             manifest = self._new_manifest(phy2log, slot_rank)
             self._publish_first(manifest)
+            self._end()
             return manifest.generation
 
     def _publish_first(self, manifest: PlacementManifest) -> None:
@@ -203,6 +379,7 @@ class ControlPlane:
 
     def set_expert_bytes(self, nbytes: int) -> None:
         self.expert_bytes = int(nbytes)
+        self._changed()
 
     def record_load(self, counts: Any, *, phase: str, generation: int) -> None:
         self.load.record(np.asarray(counts, dtype=np.int64), phase=phase, generation=generation,
@@ -288,7 +465,8 @@ class ControlPlane:
             current = np.asarray(rows, dtype=np.int64) if cur_ok else None
         res = rebalance_experts(weight, q, groups, nodes, gpus,
                                 avoid_same_gpu_duplicates=avoid_same_gpu_duplicates,
-                                current_phy2log=current, migration_tolerance=tolerance if current is not None else 0.0)
+                                current_phy2log=current, migration_tolerance=tolerance if current is not None else 0.0,
+                                min_replicas=self._floor_matrix(q))
         phy2log = res.phy2log.tolist()
         spg = q // gpus
         slot_rank = [[live[i // spg] for i in range(q)] for _ in range(cfg.num_layers)]
@@ -327,30 +505,42 @@ class ControlPlane:
             staged = self.stage(new, reason=reason, sources_alive=sources_alive)
             old_g = staged.old_generation
             timings = dict(staged.timings_s)
+            self.retire_pending.add(old_g)  # a restart before the retire below finishes it (recovery.py)
+            self._changed()
             # 5. publish: every shard first, then the registry (drivers refresh from it)
             t = self._clock()
-            self._publish(new.generation)
+            try:
+                self._publish(new.generation)
+            except Exception:
+                self.retire_pending.discard(old_g)  # still ACTIVE: nothing to retire
+                raise
             timings["publish"] = self._clock() - t
             self.log("publish", new.generation, f"active; generation {old_g} DRAINING")
             # 6. drain + 7. retire
             t = self._clock()
             retired = self.drain_and_retire(old_g, timeout_s=drain_timeout_s)
+            self._retire_leftovers(new.generation)
             timings["drain_retire"] = self._clock() - t
             return ApplyReport(old_g, new.generation, reason, staged.plan, staged.copies, staged.loads,
                                timings["drain_retire"], retired, timings)
 
     def _publish(self, generation: int) -> None:
+        self._begin("publish", generation)
         self._call_live("publish", lambda r: (generation,))
         if self.registry.state(generation) == GenerationState.DRAINING:
             self.registry.reactivate(generation)
         else:
             self.registry.publish(generation)
+        self._end()
 
     def promote(self, generation: int, *, retire_prior: bool = True, drain_timeout_s: float = 60.0) -> int:
         """A staged candidate becomes ACTIVE; the prior goes DRAINING (and is retired once drained unless
         ``retire_prior`` is False, which keeps it loaded as the rollback fallback). Returns the prior id."""
         with self._lock:
             prior = self.registry.active()
+            if retire_prior and prior is not None:
+                self.retire_pending.add(prior)
+                self._changed()
             self._publish(generation)
             self.log("publish", generation, f"candidate promoted; generation {prior} DRAINING")
             if retire_prior and prior is not None:
@@ -360,9 +550,11 @@ class ControlPlane:
     def stop_dispatch(self, generation: int) -> None:
         """Stop fence: no new step pins ``generation`` (a candidate is revoked; an ACTIVE one drains)."""
         with self._lock:
+            self._begin("stop_dispatch", generation)
             self._call_live("stop_dispatch", lambda r: (generation,))
             if self.registry.state(generation) == GenerationState.ACTIVE:
                 self.registry.mark_draining(generation)
+            self._end()
             self.log("stop-dispatch", generation, "no new dispatch may pin it")
 
     def activate(self, generation: int) -> None:
@@ -405,7 +597,10 @@ class ControlPlane:
                                   rank_budget_bytes=budget)
             timings["plan"] = self._clock() - t
             self.log("plan", new.generation, f"{reason}: {_ledger_line(plan)}")
+            if self.rebuild_report is not None:
+                self._sweep_orphans()
             # 2. reserve: register PENDING (nothing else moves until materialisation)
+            self._begin("stage", new.generation, reason)
             self.registry.register(new)
             self.log("reserve", new.generation, f"{plan.ledger.reserved_bytes} B reserved for non-retained copies")
             staged: dict[int, set[Key]] = defaultdict(set)
@@ -453,14 +648,51 @@ class ControlPlane:
                 except Exception:  # noqa: BLE001
                     pass
                 self.log("abort", new.generation, f"{type(exc).__name__}: {exc}")
+                self._end()
                 raise
             if serve_candidate:
                 self._call_live("allow_candidate", lambda r: (new.generation,))
                 self.log("candidate", new.generation, "serves steps that name it (shadow / canary)")
+            self._end()
             return ApplyReport(old_g, new.generation, reason, plan, copies, loads, 0.0, False, timings)
+
+    def _sweep_orphans(self) -> None:
+        """After a restart: a prepare sent by the dead incarnation may land on a shard after the rebuild read
+        it. A PENDING, non-candidate generation this registry does not know is such an orphan: abandon it."""
+        known = set(self.registry.generations())
+        for r, snap in self._call_live("registry_snapshot", lambda r: ()).items():
+            for g, info in snap["generations"].items():
+                if int(g) not in known and info["state"] == GenerationState.PENDING.value and not info["candidate"]:
+                    self.fleet.call("retire", {r: (int(g),)})
+                    self.log("orphan-abandoned", int(g), f"rank {r}: PENDING generation unknown to the coordinator")
 
     def drain_and_retire(self, generation: int, *, timeout_s: float = 60.0) -> bool:
         """Wait until no lease or in-flight handle pins ``generation``, then retire it everywhere."""
+        try:
+            done = self._drain_and_retire(generation, timeout_s)
+        except Exception:
+            self.retire_pending.discard(generation)
+            raise
+        if done and generation in self.retire_pending:  # not drained in time: kept, retried by a later change
+            self.retire_pending.discard(generation)
+            self._changed()
+        return done
+
+    def _retire_leftovers(self, active: int | None) -> None:
+        """Retire superseded generations whose drain timed out earlier (or before a restart) once nothing pins
+        them any more; a generation still pinned is left for the next change (no waiting here)."""
+        for g in sorted(set(self.retire_pending)):
+            try:
+                state = self.registry.state(g)
+            except GenerationError:
+                state = None
+            if g == active or state != GenerationState.DRAINING:
+                self.retire_pending.discard(g)
+                continue
+            if self.shard_refcount(g) == 0:
+                self.drain_and_retire(g, timeout_s=0.0)
+
+    def _drain_and_retire(self, generation: int, timeout_s: float) -> bool:
         deadline = self._clock() + timeout_s
         while True:
             shard = self._call_live("refcount", lambda r: (generation,))
@@ -472,12 +704,15 @@ class ControlPlane:
                 return False
             time.sleep(0.002)
         self.log("drained", generation, "refcount 0 on coordinator and every shard")
+        self._begin("retire", generation)
         done = self._call_live("retire", lambda r: (generation,))
         if not all(done.values()):
+            self._end()
             self.log("retire-refused", generation, f"shards still pinned: {[r for r, ok in done.items() if not ok]}")
             return False
         self.retired_with_refcount.append((generation, total))
         self.registry.retire(generation)
+        self._end()
         self.log("retire", generation, "metadata and unreferenced copies freed")
         return True
 
@@ -511,6 +746,7 @@ class ControlPlane:
                             expert=e, layer=l,
                         )
             self.group = new_group
+            self._changed()
             new = self.propose_without(dead)
             self.log("rank-lost", None, f"ranks {sorted(dead)} removed; group epoch {new_group.epoch}")
             return self.apply(new, reason=f"lost ranks {sorted(dead)}", sources_alive=lambda r: r in live)

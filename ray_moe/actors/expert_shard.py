@@ -196,6 +196,19 @@ class ExpertShardActor:
     def allow_candidate(self, generation: int) -> None:
         self.core.allow_candidate(generation)
 
+    def registry_snapshot(self) -> dict[str, Any]:
+        return self.core.registry_snapshot()
+
+    def generation_manifests(self, generations: Sequence[int]) -> dict[int, str]:
+        return {g: m.model_dump_json() for g, m in self.core.generation_manifests(generations).items()}
+
+    def drop_unreferenced(self) -> int:
+        return self.core.drop_unreferenced()
+
+    def active_generation(self) -> int | None:
+        """This rank's ACTIVE generation (drivers ask while the coordinator restarts)."""
+        return self.core.registry.active()
+
     def stop_dispatch(self, generation: int) -> None:
         self.core.stop_dispatch(generation)
 

@@ -270,6 +270,35 @@ class ShardCore:
                     self._experts.pop(key, None)
                     self._digests.pop(key, None)
 
+    def drop_unreferenced(self) -> int:
+        """Free every held weight no prepared generation uses (copies staged by a control operation that
+        died before it prepared them); returns how many (layer, expert) weights were freed."""
+        with self._lock:
+            live = set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
+            stale = [k for k in self._experts if k not in live]
+            for key in stale:
+                del self._experts[key]
+                self._digests.pop(key, None)
+            return len(stale)
+
+    def registry_snapshot(self) -> dict[str, Any]:
+        """This rank's registry mirror, for a coordinator that rebuilds itself after a restart: every
+        prepared generation's state, exact refcount (leases + candidate pins), candidate flag and manifest
+        digest, and the (layer, expert) weights held. Taken under the control lock, so a prepare in
+        flight is either fully in or not at all."""
+        with self._lock:
+            gens = {}
+            for g, gen in self._gens.items():
+                gens[g] = {"state": self.registry.state(g).value, "refcount": self.refcount(g),
+                           "candidate": g in self._candidates, "digest": gen.manifest.content_digest()}
+            return {"rank": self.rank, "active": self.registry.active(), "generations": gens,
+                    "held": sorted(self._experts)}
+
+    def generation_manifests(self, generations: Sequence[int]) -> dict[int, PlacementManifest]:
+        """The manifests of prepared generations (as prepared here)."""
+        with self._lock:
+            return {int(g): self._gens[int(g)].manifest for g in generations if int(g) in self._gens}
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {

@@ -61,6 +61,7 @@ def rebalance_experts(
     avoid_same_gpu_duplicates: bool = False,
     current_phy2log: Any = None,
     migration_tolerance: float = 0.0,
+    min_replicas: Any = None,
 ) -> EPLBResult:
     """EPLB entry point (source ``rebalance_experts``), vectorised over layers.
 
@@ -76,6 +77,10 @@ def rebalance_experts(
         :mod:`ray_moe.placement.eplb_migration`. None: the source's semantics.
     migration_tolerance: >= 0; allowed relative increase of the ideal max GPU load for keeping slots
         (used only with ``current_phy2log``).
+    min_replicas: optional [L, E] int replica floors (a manual ``scale`` records them): every expert gets
+        at least that many copies; the remaining slots are replicated as the source does. None (or every
+        floor <= 1) is the source's solve, bit for bit. A floor that cannot be met with the slots of its
+        layer (or node, on the hierarchical path) raises ValueError naming the expert and the floor.
     Returns EPLBResult(phy2log [L, Q], log2phy [L, E, M], logcnt [L, E]), int64 CPU tensors.
     """
     # Step 1: validate.
@@ -88,16 +93,40 @@ def rebalance_experts(
     if not math.isfinite(migration_tolerance) or migration_tolerance < 0:
         raise ValueError(f"migration_tolerance={migration_tolerance} must be finite and >= 0")
     current = None if current_phy2log is None else as_current_placement(current_phy2log, shape)
-    # Step 2: the source's solve, all layers at once.
-    phy2log, phyrank, logcnt = solve_layers(w, shape, avoid_same_gpu_duplicates)
+    floor = _as_floors(min_replicas, shape)
+    # Step 2: the source's solve, all layers at once (replica floors, if any, are met first).
+    phy2log, phyrank, logcnt = solve_layers(w, shape, avoid_same_gpu_duplicates, None, floor)
     # Step 3: optional migration awareness; replica ranks are then numbered in slot order.
     if current is not None:
         phy2log = migration_aware_phy2log(w, phy2log, current, shape, float(migration_tolerance),
-                                          avoid_same_gpu_duplicates)
+                                          avoid_same_gpu_duplicates, floor)
         phyrank, logcnt = ranks_in_slot_order(phy2log, shape.num_experts)
     # Step 4: padded inverse map.
     log2phy = padded_inverse(phy2log, phyrank, logcnt)
     return EPLBResult(torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt))
+
+
+def _as_floors(min_replicas: Any, shape: Any) -> np.ndarray | None:
+    """Replica floors as [L, E] int64 (None when absent or all <= 1); the global capacity check names the
+    first expert whose floor does not fit its layer's slots."""
+    if min_replicas is None:
+        return None
+    f = np.asarray(min_replicas.cpu() if isinstance(min_replicas, torch.Tensor) else min_replicas)
+    if f.shape != (shape.num_layers, shape.num_experts):
+        raise ValueError(f"min_replicas has shape {tuple(f.shape)}, expected [L, E] = "
+                         f"[{shape.num_layers}, {shape.num_experts}]")
+    if f.size and not np.issubdtype(f.dtype, np.integer):
+        raise ValueError(f"min_replicas must hold integer replica counts, got dtype {f.dtype}")
+    f = f.astype(np.int64)
+    if not (f > 1).any():
+        return None
+    need = np.maximum(f, 1).sum(axis=1)
+    for l in np.flatnonzero(need > shape.num_replicas):
+        e = int(np.argmax(f[l]))
+        raise ValueError(
+            f"min_replicas: expert {e} of layer {int(l)} has a floor of {int(f[l, e])} replicas, but the floors of "
+            f"layer {int(l)} need {int(need[l])} slots and only {shape.num_replicas} physical slots exist")
+    return f
 
 
 def validate_result(result: EPLBResult) -> None:

@@ -259,13 +259,15 @@ def _group_local(phy2log: np.ndarray, shape: EPLBShape) -> np.ndarray:
 
 
 def _revert_slots(
-    out: np.ndarray, current: np.ndarray, W: np.ndarray, bound: np.ndarray, shape: EPLBShape, avoid: bool
+    out: np.ndarray, current: np.ndarray, W: np.ndarray, bound: np.ndarray, shape: EPLBShape, avoid: bool,
+    floor: np.ndarray | None = None,
 ) -> np.ndarray:
     """Give single slots back to their current expert while the max GPU load stays within ``bound``.
 
-    out, current: [L, Q] int64; W: [L, E] float64; bound: [L]. One vectorised step per slot over all
-    layers. Changes replica counts (never below one copy), keeps group locality and, with ``avoid``,
-    never puts a second copy of an expert on a GPU.
+    out, current: [L, Q] int64; W: [L, E] float64; bound: [L]; floor: optional [L, E] replica floors.
+    One vectorised step per slot over all layers. Changes replica counts (never below one copy, nor below
+    an expert's floor), keeps group locality and, with ``avoid``, never puts a second copy of an expert
+    on a GPU.
     """
     L, Q, E = shape.num_layers, shape.num_replicas, shape.num_experts
     P, spg, gpn = shape.num_gpus, shape.slots_per_gpu, shape.gpus_per_node
@@ -283,6 +285,8 @@ def _revert_slots(
         a, b, g = out[:, q].copy(), current[:, q], q // spg
         ma, mb = counts[rows, a], counts[rows, b]
         cand = (a != b) & (ma >= 2)
+        if floor is not None:
+            cand &= ma > floor[rows, a]
         if group_node is not None:
             cand &= group_node[rows, b // shape.group_size] == g // gpn
         if avoid:
@@ -328,15 +332,20 @@ def _current_group_map(current: np.ndarray, shape: EPLBShape) -> tuple[np.ndarra
 
 
 def migration_aware_phy2log(
-    w: np.ndarray, plain: np.ndarray, current: np.ndarray, shape: EPLBShape, tolerance: float, avoid: bool
+    w: np.ndarray, plain: np.ndarray, current: np.ndarray, shape: EPLBShape, tolerance: float, avoid: bool,
+    min_replicas: np.ndarray | None = None,
 ) -> np.ndarray:
     """Plain solution adjusted to keep copies where ``current`` has them (option (b)).
 
     w: [L, E] float32; plain, current: [L, Q] int64. Returns phy2log [L, Q] int64 whose ideal max GPU
     load is <= (1 + tolerance) x plain's (up to float64 rounding) and which changes no more slots of
     ``current`` than ``plain`` does; it keeps group locality on the hierarchical path and, with
-    ``avoid``, adds no same-GPU duplicate where plain has none.
+    ``avoid``, adds no same-GPU duplicate where plain has none. With ``min_replicas`` ([L, E] floors,
+    which ``plain`` meets) every candidate must keep each expert at or above its floor too.
     """
+    floor = None
+    if min_replicas is not None and (np.asarray(min_replicas) > 1).any():
+        floor = np.asarray(min_replicas, dtype=np.int64)
     E, P = shape.num_experts, shape.num_gpus
     W = w.astype(np.float64)
     plain_max = ideal_rank_loads(W, plain, P).max(axis=1)
@@ -349,6 +358,8 @@ def migration_aware_phy2log(
         ok = ideal_rank_loads(W[rows], x, P).max(axis=1) <= check[rows]
         if avoid:
             ok &= (gpu_expert_counts(x, P, E).max(axis=(1, 2)) <= 1) | ~plain_clean[rows]
+        if floor is not None:
+            ok &= (expert_counts(x, E) >= floor[rows]).all(axis=1)
         return ok
 
     def moved(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -370,7 +381,8 @@ def migration_aware_phy2log(
     if shape.hierarchical and shape.num_nodes > 1:
         usable, group_node, group_rank = _current_group_map(cur_r, sub)
         if usable.any():
-            pinned, _, _ = solve_layers(w_r, sub, avoid, (group_node, group_rank))
+            pinned, _, _ = solve_layers(w_r, sub, avoid, (group_node, group_rank),
+                                        None if floor is None else floor[rest])
             usable &= acceptable(pinned, rest)
             base_plain = np.where(usable[:, None], pinned, plain_r)
     # Step 3: two bases with those replica counts: load-neutral relabelling toward current, and swap
@@ -381,7 +393,7 @@ def migration_aware_phy2log(
     base = np.where(take[:, None], repaired, base)
     base = np.where((moved(base, rest) <= moved(plain_r, rest))[:, None], base, plain_r)
     # Step 4: single-slot reverts; a float-drift guard falls back to the base.
-    reverted = _revert_slots(base, cur_r, W_r, bound_r, sub, avoid)
+    reverted = _revert_slots(base, cur_r, W_r, bound_r, sub, avoid, None if floor is None else floor[rest])
     drifted = ideal_rank_loads(W_r, reverted, P).max(axis=1) > check[rest]
     reverted[drifted] = base[drifted]
     out[rest] = reverted

@@ -290,11 +290,18 @@ def _repair_row(w: np.ndarray, pack: np.ndarray, rank: np.ndarray, key: np.ndarr
     rank[order] = slots // num_packs
 
 
-def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def replicate_experts(weight: np.ndarray, num_phy: int,
+                      min_count: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy replication of every row at once (source ``replicate_experts``, spec 0x08B).
 
     weight: [R, n_log] float32. Each redundant slot goes to ``argmax_e weight / count`` (float32,
     first index on ties). Returns (phy2log [R, num_phy], rank [R, num_phy], logcnt [R, n_log]), int64.
+
+    min_count: optional [R, n_log] int replica floors (values <= 1 mean none). The first redundant slots
+    of a row then bring every floored expert up to its floor (experts in index order), and the greedy
+    step hands out the rest starting from those counts. With no floor above 1 the result is the
+    source's, bit for bit. Raises ValueError naming the row, the experts and their floors when the
+    floors need more than ``num_phy`` slots.
     """
     w = np.asarray(weight, dtype=_F32)
     if w.ndim != 2:
@@ -302,6 +309,7 @@ def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.
     rows, n_log = w.shape
     if num_phy < n_log:
         raise ValueError(f"num_phy={num_phy} is smaller than the expert count {n_log}")
+    forced, n_forced = _floor_copies(min_count, rows, n_log, num_phy)
     phy2log = np.empty((rows, num_phy), dtype=np.int64)
     phy2log[:, :n_log] = np.arange(n_log)
     rank = np.zeros((rows, num_phy), dtype=np.int64)
@@ -309,8 +317,12 @@ def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.
     ratio = w.copy()  # w / 1, exactly
     row_ids = np.arange(rows)
     # Step 1: one argmax per redundant slot over all rows; only the chosen column's ratio changes.
+    # Rows with floors first take their forced copies (the argmax is ignored there).
     for slot in range(n_log, num_phy):
         e = ratio.argmax(axis=1)
+        j = slot - n_log
+        if j < forced.shape[1]:
+            e = np.where(j < n_forced, forced[:, j], e)
         c = logcnt[row_ids, e]
         phy2log[:, slot] = e
         rank[:, slot] = c
@@ -319,16 +331,43 @@ def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.
     return phy2log, rank, logcnt
 
 
+def _floor_copies(min_count: np.ndarray | None, rows: int, n_log: int,
+                  num_phy: int) -> tuple[np.ndarray, np.ndarray]:
+    """The copies replica floors force, per row: (expert ids [R, width] padded with -1, count [R])."""
+    if min_count is None:
+        return np.zeros((rows, 0), dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    floor = np.asarray(min_count)
+    if floor.shape != (rows, n_log):
+        raise ValueError(f"min_count must be [R={rows}, n_log={n_log}], got shape {tuple(floor.shape)}")
+    extra = np.maximum(floor.astype(np.int64), 1) - 1
+    total = extra.sum(axis=1)
+    over = np.flatnonzero(n_log + total > num_phy)
+    if over.size:
+        r = int(over[0])
+        named = ", ".join(f"expert {e} >= {int(floor[r, e])}" for e in np.flatnonzero(extra[r]))
+        raise ValueError(f"min_count: replica floors of row {r} ({named}) need {n_log + int(total[r])} slots for "
+                         f"{n_log} experts, but only {num_phy} physical slots exist")
+    width = int(total.max()) if rows else 0
+    forced = np.full((rows, width), -1, dtype=np.int64)
+    for r in np.flatnonzero(total):
+        forced[r, : total[r]] = np.repeat(np.arange(n_log, dtype=np.int64), extra[r])
+    return forced, total
+
+
 def solve_layers(
     w: np.ndarray,
     shape: EPLBShape,
     avoid_duplicates: bool,
     groups_to_nodes: tuple[np.ndarray, np.ndarray] | None = None,
+    min_replicas: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Source ``rebalance_experts_hierarchical`` for all layers at once (global = one group, one node).
 
     w: [L, E] float32. groups_to_nodes: optional (group_node, group_rank) [L, G] int64 replacing
     stage 1 (used by the migration option to keep the current group-to-node map).
+    min_replicas: optional [L, E] int64 replica floors (see :func:`replicate_experts`); None or all <= 1
+    is the source's solve. A floor that does not fit the slots of its node raises ValueError naming the
+    layer, node, experts and floors.
     Returns (phy2log [L, Q], phyrank [L, Q], logcnt [L, E]), int64.
     """
     L, E, Q = shape.num_layers, shape.num_experts, shape.num_replicas
@@ -345,7 +384,20 @@ def solve_layers(
     mlog2log = _inverse_permutation(log2mlog)
     # Step 2: replicate inside each node: rows are (layer, node).
     w_mlog = np.take_along_axis(w, mlog2log, axis=1).reshape(L * nodes, experts_per_node)
-    phy2mlog, phyrank, mlogcnt = replicate_experts(w_mlog, phy_per_node)
+    floor_mlog = None
+    if min_replicas is not None and (np.asarray(min_replicas) > 1).any():
+        floor = np.asarray(min_replicas, dtype=np.int64)
+        floor_mlog = np.take_along_axis(floor, mlog2log, axis=1).reshape(L * nodes, experts_per_node)
+        need = experts_per_node + (np.maximum(floor_mlog, 1) - 1).sum(axis=1)
+        over = np.flatnonzero(need > phy_per_node)
+        if over.size:
+            l, n = divmod(int(over[0]), nodes)
+            experts = mlog2log[l].reshape(nodes, experts_per_node)[n]
+            named = ", ".join(f"expert {int(e)} >= {int(floor[l, e])}" for e in experts if floor[l, e] > 1)
+            raise ValueError(
+                f"min_replicas: layer {l} cannot meet the replica floors {named}: node {n} holds "
+                f"{experts_per_node} experts and {phy_per_node} physical slots, the floors need {int(need[over[0]])}")
+    phy2mlog, phyrank, mlogcnt = replicate_experts(w_mlog, phy_per_node, floor_mlog)
     # Step 3: pack each node's copies (weight W_e / m_e, float32) to the node's GPUs.
     copy_w = np.take_along_axis(w_mlog / mlogcnt.astype(_F32), phy2mlog, axis=1)
     key = phy2mlog if avoid_duplicates else None
