@@ -71,7 +71,7 @@ def validate_start(cfg: Any) -> tuple[RuntimeConfig, Any]:
     except ValueError as exc:
         raise ConfigError(f"config: {exc}") from None
     try:
-        source = weight_source(cfg)
+        source = weight_source(cfg, validate=True)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001
