@@ -28,6 +28,7 @@ from ray_moe.phases.admission import FallbackReason
 from ray_moe.phases.decode import (
     CapturedStep,
     DecodeRecord,
+    capture_failure,
     StepGraphs,
     agree_overflow,
     decode_round,
@@ -219,6 +220,7 @@ class StepExecutor:
         # (the flag and the routing source are the same on every rank, so they decide alike)
         if decision.replay and not (keep_routes and given is None):
             out, ctx = captured.replay(staged)
+            marks("replayed")  # device clock: where the graph's work ends (before any host read)
             path = "bucket-graph"
         else:
             out, ctx = self._bucket_body(view, paths, tag, given is None, layers, seen)(staged)
@@ -272,7 +274,7 @@ class StepExecutor:
         try:
             step.capture(self._bucket_body(view, paths, f"{tag}/graph", routed_here, layers))
         except Exception as exc:  # noqa: BLE001 - keep serving the bucket eagerly; say why in status
-            self.capture_error = f"{type(exc).__name__}: {exc}"
+            self.capture_error = capture_failure(exc)
             return
         self.graphs.put(view.generation, graph_key, step)
         self.count("graphs_captured")

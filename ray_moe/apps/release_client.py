@@ -5,7 +5,7 @@
     client.inject_fault(ShardFault.CRASH, rank=1, generation=rep.new_generation)
     rec = client.register(bundle)                                 # the release registry: ReleaseRecord back
 
-Each method is one ``ray.get`` on an existing remote method of ``CoordinatorActor``: the placement side
+Each method is one ``call`` (``ray.get`` raising ray-moe's own errors, ``actors/remote.py``) on an existing remote method of ``CoordinatorActor``: the placement side
 (``stage``, ``promote``, ``stop_dispatch``, ``activate``, ``release_graphs``, ``shard_refcount``,
 ``drain_and_retire``, ``inject_fault``) and the release registry behind ``CoordinatorActor.release(method,
 ...)``, whose method names this client keeps apart from the placement ones (``promote_release``,
@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
+from ray_moe.actors.remote import call
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.release.bundle import ReleaseBundle
 from ray_moe.release.gate import GateVerdict
@@ -105,7 +106,7 @@ class ReleaseClient:
             _int("replicas", replicas, 1)
         if kind is StageKind.MANIFEST and not isinstance(manifest, PlacementManifest):
             raise ValueError(f"manifest={type(manifest).__name__}: kind='manifest' needs a PlacementManifest")
-        rep = dict(ray.get(self._coord.stage.remote(kind.value, expert, replicas,
+        rep = dict(call(self._coord.stage.remote(kind.value, expert, replicas,
                                                     None if manifest is None else manifest.model_dump_json())))
         rep["manifest"] = PlacementManifest.model_validate_json(rep.pop("manifest_json"))
         return StageReport.model_validate(rep)
@@ -114,35 +115,35 @@ class ReleaseClient:
         """Publish a staged candidate; the prior goes DRAINING (kept loaded unless ``retire_prior``).
         Returns the prior generation."""
         g = _generation(generation)
-        prior = ray.get(self._coord.promote.remote(g, bool(retire_prior)))
+        prior = call(self._coord.promote.remote(g, bool(retire_prior)))
         return None if prior is None else int(prior)
 
     def stop_dispatch(self, generation: int) -> None:
         """The stop fence on every shard: no new step may pin ``generation`` (an ACTIVE one goes DRAINING)."""
         g = _generation(generation)
-        ray.get(self._coord.stop_dispatch.remote(g))
+        call(self._coord.stop_dispatch.remote(g))
 
     def activate(self, generation: int) -> None:
         """A loaded generation (ACTIVE or DRAINING) takes new dispatch again (rollback's second step)."""
         g = _generation(generation)
-        ray.get(self._coord.activate.remote(g))
+        call(self._coord.activate.remote(g))
 
     def release_graphs(self, generation: int) -> int:
         """Free the captured decode graphs keyed to ``generation`` on every shard; returns how many."""
         g = _generation(generation)
-        return int(ray.get(self._coord.release_graphs.remote(g)))
+        return int(call(self._coord.release_graphs.remote(g)))
 
     def shard_refcount(self, generation: int) -> int:
         """In-flight pins of ``generation``: the coordinator's leases plus every shard's."""
         g = _generation(generation)
-        return int(ray.get(self._coord.shard_refcount.remote(g)))
+        return int(call(self._coord.shard_refcount.remote(g)))
 
     def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
         """Wait (at most ``timeout_s``) for refcount 0, then retire ``generation``; False if still pinned."""
         g = _generation(generation)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a number > 0")
-        return bool(ray.get(self._coord.drain_and_retire.remote(g, float(timeout_s))))
+        return bool(call(self._coord.drain_and_retire.remote(g, float(timeout_s))))
 
     def inject_fault(self, kind: ShardFault | str, *, rank: int, count: int = 1,
                      generation: int | None = None) -> None:
@@ -151,15 +152,15 @@ class ReleaseClient:
         kind = _enum(ShardFault, kind, "kind")
         rank, count = _int("rank", rank), _int("count", count)
         g = None if generation is None else _generation(generation)
-        ray.get(self._coord.inject_fault.remote(rank, kind.value, count, g))
+        call(self._coord.inject_fault.remote(rank, kind.value, count, g))
 
     def load_provenance(self) -> dict[str, Any]:
         """Provenance of the coordinator's load window (what EPLB reads; a release binds it as a report)."""
-        return dict(ray.get(self._coord.load_matrix.remote())["provenance"])
+        return dict(call(self._coord.load_matrix.remote())["provenance"])
 
     # ================================================================ the release registry (0x0EA)
     def _registry(self, method: str, *args: Any) -> Any:
-        return ray.get(self._coord.release.remote(method, *args))
+        return call(self._coord.release.remote(method, *args))
 
     def register(self, bundle: ReleaseBundle, reason: str = "built") -> ReleaseRecord:
         """A new release in BUILT."""

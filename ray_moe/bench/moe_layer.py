@@ -3,11 +3,12 @@
     python -m ray_moe.bench.moe_layer                     # GPU: Mixtral- and DeepSeek-shaped, bf16
     python -m ray_moe.bench.moe_layer --quick             # CPU smoke: tiny shapes, object store
 
-ray-moe side: a one-rank deployment (``Runtime.start``, one ExpertShardActor holding every expert) with
-``--layers`` MoE layers; each step runs every layer inside the shard. Per step the shard records device
-timestamps (``Runtime.record_marks``) at "hidden_in" (the step's input is on the device) and "layers" (every
-layer done); the per-layer time is (layers - hidden_in) / L on the device clock, so the driver's activation
-copies are not in it (as when the model lives in the shard). ``shard_ms_per_layer`` also gives the shard's
+ray-moe side: a one-rank deployment (``Runtime.start``, one ExpertShardActor holding every expert: the
+one-rank local path) with ``--layers`` MoE layers; each step runs every layer inside the shard. Per step the
+shard records device timestamps (``Runtime.record_marks``): decode from "decode_round" (admission agreed,
+inputs staged) to "replayed" (the whole-step graph's work done), prefill from "hidden_in" (the input is on
+the device) to "layers" (every layer done, statistics read back); per layer = interval / L on the device
+clock, so the driver's activation copies are not in it (as when the model lives in the shard). ``shard_ms_per_layer`` also gives the shard's
 whole step time (host clock, input/output copies and the agreement round included) / L.
   decode   T = 1, 8, 32, 64 tokens per rank, phase=decode: the bucket path, whole step one CUDA graph
            (``bucket-graph`` checked on every step), 30 timed steps after the capture
@@ -73,10 +74,11 @@ def _layer_ms(rt, h, ids, w, phase: str, layers: int, iters: int) -> dict[str, A
         marks = {m[0]: m for m in r0.marks}
         paths |= {ls.path for ls in r0.layers}
         if i >= 2:  # the first steps capture / warm up
-            if marks["layers"][2] >= 0:
-                dev_ms.append((marks["layers"][2] - marks["hidden_in"][2]) * 1e3 / layers)
-            else:  # CPU: host clock
-                dev_ms.append((marks["layers"][1] - marks["hidden_in"][1]) * 1e3 / layers)
+            # decode replays: the graph's device work (from the agreed admission to the replay's end); else the
+            # step's layers on the device clock (CPU: the host clock)
+            a, b = ("decode_round", "replayed") if "replayed" in marks else ("hidden_in", "layers")
+            col = 2 if marks[b][2] >= 0 else 1
+            dev_ms.append((marks[b][col] - marks[a][col]) * 1e3 / layers)
             shard_ms.append(r0.elapsed_s * 1e3 / layers)
     return {"layer_ms_p50": statistics.median(dev_ms), "layer_ms_min": min(dev_ms),
             "shard_ms_per_layer_p50": statistics.median(shard_ms), "paths": sorted(paths), "steps": len(dev_ms)}

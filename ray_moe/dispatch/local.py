@@ -21,6 +21,7 @@ import torch
 
 from ray_moe.dispatch.bucket import BucketShape, bucket_for
 from ray_moe.dispatch.exchange.base import Exchange
+from ray_moe.dispatch.kernels import gated_combine
 from ray_moe.dispatch.plan import count_by
 from ray_moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher, fence
 from ray_moe.dispatch.records import DispatchOutput, Handle, RouteBatch, SemanticRoutes
@@ -130,10 +131,10 @@ class LocalDispatcher(Dispatcher):
             raise RouteValidationError(f"expert_rows: shape {tuple(expert_rows.shape)} but the handle dispatched "
                                        f"{t * k} routes")
         self._check(handle, checks)
-        per_route = expert_rows.index_select(0, handle.dest).to(torch.float32)
-        per_route = torch.where(handle.route_valid[:, None], per_route, torch.zeros_like(per_route))  # rows past
-        d = int(expert_rows.shape[1])                                                           # offs[-1]: not computed
-        return (per_route * handle.gates[:, None]).view(t, k, d).sum(1).to(out_dtype)
+        # padding routes read a zero row (rows past offsets[-1] were never computed); one pass on CUDA (Triton)
+        src = torch.where(handle.route_valid, handle.dest, torch.full_like(handle.dest, -1)).view(t, k)
+        zero = expert_rows.new_zeros(1, expert_rows.shape[1])
+        return gated_combine(expert_rows, zero, src, handle.gates.view(t, k), out_dtype)
 
     def handle_ok(self, handle: LocalHandle) -> torch.Tensor:
         """``dest`` maps the routes one-to-one onto the dispatched rows."""

@@ -169,12 +169,19 @@ class DeferredChecks:
     def __len__(self) -> int:
         return len(self._items)
 
-    def verify(self) -> None:
-        """Raise ``RouteValidationError`` naming the first corrupt handle."""
+    def flags(self) -> torch.Tensor | None:
+        """[n] bool, every added flag, stacked where they live (no sync; None when there are none)."""
+        if not self._items:
+            return None
+        return torch.stack([f.reshape(()) for _, f in self._items])
+
+    def verify(self, host_flags=None) -> None:
+        """Raise ``RouteValidationError`` naming the first corrupt handle. ``host_flags``: ``flags()`` already
+        copied to the host with other step results (one copy); else they are read here (one sync)."""
         if not self._items:
             return
-        flags = torch.stack([f.to("cpu") if f.device.type != "cpu" else f for _, f in self._items]).tolist()
-        for (hid, _), ok in zip(self._items, flags):
+        values = host_flags if host_flags is not None else self.flags().cpu().tolist()
+        for (hid, _), ok in zip(self._items, values):
             reject_corrupt(hid, bool(ok))
 
 

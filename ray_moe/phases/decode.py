@@ -177,6 +177,15 @@ class CapturedStep:
         return self.output, self.context
 
 
+def capture_failure(exc: BaseException) -> str:
+    """A failed capture in one line with where it happened (the innermost frames), for a shard's status."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(exc).__name__}: {exc} [at {where}]"
+
+
 class StepGraphs:
     """Captured decode steps by (generation, bucket key); a generation's graphs go at its retirement."""
 

@@ -127,22 +127,30 @@ class MoEStep:
         return y
 
     def device_summary(self) -> torch.Tensor | None:
-        """[sum over layers of (Q + Q_local + 1)] int64 on the device: every layer's device-side counts and
-        overflow flags, for one host copy (None when every count is already on the host)."""
+        """[sum over layers of (Q + Q_local + 1), then one per handle check] int64 on the device: every
+        layer's device-side counts, overflow flags and handle checks, for ONE host copy (None when there is
+        nothing on the device)."""
         parts = []
         for _, sent, rows, flag in self._pending:
             for x in (sent, rows, flag):
                 if isinstance(x, torch.Tensor):
                     parts.append(x.reshape(-1).to(torch.int64))
-        return torch.cat(parts) if parts else None
+        flags = self.checks.flags()
+        if flags is not None:
+            parts.append(flags.to(torch.int64))
+        if not parts:
+            return None
+        dev = parts[0].device
+        return torch.cat([p.to(dev) for p in parts])
 
     def finish(self, host_summary: np.ndarray | None = None) -> tuple[tuple[LayerStats, ...], bool]:
-        """(layer statistics, overflowed): verifies the deferred handle checks, then reads the device-side
-        counts (``host_summary``: ``device_summary()`` already copied to the host, else copied here)."""
-        self.checks.verify()
+        """(layer statistics, overflowed): reads the device-side counts and handle checks with one copy
+        (``host_summary``: ``device_summary()`` already on the host), then verifies the checks."""
         if host_summary is None:
             dev = self.device_summary()
             host_summary = None if dev is None else dev.cpu().numpy()
+        if len(self.checks):
+            self.checks.verify(host_summary[len(host_summary) - len(self.checks):].tolist())
         pos = 0
 
         def take(x: Any) -> Any:

@@ -22,7 +22,15 @@ import torch
 
 from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.phases.admission import FallbackReason
-from ray_moe.phases.decode import CapturedStep, DecodeRecord, StepGraphs, agree_overflow, decode_round, generation_digest
+from ray_moe.phases.decode import (
+    CapturedStep,
+    DecodeRecord,
+    StepGraphs,
+    agree_overflow,
+    capture_failure,
+    decode_round,
+    generation_digest,
+)
 from ray_moe.phases.step import GenerationView, LayerStats, MoEStep
 from ray_moe.serving.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.serving.model_host import ModelHost
@@ -174,7 +182,7 @@ class GenerationExecutor:
                 try:
                     step.capture(body)  # records only: no collective runs while capturing
                 except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
-                    self.capture_error = f"{type(exc).__name__}: {exc}"
+                    self.capture_error = capture_failure(exc)
                 else:
                     self.graphs.put(view.generation, key, step)
                     self.count("graphs_captured")

@@ -19,7 +19,7 @@ import pytest
 from ray_moe.bench import available
 
 REPO = Path(__file__).resolve().parents[2]
-EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "eplb", "fp8_dispatch", "layer_step", "migration",
+EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate",
             "overlap", "runners"}
 
 

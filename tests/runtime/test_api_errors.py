@@ -13,6 +13,7 @@ import torch
 
 import ray_moe
 from ray_moe.actors.remote import call
+from ray_moe.apps.release_client import ReleaseClient
 from ray_moe.errors import (
     ExpertUnavailableError,
     GenerationError,
@@ -57,7 +58,7 @@ def test_bad_control_input_raises_request_error(rt, call_, field):
 
 def test_project_errors_keep_their_type_across_the_boundary(rt):
     with pytest.raises(GenerationError, match=r"^generation=12345 is not registered"):
-        rt.activate(12345)  # the coordinator's registry refuses an unknown generation, before any shard call
+        ReleaseClient.for_runtime(rt).activate(12345)  # the coordinator's registry refuses it, before any shard
     w_gate, _, _ = rt.expert_weights(1)
     assert w_gate.shape == (16, 8)
 

@@ -79,6 +79,14 @@ class ExpertRunner(ABC):
         """x: [R, d] expert-major rows, offsets: [Q_local] int32 device-side inclusive row ends per slot (rows
         past ``offsets[-1]`` are padding and need not be computed) -> [R, d]. Here: one host read of the
         offsets, then ``run``; runners with device-offset kernels override (no host sync)."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph capture: no host read; each row multiplies its own slot's weights
+            slot = torch.searchsorted(offsets.to(torch.int64), torch.arange(x.shape[0], device=x.device),
+                                      right=True).clamp_max(weights.num_slots - 1)
+            xr = x[:, None, :]
+            a = swiglu_act(torch.bmm(xr, weights.w_gate[slot].transpose(1, 2)),
+                           torch.bmm(xr, weights.w_up[slot].transpose(1, 2)))
+            return torch.bmm(a, weights.w_down[slot].transpose(1, 2))[:, 0, :]
         ends = [int(v) for v in offsets.tolist()]
         n = ends[-1] if ends else 0
         counts = [b - a for a, b in zip([0, *ends[:-1]], ends)]

@@ -232,8 +232,11 @@ class GroupedRunner(ExpertRunner):
     def run_offsets(self, x: torch.Tensor, offsets: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
         """Expert-major rows with device-side offsets: three grouped launches, no host sync (rows past
         ``offsets[-1]`` are left uncomputed: the combine never reads them)."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        few = weights.num_slots <= self.loop_max_active and self.use_grouped_mm is None
         if self.use_grouped_mm is False or not grouped_mm_available(x.device, x.dtype, weights.hidden_size,
-                                                                    weights.ffn_size):
+                                                                    weights.ffn_size) or (few and not capturing):
+            # a few large segments run fastest as per-slot GEMMs: one host read of the offsets (not in a graph)
             return super().run_offsets(x, offsets, weights)
         xa = _aligned(x)
         wg, wu = gate_up_operands(weights)
