@@ -53,7 +53,7 @@ def layer_stats(layer: int, sent_slots: np.ndarray, slot_rows: Sequence[int], sn
     rank_routes = np.bincount(snapshot.slot_rank.numpy(), weights=sent, minlength=snapshot.num_ranks).astype(np.int64)
     node = snapshot.rank_node.numpy()
     counts = np.bincount(snapshot.phy2log.numpy(), weights=sent, minlength=snapshot.num_experts).astype(np.int64)
-    local_ids = snapshot.rank_slot_ids(rank).tolist()
+    local_ids = snapshot.on("cpu").rank_slots[rank].tolist()  # cached per snapshot
     return LayerStats(layer, int(sent.sum()), int(rank_routes.sum() - rank_routes[rank]),
                       int(rank_routes[node != node[rank]].sum()), counts, rank_routes,
                       {int(q): int(c) for q, c in zip(local_ids, slot_rows)}, path, fallback_reason)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ray_moe.errors import RayMoEError
@@ -73,6 +74,7 @@ class PagedKVCache:
         self.dtype = dtype
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() gives the lowest id
         self._blocks: dict[str, list[int]] = {}
+        self._slot_arr: dict[str, np.ndarray] = {}  # [held blocks * B] slot of each reserved position
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layout: StepLayout | None = None
 
@@ -106,22 +108,24 @@ class PagedKVCache:
         blocks = self._blocks.setdefault(seq_id, [])
         for _ in range(need):
             blocks.append(self._free.pop())
+        b = np.asarray(blocks, dtype=np.int64)  # slot of every reserved position, kept per sequence
+        self._slot_arr[seq_id] = (b[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
 
     def free(self, seq_id: str) -> None:
         for b in self._blocks.pop(seq_id, ()):
             self._free.append(b)
+        self._slot_arr.pop(seq_id, None)
         self._free.sort(reverse=True)
 
     def sequences(self) -> list[str]:
         return sorted(self._blocks)
 
-    def slots(self, seq_id: str, start: int, stop: int) -> torch.Tensor:
-        """[stop - start] int64 cache slots of positions ``start .. stop - 1`` (host tensor)."""
-        blocks = torch.tensor(self._blocks.get(seq_id, ()), dtype=torch.int64)
-        pos = torch.arange(start, stop, dtype=torch.int64)
-        if stop > start and (blocks.numel() * self.block_size) < stop:
+    def slots(self, seq_id: str, start: int, stop: int) -> np.ndarray:
+        """[stop - start] int64 cache slots of positions ``start .. stop - 1`` (host array)."""
+        arr = self._slot_arr.get(seq_id)
+        if stop > start and (arr is None or arr.size < stop):
             raise KVBudgetError(f"sequence {seq_id!r}: position {stop - 1} was never reserved")
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        return np.zeros(0, dtype=np.int64) if stop <= start else arr[start:stop]
 
     # ------------------------------------------------------------------ one step
     @property
@@ -130,13 +134,14 @@ class PagedKVCache:
         return self.capacity_tokens
 
     def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype) -> StepLayout:
-        """The layout of one step (reserve every chunk's positions first). Host work, one upload."""
-        write, read, positions, allowed, last = self._host_plan(chunks)
-        mask = torch.zeros(allowed.shape, dtype=mask_dtype)
-        mask.masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+        """The layout of one step (reserve every chunk's positions first): index vectors built on the host
+        (numpy, no per-token Python), uploaded once; the mask is built on the device."""
+        v = self._host_plan(chunks)
         dev = self.device
-        layout = StepLayout(write_index=write.to(dev), read_index=read.to(dev), positions=positions.to(dev),
-                            mask=mask[None, None].to(dev), last=last.to(dev))
+        up = {k: torch.from_numpy(x).to(dev) for k, x in v.items()}
+        layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"],
+                            mask=_mask(up["q_seq"], up["q_pos"], up["k_seq"], up["k_pos"], mask_dtype),
+                            last=up["last"])
         self.layout = layout
         return layout
 
@@ -147,46 +152,51 @@ class PagedKVCache:
         outputs are never read; their routes are masked); padding keys read the trash slot and are masked.
         Returns device tensors: write_index [rows], read_index [keys], positions [rows], mask [1, 1, rows,
         keys], row_valid [rows] bool."""
-        write, read, positions, allowed, _ = self._host_plan(chunks)
-        n, k = int(write.numel()), int(read.numel())
+        v = self._host_plan(chunks)
+        n, k = v["write"].size, v["read"].size
         if n > rows or k > keys:
             raise ValueError(f"rows={rows}, keys={keys}: the step has {n} tokens and {k} context slots")
-        pad_w = torch.full((rows,), self.trash_slot, dtype=torch.int64)
-        pad_w[:n] = write
-        pad_r = torch.full((keys,), self.trash_slot, dtype=torch.int64)
-        pad_r[:k] = read
-        pos = torch.zeros(rows, dtype=torch.int64)
-        pos[:n] = positions
-        ok = torch.zeros(rows, keys, dtype=torch.bool)
-        ok[:n, :k] = allowed
-        ok[n:, 0] = True
-        mask = torch.zeros(rows, keys, dtype=mask_dtype)
-        mask.masked_fill_(~ok, torch.finfo(mask_dtype).min)
-        valid = torch.arange(rows) < n
-        dev = self.device
-        return {"write_index": pad_w.to(dev), "read_index": pad_r.to(dev), "positions": pos.to(dev),
-                "mask": mask[None, None].to(dev), "row_valid": valid.to(dev)}
 
-    def _host_plan(self, chunks: Sequence[SeqChunk]):
-        """(write [N], read [K], positions [N], allowed [N, K] bool, last [S]) on the host."""
-        writes, reads, positions, q_seq, k_seq, q_pos, k_pos, last = [], [], [], [], [], [], [], []
-        n = 0
-        for i, c in enumerate(chunks):
-            end = c.start + c.num_tokens
-            writes.append(self.slots(c.seq_id, c.start, end))
-            reads.append(self.slots(c.seq_id, 0, end))
-            pos = torch.arange(c.start, end, dtype=torch.int64)
-            positions.append(pos)
-            q_seq.append(torch.full((c.num_tokens,), i, dtype=torch.int64))
-            q_pos.append(pos)
-            k_seq.append(torch.full((end,), i, dtype=torch.int64))
-            k_pos.append(torch.arange(end, dtype=torch.int64))
-            n += c.num_tokens
-            last.append(n - 1)
-        cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64))
-        qs, qp, ks, kp = cat(q_seq), cat(q_pos), cat(k_seq), cat(k_pos)
-        allowed = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
-        return cat(writes), cat(reads), cat(positions), allowed, torch.tensor(last, dtype=torch.int64)
+        def pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
+            out = np.full(size, fill, dtype=np.int64)
+            out[: x.size] = x
+            return out
+
+        # padding queries are sequence -1, padding keys sequence -2: they match nothing (the padding queries
+        # get key 0 below); real queries never see a padding key
+        k_seq = pad(v["k_seq"], keys, -2)
+        host = {"write_index": pad(v["write"], rows, self.trash_slot), "read_index": pad(v["read"], keys, self.trash_slot),
+                "positions": pad(v["q_pos"], rows, 0), "q_seq": pad(v["q_seq"], rows, -1), "k_seq": k_seq,
+                "k_pos": pad(v["k_pos"], keys, 0)}
+        dev = self.device
+        up = {name: torch.from_numpy(x).to(dev) for name, x in host.items()}
+        row_valid = torch.arange(rows, device=dev) < n
+        allowed = _allowed(up["q_seq"], up["positions"], up["k_seq"], up["k_pos"])
+        allowed[:, 0] |= ~row_valid  # a padding query attends key 0 only (no empty softmax row)
+        mask = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(~allowed,
+                                                                                    torch.finfo(mask_dtype).min)
+        return {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
+                "mask": mask[None, None], "row_valid": row_valid}
+
+    def _host_plan(self, chunks: Sequence[SeqChunk]) -> dict[str, np.ndarray]:
+        """Host index vectors of a step: write [N], read [K], q_seq/q_pos [N], k_seq/k_pos [K], last [S]."""
+        if not chunks:
+            z = np.zeros(0, dtype=np.int64)
+            return {"write": z, "read": z, "q_seq": z, "q_pos": z, "k_seq": z, "k_pos": z, "last": z}
+        starts = np.asarray([c.start for c in chunks], dtype=np.int64)
+        lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+        ends = starts + lens
+        writes = [self.slots(c.seq_id, c.start, c.start + c.num_tokens) for c in chunks]
+        reads = [self.slots(c.seq_id, 0, c.start + c.num_tokens) for c in chunks]
+        seq = np.arange(len(chunks), dtype=np.int64)
+        q_off = np.cumsum(lens) - lens
+        k_off = np.cumsum(ends) - ends
+        n, k = int(lens.sum()), int(ends.sum())
+        q_seq = np.repeat(seq, lens)
+        k_seq = np.repeat(seq, ends)
+        return {"write": np.concatenate(writes), "read": np.concatenate(reads), "q_seq": q_seq,
+                "q_pos": np.arange(n, dtype=np.int64) - q_off[q_seq] + starts[q_seq], "k_seq": k_seq,
+                "k_pos": np.arange(k, dtype=np.int64) - k_off[k_seq], "last": np.cumsum(lens) - 1}
 
     def update(self, a: torch.Tensor, b: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,6 +222,18 @@ class PagedKVCache:
 
     def bytes_per_token(self) -> int:
         return sum(t.shape[1] * t.shape[2] * t.element_size() for s in self._store.values() for t in s)
+
+
+def _allowed(q_seq: torch.Tensor, q_pos: torch.Tensor, k_seq: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[N, K] bool: query (sequence, position) sees key (sequence, position) of its own sequence, not later."""
+    return (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+
+
+def _mask(q_seq, q_pos, k_seq, k_pos, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, N, K] additive mask built on the device: 0 where allowed, the dtype's minimum elsewhere."""
+    allowed = _allowed(q_seq, q_pos, k_seq, k_pos)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)[None, None]
 
 
 __all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError"]

@@ -52,6 +52,17 @@ class SeqStatus:
         return [*self.prompt, *self.generated]
 
     @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def token_slice(self, a: int, b: int) -> tuple[int, ...]:
+        """tokens[a:b] without building the whole list (a decode step needs one token)."""
+        p = len(self.prompt)
+        if a >= p:
+            return tuple(self.generated[a - p:b - p])
+        return (*self.prompt[a:b], *self.generated[:max(0, b - p)])
+
+    @property
     def reserve_tokens(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
 
@@ -178,15 +189,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
     def _admit(self) -> None:
-        running = sum(1 for s in self.seqs.values() if s.state is SeqState.RUNNING)
+        if not self._queue:
+            return
+        loads = {r: 0 for r in self.ranks}
+        for x in self.seqs.values():
+            if x.state is SeqState.RUNNING and x.rank in loads:
+                loads[x.rank] += 1
+        running = sum(loads.values())
         while self._queue and running < self.max_running:
             s = self.seqs[self._queue[0]]
             if s.state is SeqState.FINISHED:
                 self._queue.popleft()
                 continue
             need = self.blocks(s.reserve_tokens)
-            loads = {r: sum(1 for x in self.seqs.values() if x.rank == r and x.state is SeqState.RUNNING)
-                     for r in self.ranks}
             fits = [r for r in self.ranks if self.kv_blocks - self._used[r] >= need]
             if not fits:
                 return  # FIFO: the head waits for blocks to free up
@@ -194,6 +209,7 @@ class Scheduler:
             self._queue.popleft()
             self._used[r] += need
             s.rank, s.cached, s.state = r, 0, SeqState.RUNNING
+            loads[r] += 1
             running += 1
 
     def plan(self) -> StepPlan:
@@ -203,8 +219,8 @@ class Scheduler:
         running = [s for s in self.seqs.values() if s.state is SeqState.RUNNING]
         # decode tokens first (one each), then prefill chunks within the budget, oldest first
         for s in sorted(running, key=lambda x: (x.cached == 0, x.request_id)):
-            toks = s.tokens
-            left = len(toks) - s.cached
+            total = s.length
+            left = total - s.cached
             decode = left == 1 and s.cached > 0
             n = 1 if decode else min(left, max(0, budget[s.rank]))
             if n <= 0:
@@ -212,10 +228,10 @@ class Scheduler:
             budget[s.rank] -= 0 if decode else n
             end = s.cached + n
             spec = None
-            if end == len(toks):
+            if end == total:
                 p = s.params
                 spec = SampleSpec(p.temperature, p.top_p, s.seed, end)
-            items[s.rank].append(WorkItem(s.request_id, tuple(toks[s.cached:end]), s.cached, spec, decode))
+            items[s.rank].append(WorkItem(s.request_id, s.token_slice(s.cached, end), s.cached, spec, decode))
         free = {r: tuple(v) for r, v in self._to_free.items()}
         return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free)
 
