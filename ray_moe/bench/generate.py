@@ -117,7 +117,8 @@ def bench_ray_moe(conf: dict, device: str, dtype_name: str, prefill: int, batche
             t1 = _median([_timed(lambda: rt.generate(ids, max_new_tokens=1)) for _ in range(reps)])
             tn = _median([_timed(lambda: rt.generate(ids, max_new_tokens=new)) for _ in range(reps)])
             step = (tn - t1) / (new - 1)
-            out[f"decode_{b}"] = {"batch": b, "step_ms": step * 1e3, "tokens_per_s": b / step}
+            out[f"decode_{b}"] = {"batch": b, "step_ms": step * 1e3, "tokens_per_s": b / step,
+                                  "step_parts_ms_p50": engine.timing_summary(last=(new - 1) * reps)}
         st = rt.stats()
         out["paths"] = {"bucket_layers": st["bucket_layers"], "graph_replays": st["graph_replays"],
                         "fallbacks": st["fallbacks"]}

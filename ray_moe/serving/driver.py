@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -100,6 +101,10 @@ class GenerationEngine:
         self._stop = False
         self.steps = 0
         self.failed: BaseException | None = None
+        # where a step's time goes, last steps only (ms): plan, submit (Ray round trip, the shards' step
+        # included), shard (the slowest shard's own step), account (statistics), commit (tokens out)
+        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in ("plan", "submit", "shard", "account",
+                                                                          "commit")}
         self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
         self._thread.start()
 
@@ -167,6 +172,7 @@ class GenerationEngine:
                 self._load(members)
                 with self._lock:
                     self.scheduler.set_ranks(members)
+            t_plan = time.perf_counter()
             with self._lock:
                 plan = self.scheduler.plan()
             if plan.empty and not any(plan.free.values()):
@@ -179,13 +185,16 @@ class GenerationEngine:
                 return {r: GenStepRequest(step_id, gen, plan.items.get(r, ()), plan.free.get(r, ()), units)
                         for r in ranks}
 
+            t_submit = time.perf_counter()
             ranks, results = rt._submit(requests, "generate_step")
+            t_account = time.perf_counter()
             if ranks != members:  # a rank died: the step ran on the survivors; the dead rank's sequences
                 with self._lock:  # go back to the queue and are re-prefilled on a survivor
                     self.scheduler.set_ranks(ranks)
             tokens = sum(len(it.tokens) for items in plan.items.values() for it in items)
             rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
                         (time.perf_counter() - t0) * 1e3)
+        t_commit = time.perf_counter()
         sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
         with self._lock:
             events = self.scheduler.commit(plan, sampled)
@@ -198,6 +207,20 @@ class GenerationEngine:
                 if ev.finished:
                     del self._handles[ev.request_id]
                     h.emit(_DONE)
+        t_end = time.perf_counter()
+        for key, ms in (("plan", t_submit - t_plan), ("submit", t_account - t_submit), ("account", t_commit - t_account),
+                        ("commit", t_end - t_commit),
+                        ("shard", max((r.elapsed_s for r in results.values()), default=0.0))):
+            self.timings[key].append(ms * 1e3)
+
+    def timing_summary(self, last: int | None = None) -> dict[str, float]:
+        """Median milliseconds per step of each part (the last ``last`` steps)."""
+        out = {}
+        for k, xs in self.timings.items():
+            v = sorted(list(xs)[-last:] if last else xs)
+            if v:
+                out[k] = v[len(v) // 2]
+        return out
 
 
 class OverloadedError(RayMoEError):

@@ -45,7 +45,8 @@ class StepLayout:
     write_index: [N] cache slot of each new token (packed order)
     read_index:  [K] cache slots of every sequence's context (positions 0 .. end), sequence after sequence
     positions:   [N] position of each new token in its sequence (rotary embeddings)
-    mask:        [1, 1, N, K] additive float mask (0 attend, dtype min elsewhere): block-diagonal causal
+    mask:        [1, 1, N, K] additive float mask (0 attend, dtype min elsewhere): block-diagonal causal; None
+                 for one sequence from position 0 (transformers builds its causal mask)
     last:        [S] packed index of each sequence's last new token (where its next token is sampled), or
                  None: every row is one sequence's only new token (a decode step)
     """
@@ -53,7 +54,7 @@ class StepLayout:
     write_index: torch.Tensor
     read_index: torch.Tensor
     positions: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     last: torch.Tensor | None
 
 
@@ -139,8 +140,11 @@ class PagedKVCache:
         v = self._host_plan(chunks)
         dev = self.device
         up = {k: torch.from_numpy(x).to(dev) for k, x in v.items()}
+        # one sequence from its first position: the plain causal case, left to transformers' own mask (SDPA
+        # then runs its causal kernels instead of a dense additive mask)
+        plain = len(chunks) == 1 and chunks[0].start == 0
         layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"],
-                            mask=_mask(up["q_seq"], up["q_pos"], up["k_seq"], up["k_pos"], mask_dtype),
+                            mask=None if plain else _mask(up["q_seq"], up["q_pos"], up["k_seq"], up["k_pos"], mask_dtype),
                             last=up["last"])
         self.layout = layout
         return layout
@@ -216,9 +220,16 @@ class PagedKVCache:
             out.append(buf.index_select(0, lay.read_index).transpose(0, 1).unsqueeze(0))
         return out[0], out[1]
 
-    # transformers may ask a cache for its length (only when positions are not given: never here)
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # pragma: no cover - positions are always given
+    # transformers asks a cache for the mask geometry when no 4D mask is given (the plain causal case above:
+    # one sequence from position 0, so the keys are exactly this step's queries)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
 
     def bytes_per_token(self) -> int:
         return sum(t.shape[1] * t.shape[2] * t.element_size() for s in self._store.values() for t in s)

@@ -136,3 +136,12 @@ def test_static_shape_decode_steps_equal_greedy(tmp_path, monkeypatch):
     assert generate_inprocess(dep, prompts, 9) == _reference(model, prompts, 9)
     counters = [c.generator.counters for c in dep.cores.values()]
     assert all(c.get("graphs_captured", 0) >= 1 and c.get("graph_replays", 0) >= 4 for c in counters), counters
+
+
+def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
+    """One sequence from position 0 leaves the mask to transformers (SDPA's causal kernel); same tokens."""
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
+    for p in _prompts(7, (9, 1, 17)):
+        assert generate_inprocess(dep, [p], 6) == _reference(model, [p], 6)
