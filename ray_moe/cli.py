@@ -72,6 +72,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "generations_hidden": hidden,
         "replica_counts": {str(l): man.replica_counts(l) for l in range(man.num_layers)},
         "slots_per_rank": {str(r): len(man.rank_slots(r)) for r in range(man.num_ranks)},
+        "replica_floors": rt.floors(),
         "telemetry": rt.telemetry_snapshot(),
         "timeline": rt.timeline()[-args.tail:],
     }
@@ -86,6 +87,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if hidden:
         print(f"({hidden} older RETIRED generation(s) not shown; --all lists every generation)")
     print(f"replicas per expert (layer 0): {man.replica_counts(0)}")
+    floors = body["replica_floors"]
+    print("replica floors (set by scale, kept by rebalance): " + (", ".join(
+        f"expert {f['expert']} layer {f['layer']} >= {f['replicas']}" for f in floors) if floors else "none"))
     tel = rt.telemetry_table()
     if tel:
         print(tel)

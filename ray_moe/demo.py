@@ -100,7 +100,7 @@ def run_demo(args: argparse.Namespace) -> int:
         loads["after"] = [stats["rank_rows"].get(r, 0) - rebalance.get("rows", {}).get(r, 0)
                           for r in range(cfg.num_ranks)]
         loads["before"] = [rebalance.get("rows", {}).get(r, 0) for r in range(cfg.num_ranks)]
-        step_ms = list(rt._stats.step_ms)
+        step_ms = list(rt.books.stats.step_ms)
         replicas = rt.placement().replica_counts()
         steps = engine.steps
     finally:

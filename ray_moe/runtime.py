@@ -20,8 +20,6 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -50,75 +48,13 @@ from ray_moe.errors import (
 from ray_moe.experts.weights import parse_dtype
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import NodeInfo, ProcessGroupSpec, RankInfo, Topology
-from ray_moe.telemetry.metrics import MetricName, Telemetry, TelemetrySnapshot, merge_snapshots
-from ray_moe.telemetry.quantiles import EvidenceClass, summarize
+from ray_moe.telemetry.books import RuntimeStats, StepBooks
+from ray_moe.telemetry.metrics import Telemetry, TelemetrySnapshot, merge_snapshots
 from ray_moe.types import ExchangeKind, Phase
 from ray_moe.wire import experts_from_wire, tensor_to_wire, wire_to_tensor
 
 if TYPE_CHECKING:
     from ray_moe.serving.driver import GenerationEngine
-
-
-@dataclass
-class RuntimeStats:
-    """Counters and ratios with their denominators (spec 0x0D), kept by the driver.
-
-    attempted_routes: every route a caller handed in (T x k per layer), counted before validation;
-    accepted_routes: routes the shards accepted and served; dropped_routes: attempted routes that were not
-    served (the call raised: refused input, or a step that failed for good). The data paths never drop an
-    accepted route (admission refusals rerun eagerly), so dropped = attempted - accepted.
-    """
-
-    steps: int = 0
-    tokens: int = 0
-    attempted_routes: int = 0
-    accepted_routes: int = 0
-    dropped_routes: int = 0
-    remote_routes: int = 0
-    inter_node_routes: int = 0
-    stale_retries: int = 0
-    failed_steps: int = 0
-    rank_rows: dict[int, int] = field(default_factory=dict)
-    step_ms: deque = field(default_factory=lambda: deque(maxlen=4096))  # last steps only: a server runs for days
-    phase_steps: dict[str, int] = field(default_factory=dict)
-    last_step: dict = field(default_factory=dict)  # wall/shard times and per-layer paths of the last step
-    bucket_layers: int = 0  # decode (step, layer) units served by the fixed-capacity bucket path
-    graph_replays: int = 0  # of those, units replayed from a captured CUDA graph
-    fallbacks: dict[str, int] = field(default_factory=dict)  # decode units that took the variable path, by reason
-
-    def ratios(self) -> dict[str, dict[str, float | int | None]]:
-        def r(n: int, d: int) -> dict[str, float | int | None]:
-            return {"numerator": n, "denominator": d, "value": (n / d) if d else None}
-
-        return {
-            "drop": r(self.dropped_routes, self.attempted_routes),
-            "remote": r(self.remote_routes, self.accepted_routes),
-            "inter_node": r(self.inter_node_routes, self.accepted_routes),
-            # route classes of spec 0x07C: same GPU + same node (remote GPU) + different node = 1
-            "same_gpu": r(self.accepted_routes - self.remote_routes, self.accepted_routes),
-            "same_node_remote_gpu": r(self.remote_routes - self.inter_node_routes, self.accepted_routes),
-            "different_node": r(self.inter_node_routes, self.accepted_routes),
-        }
-
-    def as_dict(self) -> dict[str, Any]:
-        lat = summarize(self.step_ms, unit="ms", evidence=EvidenceClass.MEASURED) if self.step_ms else None
-        return {
-            "steps": self.steps,
-            "tokens": self.tokens,
-            "attempted_routes": self.attempted_routes,
-            "accepted_routes": self.accepted_routes,
-            "dropped_routes": self.dropped_routes,
-            "ratios": self.ratios(),
-            "stale_retries": self.stale_retries,
-            "failed_steps": self.failed_steps,
-            "rank_rows": dict(sorted(self.rank_rows.items())),
-            "phase_steps": dict(self.phase_steps),
-            "bucket_layers": self.bucket_layers,
-            "graph_replays": self.graph_replays,
-            "last_step": dict(self.last_step),
-            "fallbacks": dict(self.fallbacks),
-            "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "max": lat.max, "n": lat.n},
-        }
 
 
 class Runtime:
@@ -139,10 +75,6 @@ class Runtime:
         self.record_marks = False
         self._step_ids = itertools.count()
         self._lock = threading.Lock()
-        self._stats = RuntimeStats()
-        self._load = np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64)
-        self._load_steps = 0
-        self.flush_every = 4
         self.dtype = parse_dtype(cfg.dtype)
         self.max_attempts = 400
         self._step_lock = threading.RLock()  # held across one step; elastic rank changes take it to quiesce
@@ -150,7 +82,7 @@ class Runtime:
         self._extra_pgs: dict[int, Any] = {}
         self.lost_ranks: list[int] = []
         self.telemetry = Telemetry(f"driver-{uuid.uuid4().hex[:6]}")
-        self.release_id = cfg.name
+        self.books = StepBooks(cfg.num_layers, cfg.num_experts, self.telemetry, release_id=cfg.name)
         self._exporter = None
         self._engine = None  # the generation loop (serving)
 
@@ -301,12 +233,7 @@ class Runtime:
             served = True
             return out
         finally:
-            dropped = 0 if served else attempted
-            with self._lock:
-                self._stats.attempted_routes += attempted
-                self._stats.dropped_routes += dropped
-            self.telemetry.add_ratio(MetricName.ROUTE_DROP_RATIO, {"release": self.release_id, "phase": phase.value},
-                                     dropped, attempted)
+            self.books.attempted(phase, attempted, served)
 
     def moe_executor(self) -> "LayerExecutor":
         """An executor for transformers' ``ray_moe`` experts seam: every MoE block of a driver-side model
@@ -417,8 +344,7 @@ class Runtime:
             try:
                 return ranks, self._run_step(step_id, requests(ranks, step_id, gen), method)
             except StaleGenerationError:
-                with self._lock:
-                    self._stats.stale_retries += 1
+                self.books.count("stale_retries")
                 if pinned is not None:
                     raise
                 self._refresh_generation(backoff=attempt > 0)
@@ -455,8 +381,8 @@ class Runtime:
                                 except Exception:  # noqa: BLE001
                                     pass
         if first_error is not None:
-            with self._lock:
-                self._stats.failed_steps += 0 if isinstance(first_error, StaleGenerationError) else 1
+            if not isinstance(first_error, StaleGenerationError):
+                self.books.count("failed_steps")
             raise first_error
         return results
 
@@ -564,60 +490,10 @@ class Runtime:
                 return seen.pop()
 
     def _account(self, results: dict[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
-        with self._lock:
-            s = self._stats
-            s.steps += 1
-            s.tokens += tokens
-            s.step_ms.append(ms)
-            s.phase_steps[phase.value] = s.phase_steps.get(phase.value, 0) + 1
-            gen = None
-            first = results[ranks[0]]
-            s.last_step = {"wall_ms": ms, "phase": phase.value,
-                           "shard_elapsed_ms": {r: results[r].elapsed_s * 1e3 for r in ranks},
-                           "paths": [ls.path for ls in first.layers],
-                           "fallback_reasons": [ls.fallback_reason for ls in first.layers if ls.fallback_reason]}
-            if phase is Phase.DECODE:
-                for ls in first.layers:  # every rank took the same path (admission is agreed)
-                    if ls.path.startswith("bucket"):
-                        s.bucket_layers += 1
-                        s.graph_replays += ls.path == "bucket-graph"
-                    else:
-                        why = ls.fallback_reason or "bucket_disabled"
-                        s.fallbacks[why] = s.fallbacks.get(why, 0) + 1
-            for r in ranks:
-                res = results[r]
-                gen = res.generation
-                for ls in res.layers:
-                    s.accepted_routes += ls.accepted
-                    s.remote_routes += ls.remote
-                    s.inter_node_routes += ls.inter_node
-                    self._load[ls.layer] += ls.expert_counts
-                    for u, c in enumerate(ls.rank_routes.tolist()):
-                        if c:
-                            s.rank_rows[u] = s.rank_rows.get(u, 0) + int(c)
-            self._load_steps += 1
-            flush = self._load_steps >= self.flush_every and gen is not None
-            if flush:
-                self.coordinator.record_load.remote(self._load.copy(), phase.value, gen)
-                self._load[:] = 0
-                self._load_steps = 0
-        # telemetry with numerators and denominators (spec 0x0D); bounded labels only (0x0DB)
-        acc = sum(ls.accepted for r in ranks for ls in results[r].layers)
-        rem = sum(ls.remote for r in ranks for ls in results[r].layers)
-        inter = sum(ls.inter_node for r in ranks for ls in results[r].layers)
-        base = {"release": self.release_id, "phase": phase.value}
-        tel = self.telemetry
-        tel.add_ratio(MetricName.REMOTE_ROUTE_RATIO, base, rem, acc)
-        tel.add_ratio(MetricName.INTER_NODE_ROUTE_RATIO, {**base, "topology": self.topology.version}, inter, acc)
-        tel.observe_step_latency(base, ms / 1e3)
-        if phase is Phase.DECODE:
-            units = results[ranks[0]].layers
-            replay = sum(1 for ls in units if ls.path == "bucket-graph")
-            tel.add_ratio(MetricName.GRAPH_REPLAY_RATIO, {**base, "graph": "decode-bucket"}, replay, len(units))
-            reasons = [ls.fallback_reason or "bucket_disabled" for ls in units if not ls.path.startswith("bucket")]
-            tel.add_ratio(MetricName.FALLBACK_STEP_RATIO, {**base, "reason": reasons[0] if reasons else "none"},
-                          1 if reasons else 0, 1)
-        if flush:
+        """Book one served step (``StepBooks.record``); ship the load window and telemetry when due."""
+        flush = self.books.record(results, ranks, phase, tokens, ms, topology_version=self.topology.version)
+        if flush is not None:
+            self.coordinator.record_load.remote(flush.counts, flush.phase.value, flush.generation)
             self.publish_telemetry()
 
     def publish_telemetry(self) -> None:
@@ -651,22 +527,23 @@ class Runtime:
 
     def flush_load(self) -> None:
         """Push the driver's pending load counts to the coordinator's window now."""
-        with self._lock:
-            if self._load_steps and self._generation is not None:
-                call(self.coordinator.record_load.remote(self._load.copy(), Phase.PREFILL.value, self._generation))
-                self._load[:] = 0
-                self._load_steps = 0
+        flush = self.books.take_load(self._generation)
+        if flush is not None:
+            call(self.coordinator.record_load.remote(flush.counts, flush.phase.value, flush.generation))
 
     # ================================================================ inspection
     def placement(self, generation: int | None = None) -> PlacementManifest:
         return PlacementManifest.model_validate_json(call(self.coordinator.manifest_json.remote(generation)))
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return self._stats.as_dict()
+        return self.books.snapshot()
 
     def refcounts(self) -> dict[int, int]:
         return call(self.coordinator.refcounts.remote())
+
+    def floors(self) -> list[dict[str, int]]:
+        """Replica floors set by ``scale`` and kept by ``rebalance``: [{layer, expert, replicas}]."""
+        return call(self.coordinator.floors.remote())
 
     def generations(self) -> dict[int, str]:
         return call(self.coordinator.generations.remote())

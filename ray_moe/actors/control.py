@@ -19,16 +19,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ray_moe.actors.recovery import (
-    RETIRED_KEPT,
-    PendingOp,
-    PlaneState,
-    ShardRegistrySnapshot,
-    next_generation_id,
-    plan_rebuild,
-)
+from ray_moe.actors.recovery import RETIRED_KEPT, PendingOp, PlaneState
 from ray_moe.config import RuntimeConfig
 from ray_moe.errors import AdmissionError, ExpertUnavailableError, GenerationError, RankDeadError
+from ray_moe.placement.floors import ReplicaFloors
 from ray_moe.placement.initial import spread_assignment
 from ray_moe.placement.load import LoadWindow
 from ray_moe.placement.manifest import PlacementManifest, manifest_from_assignment
@@ -120,7 +114,7 @@ class ControlPlane:
         self._tl_lock = threading.Lock()
         self._next_generation = 0
         # replica floors set by a manual ``scale``: EPLB keeps at least this many copies of (layer, expert)
-        self.floors: dict[Key, int] = {}
+        self.floors = ReplicaFloors(cfg.num_layers, cfg.num_experts)
         # durability (see recovery.py): ``on_change`` is called after every change of the plane's own state
         # (the coordinator actor writes its durable record there); ``op`` is the multi-shard operation in
         # flight, recorded before the first shard is touched
@@ -149,9 +143,8 @@ class ControlPlane:
         for g in self.registry.generations():
             if self.registry.state(g) == GenerationState.RETIRED:
                 retired.add(g)
-        floors = dict(self.floors)
         return PlaneState(next_generation=self._next_generation, retired=sorted(retired)[-RETIRED_KEPT:],
-                          floors=[(l, e, n) for (l, e), n in floors.items()],
+                          floors=self.floors.triples(),
                           dead_ranks=sorted(set(self.dead_ranks)), expert_bytes=self.expert_bytes, op=self.op,
                           retire_pending=sorted(set(self.retire_pending)))
 
@@ -161,79 +154,6 @@ class ControlPlane:
         reg = self.registry
         out.update({g: reg.state(g).value for g in reg.generations()})
         return dict(sorted(out.items()))
-
-    @classmethod
-    def restore(cls, cfg: RuntimeConfig, fleet: Fleet, topology: Topology, group: ProcessGroupSpec,
-                state: PlaneState, *, load_rows: Sequence[Mapping[str, Any]] = (),
-                clock: Callable[[], float] = time.time, retire_timeout_s: float = 5.0) -> "ControlPlane":
-        """A control plane rebuilt after a coordinator restart (see recovery.py): generations, states and
-        manifests from the live shards' registry mirrors, digests from the manifests, the rest from
-        ``state``. Interrupted work is finished or undone on the shards before it returns."""
-        t0 = time.perf_counter()
-        plane = cls(cfg, fleet, topology, group, clock=clock)
-        plane.expert_bytes = int(state.expert_bytes)
-        plane.dead_ranks = set(state.dead_ranks)
-        plane.floors = {(int(l), int(e)): int(n) for l, e, n in state.floors}
-        plane.retired_before = list(state.retired)
-        for row in load_rows:
-            try:
-                plane.load.record(np.asarray(row["counts"], dtype=np.int64), phase=row["phase"],
-                                  generation=int(row["generation"]), checkpoint=row["checkpoint"], step=int(row["step"]))
-            except (KeyError, ValueError, TypeError):  # a malformed row loses load history, not the restart
-                continue
-        with plane._lock:
-            raw = plane._call_live("registry_snapshot", lambda r: ())
-            snaps = {r: ShardRegistrySnapshot.model_validate(v) for r, v in raw.items()}
-            plan = plan_rebuild(plane.live_ranks(), snaps, state.op, state.retire_pending)
-            # 1. undo: never-published generations and the weights staged for them
-            for g, ranks in sorted(plan.abandon.items()):
-                done = plane.fleet.call("retire", {r: (g,) for r in ranks if r in plan.live})
-                if not all(done.values()):
-                    plan.notes.append(f"generation {g}: abandon refused on ranks {[r for r, ok in done.items() if not ok]}")
-            dropped = plane._call_live("drop_unreferenced", lambda r: ())
-            # 2. the registry: manifests from one holder each, states as planned
-            by_holder: dict[int, list[int]] = defaultdict(list)
-            for g, r in plan.holder.items():
-                by_holder[r].append(g)
-            got = plane.fleet.call("generation_manifests", {r: (sorted(gs),) for r, gs in by_holder.items()})
-            manifests = {int(g): (m if isinstance(m, PlacementManifest) else PlacementManifest.model_validate_json(m))
-                         for per in got.values() for g, m in per.items()}
-            for g in sorted(plan.states):
-                plane.registry.register(manifests[g])
-            for g in sorted(plan.states):
-                if plan.states[g] == "DRAINING":
-                    plane.registry.publish(g)
-                    plane.registry.mark_draining(g)
-            if plan.active is not None:
-                plane.registry.publish(plan.active)
-            for man in manifests.values():
-                for sl in man.slots:
-                    plane.digests.setdefault((sl.layer, sl.logical_expert_id), sl.parameter_digest)
-            if state.op is not None and state.op.kind == "retire" and state.op.generation not in plan.states:
-                plane.retired_before.append(int(state.op.generation))  # its retire had reached every live shard
-            plane.retired_before = sorted(set(plane.retired_before) | set(plan.abandon))
-            plane._next_generation = next_generation_id(state.next_generation, plan, plane.retired_before)
-            # 3. finish interrupted work so that every live shard agrees with the registry
-            if plan.publish_on:
-                plane.fleet.call("publish", {r: (plan.active,) for r in plan.publish_on})
-            for g, ranks in plan.stop.items():
-                plane.fleet.call("stop_dispatch", {r: (g,) for r in ranks})
-            for g, ranks in plan.candidates_on.items():
-                plane.fleet.call("allow_candidate", {r: (g,) for r in ranks})
-            plane.retire_pending = set(plan.finish_retire)  # a drain that times out here is retried by later changes
-            retired_now = [g for g in plan.finish_retire if plane.drain_and_retire(g, timeout_s=retire_timeout_s)]
-            plane.op = None
-            plane.rebuild_report = {
-                "active": plan.active, "generations": dict(plan.states), "abandoned": sorted(plan.abandon),
-                "published_on": plan.publish_on, "retired": retired_now, "dropped_weights": int(sum(dropped.values())),
-                "interrupted_op": None if state.op is None else state.op.model_dump(), "notes": list(plan.notes),
-                "next_generation": plane._next_generation, "live_ranks": plan.live,
-                "dead_ranks": sorted(plane.dead_ranks), "rebuild_s": time.perf_counter() - t0,
-            }
-            plane.log("rebuild", plan.active, f"coordinator restarted: {len(plan.states)} generations from "
-                      f"{len(plan.live)} shards, active {plan.active}, abandoned {sorted(plan.abandon)}; "
-                      + "; ".join(plan.notes))
-        return plane
 
     # ---------------------------------------------------------------- timeline
     def log(self, event: str, generation: int | None = None, detail: str = "") -> None:
@@ -284,42 +204,20 @@ class ControlPlane:
     # ---------------------------------------------------------------- replica floors
     def set_floor(self, expert: int, replicas: int, layer: int | None = None) -> None:
         """A manual scale: (layer, expert) keeps at least ``replicas`` copies through EPLB rebalances until
-        a later scale lowers it (``replicas`` 1 removes the floor). ``floors`` keeps set order (newest last)."""
-        for l in (range(self.cfg.num_layers) if layer is None else (layer,)):
-            self.floors.pop((int(l), int(expert)), None)
-            if replicas > 1:
-                self.floors[(int(l), int(expert))] = int(replicas)
+        a later scale lowers it (``replicas`` 1 removes the floor)."""
+        self.floors.set(expert, replicas, layer)
         self._changed()
 
     def floor_list(self) -> list[dict[str, int]]:
-        return [{"layer": l, "expert": e, "replicas": n} for (l, e), n in sorted(dict(self.floors).items())]
+        return self.floors.as_list()
 
     def effective_floors(self, num_slots: int) -> tuple[dict[Key, int], list[str]]:
-        """The floors EPLB gets with ``num_slots`` physical slots per layer. They always fit while the slots
-        that existed when they were set still do; when ranks were lost since, the newest floors are kept
-        whole and older ones are lowered until they fit (the recorded floors are unchanged and come back
-        with the capacity). Returns (floors, notes naming each lowered floor)."""
-        out: dict[Key, int] = {}
-        notes: list[str] = []
-        budget = {l: num_slots - self.cfg.num_experts for l in range(self.cfg.num_layers)}
-        for (l, e), n in reversed(list(dict(self.floors).items())):  # newest first
-            take = max(0, min(n - 1, budget[l]))
-            budget[l] -= take
-            if take + 1 < n:
-                notes.append(f"expert {e} of layer {l}: floor {n} lowered to {take + 1} ({num_slots} slots per layer)")
-            if take:
-                out[(l, e)] = take + 1
-        return out, notes
+        return self.floors.effective(num_slots)
 
     def _floor_matrix(self, num_slots: int) -> np.ndarray | None:
-        floors, notes = self.effective_floors(num_slots)
+        m, notes = self.floors.matrix(num_slots)
         if notes:
             self.log("floor-clipped", None, "; ".join(notes))
-        if not floors:
-            return None
-        m = np.ones((self.cfg.num_layers, self.cfg.num_experts), dtype=np.int64)
-        for (l, e), n in floors.items():
-            m[l, e] = n
         return m
 
     def scale(self, expert: int, replicas: int, layer: int | None = None, *, drain_timeout_s: float = 60.0) -> ApplyReport:

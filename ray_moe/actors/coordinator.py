@@ -25,6 +25,7 @@ import ray
 from pydantic import BaseModel
 
 from ray_moe.actors.control import ControlPlane, Fleet
+from ray_moe.actors.restore import restore_plane
 from ray_moe.actors.recovery import DurableRecord, load_summary, registry_from_bytes, registry_state_bytes
 from ray_moe.config import RuntimeConfig
 from ray_moe.errors import RankDeadError
@@ -209,7 +210,7 @@ class CoordinatorActor:
 
     def _rebuild(self) -> None:
         """After a restart: the record, handles, releases and load from the KV; generations, states,
-        manifests and refcounts from the shards (``ControlPlane.restore``)."""
+        manifests and refcounts from the shards (``restore.restore_plane``)."""
         import json
         import traceback
 
@@ -231,7 +232,7 @@ class CoordinatorActor:
                 self.extra["releases"] = registry_from_bytes(ReleaseRegistry, raw)
             if rec.plane is not None and rec.group_json is not None and self.handles and self.topology_json:
                 raw = self.store.get("load")
-                self.plane = ControlPlane.restore(
+                self.plane = restore_plane(
                     self.cfg, RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL),
                     Topology.model_validate_json(self.topology_json), ProcessGroupSpec.model_validate_json(rec.group_json),
                     rec.plane, load_rows=json.loads(raw) if raw else ())

@@ -17,7 +17,7 @@ The coordinator keeps two kinds of state:
   them afresh with a ``rebuild`` event).
 
 :func:`plan_rebuild` turns the shards' snapshots and the record into a :class:`RebuildPlan`; the
-control plane applies it (``ControlPlane.restore``):
+control plane applies it (``restore.restore_plane``):
 
 * a generation PENDING on every shard that holds it and never made a candidate was being staged:
   it is abandoned on those shards and every staged weight no generation uses is dropped;

@@ -4,8 +4,8 @@ The Ray actor (``expert_shard.py``) is a thin shell that owns one ShardCore, its
 exchange endpoint. Tests drive ShardCores directly over the in-process exchange (``tests/actors``).
 
 State owned here:
-* expert weights by (layer, logical expert), content-addressed by digest and shared by every
-  generation that places that expert on this rank (retained copies are never duplicated);
+* expert weights by (layer, logical expert) in an ``ExpertStore`` (content-addressed, shared by every
+  generation that places that expert on this rank);
 * per generation: the manifest, one PlacementSnapshot per layer and the stacked SlotWeights per layer;
 * a local GenerationRegistry mirror: a step pins its generation here (exact per-step refcounts), the
   coordinator publishes / drains / retires through it and reads the refcounts back;
@@ -25,18 +25,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from ray_moe.actors.expert_store import ExpertStore, Key
 from ray_moe.actors.faults import ShardFault, ShardFaults, wrap_paths
 from ray_moe.actors.step import DataPaths, Marks, PinnedStaging, StepExecutor, StepRequest, StepResult
 from ray_moe.config import RuntimeConfig
-from ray_moe.dispatch.bucket import BucketDispatcher
-from ray_moe.dispatch.direct import DirectDispatcher
-from ray_moe.dispatch.engine import EngineDispatcher
 from ray_moe.dispatch.exchange.base import Exchange
-from ray_moe.dispatch.local import LocalDispatcher
 from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.errors import GenerationError, StaleGenerationError
-from ray_moe.experts.runners import make_runner
-from ray_moe.experts.weights import ExpertWeights, SlotWeights, WeightSource, parse_dtype
+from ray_moe.experts.weights import ExpertWeights, WeightSource, parse_dtype
 from ray_moe.model import route, zipf_bias
 from ray_moe.phases.decode import bucket_key_digest
 from ray_moe.phases.step import GenerationView
@@ -45,7 +41,7 @@ from ray_moe.placement.registry import GenerationRegistry
 from ray_moe.placement.selector import make_selector
 from ray_moe.placement.snapshot import snapshots_for
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
-from ray_moe.types import DispatchPath, GenerationState
+from ray_moe.types import GenerationState
 
 if TYPE_CHECKING:
     from ray_moe.serving.engine import GenerationExecutor, GenStepRequest, GenStepResult
@@ -55,7 +51,7 @@ if TYPE_CHECKING:
 class _Generation:
     manifest: PlacementManifest
     view: GenerationView
-    keys: frozenset[tuple[int, int]] = field(default_factory=frozenset)
+    keys: frozenset[Key] = field(default_factory=frozenset)
 
 
 class ShardCore:
@@ -73,8 +69,7 @@ class ShardCore:
         self.selector = make_selector(cfg.replica_policy)
         self.paths: DataPaths | None = None
         self.faults = ShardFaults()
-        self._experts: dict[tuple[int, int], ExpertWeights] = {}
-        self._digests: dict[tuple[int, int], str] = {}
+        self.store = ExpertStore(rank, self.device, self.dtype)
         self._gens: dict[int, _Generation] = {}
         self._decode_keys: dict[int, int] = {}
         self._lock = threading.RLock()
@@ -98,98 +93,57 @@ class ShardCore:
 
     # ================================================================ control path
     def set_exchange(self, exchange: Exchange) -> None:
-        """Pick the data paths of this deployment (every rank picks alike: they speak one protocol)."""
-        cfg = self.cfg
-        runner = make_runner(cfg.runner)
-        bucket = None
-        if exchange.size == 1 and cfg.dispatch_path is DispatchPath.AUTO:  # a group of one: nothing to exchange
-            normal = LocalDispatcher(exchange, self.selector, validate=True)
-            if cfg.decode_buckets:
-                bucket = LocalDispatcher(exchange, self.selector, validate=False, token_cap=cfg.decode_token_capacity,
-                                         top_k=cfg.top_k, hidden_size=cfg.hidden_size)
-        else:
-            if cfg.resolved_dispatch_path is DispatchPath.DIRECT:
-                normal = DirectDispatcher(exchange, self.selector)
-            else:
-                normal = EngineDispatcher(exchange, self.selector, payload_format=cfg.payload_format,
-                                          compute_dtype=self.dtype)
-            if cfg.decode_buckets:
-                bucket = BucketDispatcher(exchange, self.selector, token_cap=cfg.decode_token_capacity,
-                                          top_k=cfg.top_k, hidden_size=cfg.hidden_size,
-                                          slot_cap=cfg.decode_slot_capacity)
-        capture = self.device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
-        self.paths = DataPaths(exchange, normal, bucket, runner, capture)
+        """Pick the data paths of this deployment (``DataPaths.pick``: every rank picks alike)."""
+        self.paths = DataPaths.pick(self.cfg, exchange, self.selector, dtype=self.dtype, device=self.device)
         self._decode_keys.clear()
 
-    def load_experts(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    # ---------------------------------------------------------------- weights (expert_store.py)
+    def load_experts(self, keys: Sequence[Key]) -> dict[Key, str]:
         """Load (layer, expert) weights from the weight source; returns their parameter digests."""
-        out = {}
-        for layer, expert in keys:
-            key = (int(layer), int(expert))
-            if key not in self._experts:
-                w = self.source.expert(*key).to(self.device, self.dtype)
-                self._experts[key] = w
-                self._digests[key] = w.digest()
-            out[key] = self._digests[key]
-        return out
+        with self._lock:
+            return self.store.load(keys, self.source)
 
-    def export_experts(self, keys: Sequence[tuple[int, int]], *, device: bool = False) -> dict[tuple[int, int], ExpertWeights]:
+    def export_experts(self, keys: Sequence[Key], *, device: bool = False) -> dict[Key, ExpertWeights]:
         """Weights this rank holds, for an actor-to-actor copy (CPU tensors, or device tensors for NCCL)."""
-        missing = [k for k in keys if tuple(k) not in self._experts]
-        if missing:
-            raise ValueError(f"keys: rank {self.rank} holds no weights for (layer, expert) {missing[0]}")
-        return {tuple(k): (self._experts[tuple(k)] if device else self._experts[tuple(k)].to("cpu")) for k in keys}
+        return self.store.export(keys, device=device)
 
-    def import_experts(self, weights: Mapping[tuple[int, int], ExpertWeights]) -> dict[tuple[int, int], str]:
+    def import_experts(self, weights: Mapping[Key, ExpertWeights]) -> dict[Key, str]:
         """Store copied weights; returns the digests computed from the bytes that arrived."""
-        out = {}
-        for key, w in weights.items():
-            key = (int(key[0]), int(key[1]))
-            w = w.to(self.device, self.dtype)
-            self._experts[key] = w
-            self._digests[key] = w.digest()
-            out[key] = self._digests[key]
-        return out
+        with self._lock:
+            return self.store.put(weights)
 
-    def held_experts(self) -> list[tuple[int, int]]:
-        return sorted(self._experts)
+    def held_experts(self) -> list[Key]:
+        return self.store.held()
 
+    def _live_keys(self) -> set[Key]:
+        return set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
+
+    def drop_experts(self, keys: Sequence[Key]) -> None:
+        """Free staged weights that no generation uses (an aborted migration)."""
+        with self._lock:
+            self.store.drop(keys, self._live_keys())
+
+    def drop_unreferenced(self) -> int:
+        """Free every held weight no prepared generation uses (copies staged by a control operation that
+        died before it prepared them); returns how many (layer, expert) weights were freed."""
+        with self._lock:
+            return self.store.drop_unreferenced(self._live_keys())
+
+    def expert_weights(self, layer: int, expert: int) -> ExpertWeights | None:
+        w = self.store.get((layer, expert))
+        return None if w is None else w.to("cpu")
+
+    # ---------------------------------------------------------------- generations
     def prepare_generation(self, manifest: PlacementManifest, group: ProcessGroupSpec) -> dict[str, Any]:
         """Materialise this rank's slots of a new generation (weights must already be held) and verify every
         slot's parameter digest. Registers the generation PENDING in the local mirror."""
         with self._lock:
             snaps = snapshots_for(manifest, self.topology, group)
-            weights: list[SlotWeights | None] = []
-            keys: set[tuple[int, int]] = set()
-            mismatches = []
-            for layer in range(manifest.num_layers):
-                slots = manifest.rank_slots(self.rank, layer)
-                if not slots:
-                    weights.append(None)
-                    continue
-                experts = []
-                for s in slots:
-                    key = (layer, s.logical_expert_id)
-                    if key not in self._experts:
-                        raise ValueError(
-                            f"manifest: slot q{s.physical_slot_id} of layer {layer} needs expert "
-                            f"{s.logical_expert_id} which rank {self.rank} does not hold"
-                        )
-                    if self._digests[key] != s.parameter_digest:
-                        mismatches.append((layer, s.physical_slot_id, s.logical_expert_id))
-                    experts.append(self._experts[key])
-                    keys.add(key)
-                weights.append(SlotWeights.stack(layer, [s.physical_slot_id for s in slots], experts,
-                                                 [s.parameter_digest for s in slots]))
-            if mismatches:
-                raise ValueError(
-                    f"parameter_digest: rank {self.rank} slots {mismatches} hold weights whose digest differs from "
-                    f"the manifest of generation {manifest.generation}; not published"
-                )
+            weights, keys = self.store.stack(manifest)  # verifies every slot's parameter digest
             if manifest.generation not in self._gens:
                 self.registry.register(manifest)
-            view = GenerationView(manifest.generation, snaps, tuple(weights))
-            self._gens[manifest.generation] = _Generation(manifest, view, frozenset(keys))
+            view = GenerationView(manifest.generation, snaps, weights)
+            self._gens[manifest.generation] = _Generation(manifest, view, keys)
             return {"rank": self.rank, "generation": manifest.generation, "slots": sum(
                 w.num_slots for w in weights if w is not None), "verified": True}
 
@@ -254,32 +208,8 @@ class ShardCore:
             else:
                 self.registry.retire(generation)
             del self._gens[generation]
-            live = set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
-            for key in [k for k in self._experts if k not in live]:
-                del self._experts[key]
-                del self._digests[key]
+            self.store.drop_unreferenced(self._live_keys())
             return True
-
-    def drop_experts(self, keys: Sequence[tuple[int, int]]) -> None:
-        """Free staged weights that no generation uses (an aborted migration)."""
-        with self._lock:
-            live = set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
-            for key in keys:
-                key = (int(key[0]), int(key[1]))
-                if key not in live:
-                    self._experts.pop(key, None)
-                    self._digests.pop(key, None)
-
-    def drop_unreferenced(self) -> int:
-        """Free every held weight no prepared generation uses (copies staged by a control operation that
-        died before it prepared them); returns how many (layer, expert) weights were freed."""
-        with self._lock:
-            live = set().union(*(g.keys for g in self._gens.values())) if self._gens else set()
-            stale = [k for k in self._experts if k not in live]
-            for key in stale:
-                del self._experts[key]
-                self._digests.pop(key, None)
-            return len(stale)
 
     def registry_snapshot(self) -> dict[str, Any]:
         """This rank's registry mirror, for a coordinator that rebuilds itself after a restart: every
@@ -292,7 +222,7 @@ class ShardCore:
                 gens[g] = {"state": self.registry.state(g).value, "refcount": self.refcount(g),
                            "candidate": g in self._candidates, "digest": gen.manifest.content_digest()}
             return {"rank": self.rank, "active": self.registry.active(), "generations": gens,
-                    "held": sorted(self._experts)}
+                    "held": self.store.held()}
 
     def generation_manifests(self, generations: Sequence[int]) -> dict[int, PlacementManifest]:
         """The manifests of prepared generations (as prepared here)."""
@@ -306,18 +236,14 @@ class ShardCore:
                 "active": self.registry.active(),
                 "generations": {g: {"state": self.registry.state(g).value, "refcount": self.registry.refcount(g)}
                                 for g in self._gens},
-                "experts_held": len(self._experts),
-                "weight_bytes": sum(w.nbytes for w in self._experts.values()),
+                "experts_held": len(self.store),
+                "weight_bytes": self.store.nbytes,
                 "counters": {**self.counters, **self.executor.counters, **self.faults.fired,
                              **({} if self.generator is None else self.generator.counters)},
                 "graphs": len(self.executor.graphs) + (0 if self.generator is None else len(self.generator.graphs)),
                 "capture_error": self.executor.capture_error or (None if self.generator is None
                                                                  else self.generator.capture_error),
             }
-
-    def expert_weights(self, layer: int, expert: int) -> ExpertWeights | None:
-        w = self._experts.get((layer, expert))
-        return None if w is None else w.to("cpu")
 
     # ================================================================ data path
     def step(self, req: StepRequest, publish: Callable[[StepResult], StepResult] | None = None) -> StepResult:
@@ -396,33 +322,18 @@ class ShardCore:
 
     # ================================================================ serving generation
     def load_model(self, *, kv_tokens: int, block_size: int = 16, random_model: dict | None = None) -> dict[str, Any]:
-        """Host the model's non-expert modules (transformers classes) from the checkpoint, or seeded random
-        ones of the transformers config dict ``random_model`` (benchmarks); routed experts stay this shard's
-        slots."""
+        """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
+        config dict ``random_model``); routed experts stay this shard's slots. Returns the model's limits."""
         from ray_moe.serving.engine import GenerationExecutor
-        from ray_moe.serving.model_host import ModelHost
 
         with self._step_lock:
             if self.generator is None:
-                if random_model is not None:
-                    from transformers import AutoConfig
-
-                    conf = dict(random_model)
-                    conf_obj = AutoConfig.for_model(conf.pop("model_type"), **conf)
-                    host = ModelHost.random(conf_obj, seed=self.cfg.seed, device=self.device, dtype=self.dtype,
-                                            kv_tokens=kv_tokens, block_size=block_size)
-                else:
-                    host = ModelHost.from_checkpoint(self.cfg.checkpoint, device=self.device, dtype=self.dtype,
-                                                     kv_tokens=kv_tokens, block_size=block_size)
-                if host.moe_layers != self.cfg.num_layers:
-                    raise ValueError(f"num_layers={self.cfg.num_layers} but the model has {host.moe_layers} MoE layers")
-                self.generator = GenerationExecutor(self.rank, host, hidden_size=self.cfg.hidden_size,
-                                                    top_k=self.cfg.top_k, dtype=self.dtype)
-            kv = self.generator.host.kv
-            return {"rank": self.rank, "kv_blocks": kv.num_blocks, "block_size": kv.block_size,
-                    "vocab_size": self.generator.host.vocab_size,
-                    "max_context": int(getattr(self.generator.host.config, "max_position_embeddings", 1 << 20)),
-                    "eos_token_ids": self.generator.host.eos_token_ids()}
+                cfg = self.cfg
+                self.generator = GenerationExecutor.load(
+                    self.rank, checkpoint=cfg.checkpoint, random_model=random_model, num_layers=cfg.num_layers,
+                    hidden_size=cfg.hidden_size, top_k=cfg.top_k, seed=cfg.seed, device=self.device,
+                    dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size)
+            return self.generator.info()
 
     def generate_step(self, req: "GenStepRequest") -> "GenStepResult":
         """One generation step (token ids in, sampled token ids out), SPMD with the other ranks."""

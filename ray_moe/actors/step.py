@@ -14,15 +14,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from ray_moe.dispatch.bucket import BucketDispatcher, token_buckets
+from ray_moe.dispatch.direct import DirectDispatcher
+from ray_moe.dispatch.engine import EngineDispatcher
 from ray_moe.dispatch.exchange.base import Exchange
+from ray_moe.dispatch.local import LocalDispatcher
 from ray_moe.dispatch.protocol import ControlStatus, Dispatcher
 from ray_moe.errors import RouteValidationError
+from ray_moe.experts.runners import make_runner
 from ray_moe.experts.runners.base import ExpertRunner
 from ray_moe.phases.admission import FallbackReason
 from ray_moe.phases.decode import (
@@ -35,7 +39,10 @@ from ray_moe.phases.decode import (
     generation_digest,
 )
 from ray_moe.phases.step import GenerationView, LayerStats, MoEStep
-from ray_moe.types import Phase
+from ray_moe.types import DispatchPath, Phase
+
+if TYPE_CHECKING:
+    from ray_moe.config import RuntimeConfig
 from ray_moe.wire import as_tensor, tensor_to_wire
 
 
@@ -90,6 +97,29 @@ class DataPaths:
     bucket: BucketDispatcher | None
     runner: ExpertRunner
     capture: bool  # decode steps are captured as CUDA graphs (NCCL on CUDA)
+
+    @classmethod
+    def pick(cls, cfg: "RuntimeConfig", exchange: Exchange, selector: Any, *, dtype: torch.dtype,
+             device: torch.device) -> "DataPaths":
+        """The paths of a deployment (every rank picks alike: they speak one protocol). A group of one has
+        nothing to exchange (local); otherwise the direct or engine normal path and the bucket decode path."""
+        runner = make_runner(cfg.runner)
+        bucket = None
+        if exchange.size == 1 and cfg.dispatch_path is DispatchPath.AUTO:
+            normal = LocalDispatcher(exchange, selector, validate=True)
+            if cfg.decode_buckets:
+                bucket = LocalDispatcher(exchange, selector, validate=False, token_cap=cfg.decode_token_capacity,
+                                         top_k=cfg.top_k, hidden_size=cfg.hidden_size)
+        else:
+            if cfg.resolved_dispatch_path is DispatchPath.DIRECT:
+                normal = DirectDispatcher(exchange, selector)
+            else:
+                normal = EngineDispatcher(exchange, selector, payload_format=cfg.payload_format, compute_dtype=dtype)
+            if cfg.decode_buckets:
+                bucket = BucketDispatcher(exchange, selector, token_cap=cfg.decode_token_capacity, top_k=cfg.top_k,
+                                          hidden_size=cfg.hidden_size, slot_cap=cfg.decode_slot_capacity)
+        capture = device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
+        return cls(exchange, normal, bucket, runner, capture)
 
 
 class Marks:

@@ -98,6 +98,34 @@ class GenerationExecutor:
         self.graphs = StepGraphs()  # captured decode steps by (generation, (rows, keys))
         self.capture_error: str | None = None  # a failed capture: decode steps stay eager (reported in status)
 
+    @classmethod
+    def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
+             top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int,
+             block_size: int) -> "GenerationExecutor":
+        """A shard's model: the non-expert modules (transformers classes) from ``checkpoint``, or seeded random
+        ones of the transformers config dict ``random_model`` (benchmarks). Routed experts stay the shard's
+        slots. ``num_layers`` must equal the model's MoE layer count."""
+        if random_model is not None:
+            from transformers import AutoConfig
+
+            conf = dict(random_model)
+            host = ModelHost.random(AutoConfig.for_model(conf.pop("model_type"), **conf), seed=seed, device=device,
+                                    dtype=dtype, kv_tokens=kv_tokens, block_size=block_size)
+        else:
+            host = ModelHost.from_checkpoint(checkpoint, device=device, dtype=dtype, kv_tokens=kv_tokens,
+                                             block_size=block_size)
+        if host.moe_layers != num_layers:
+            raise ValueError(f"num_layers={num_layers} but the model has {host.moe_layers} MoE layers")
+        return cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype)
+
+    def info(self) -> dict[str, Any]:
+        """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids."""
+        host = self.host
+        return {"rank": self.rank, "kv_blocks": host.kv.num_blocks, "block_size": host.kv.block_size,
+                "vocab_size": host.vocab_size,
+                "max_context": int(getattr(host.config, "max_position_embeddings", 1 << 20)),
+                "eos_token_ids": host.eos_token_ids()}
+
     def run(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
             decode_key: int) -> GenStepResult:
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ray_moe.actors.control import ControlPlane, LocalFleet
+from ray_moe.actors.restore import restore_plane
 from ray_moe.actors.recovery import (
     GenerationOnShard,
     PendingOp,
@@ -68,7 +69,7 @@ def _dep(**over) -> tuple[InProcessDeployment, list[PlaneState]]:
 
 
 def _restore(dep: InProcessDeployment, saved: list[PlaneState], **kw) -> ControlPlane:
-    plane = ControlPlane.restore(dep.cfg, LocalFleet(dep.cores), dep.topology, dep.group, saved[-1], **kw)
+    plane = restore_plane(dep.cfg, LocalFleet(dep.cores), dep.topology, dep.group, saved[-1], **kw)
     dep.plane = plane
     dep.generation = plane.active_generation()
     return plane
@@ -238,7 +239,7 @@ def test_dead_shard_is_skipped_by_the_rebuild():
     group = dep.regroup(survivors)
     dep.plane.remove_ranks([2], group)
     saved.append(dep.plane.durable_state())  # rank 2 is recorded dead; its core is not in the fleet any more
-    plane = ControlPlane.restore(dep.cfg, LocalFleet({r: dep.cores[r] for r in survivors}), dep.topology, group,
+    plane = restore_plane(dep.cfg, LocalFleet({r: dep.cores[r] for r in survivors}), dep.topology, group,
                                  saved[-1])
     dep.plane, dep.generation = plane, plane.active_generation()
     assert plane.live_ranks() == survivors and plane.active_generation() == 1

@@ -100,6 +100,11 @@ def test_scale_and_rebalance_commands(deployed, capsys):
     assert main(["rebalance", "--name", "cli-test"]) == 0
     out2 = json.loads(capsys.readouterr().out)
     assert out2["new_generation"] > out["new_generation"]
+    assert out2["replica_counts"][2] == 3  # the manual scale is a floor the rebalance kept
+    assert main(["status", "--name", "cli-test", "--json"]) == 0
+    assert {"layer": 0, "expert": 2, "replicas": 3} in json.loads(capsys.readouterr().out)["replica_floors"]
+    assert main(["status", "--name", "cli-test"]) == 0
+    assert "expert 2 layer 0 >= 3" in capsys.readouterr().out
     # the driver that owns the deployment keeps serving on the new generation
     y = deployed.forward(torch.randn(5, 16))
     assert y.shape == (5, 16)
