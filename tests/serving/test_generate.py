@@ -145,3 +145,25 @@ def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
     for p in _prompts(7, (9, 1, 17)):
         assert generate_inprocess(dep, [p], 6) == _reference(model, [p], 6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_other_families_stay_token_equal_across_rebalance_and_scale(ray_session, tmp_path, family):
+    """Softmax top-k with renormalisation (Qwen3-MoE) and sigmoid + correction bias + grouped top-k + shared
+    experts + a dense first layer (DeepSeek-V3): live placement changes while generating change no token."""
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4, name=f"gen-{family}")
+    rt = ray_moe.Runtime.start(cfg)
+    try:
+        rt.serving(kv_tokens=256, block_size=8, step_tokens=16)
+        prompts = _prompts(5, (7, 4, 10, 6))
+        new = 12
+        want = _reference(model, prompts, new)
+        g0 = rt.placement().generation
+        assert _generate_during(rt, prompts, new, rt.rebalance, wait_steps=2) == want
+        assert _generate_during(rt, prompts, new, lambda: rt.scale(expert=1, replicas=2), wait_steps=2) == want
+        assert rt.placement().generation > g0 and rt.placement().replica_counts(0)[1] == 2
+        assert all(rc == 0 for rc in rt.refcounts().values())
+    finally:
+        rt.shutdown()
