@@ -12,7 +12,7 @@ import ast
 import importlib.resources
 import re
 
-_NOT_BENCHMARKS = frozenset({"__init__", "common"})
+_NOT_BENCHMARKS = frozenset({"__init__", "common", "dispatch_prototypes"})  # helpers, not benchmarks
 
 
 def summary(doc: str | None) -> str:
