@@ -42,6 +42,21 @@ def route(hidden: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None,
     return ids.to(torch.int64), w.to(torch.float32)
 
 
+class Router:
+    """The runtime's own per-layer router (for requests that carry no routes): softmax top-k over the weight
+    source's router matrices [E, d] plus the seeded Zipf bias, on ``device``."""
+
+    def __init__(self, routers: list[torch.Tensor], *, num_experts: int, top_k: int, norm_topk: bool, skew: float,
+                 seed: int, device: torch.device) -> None:
+        self.routers = [r.to(device, torch.float32) for r in routers]
+        self.biases = [zipf_bias(num_experts, skew, seed, l).to(device) for l in range(len(routers))]
+        self.top_k, self.norm_topk = top_k, norm_topk
+
+    def __call__(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, d] -> (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
+        return route(hidden, self.routers[layer], self.biases[layer], self.top_k, self.norm_topk)
+
+
 def routing_margin(hidden: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> torch.Tensor:
     """[T] gap between the k-th and (k+1)-th router probability: small values are near-ties whose expert
     choice may flip under rounding differences (used by reference comparisons)."""

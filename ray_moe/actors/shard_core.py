@@ -27,14 +27,13 @@ import torch
 
 from ray_moe.actors.expert_store import ExpertStore, Key
 from ray_moe.actors.faults import ShardFault, ShardFaults, wrap_paths
-from ray_moe.actors.step import DataPaths, Marks, PinnedStaging, StepExecutor, StepRequest, StepResult
+from ray_moe.actors.step import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepRequest, StepResult
 from ray_moe.config import RuntimeConfig
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.errors import GenerationError, StaleGenerationError
 from ray_moe.experts.weights import ExpertWeights, WeightSource, parse_dtype
-from ray_moe.model import route, zipf_bias
-from ray_moe.phases.decode import bucket_key_digest
+from ray_moe.model import Router
 from ray_moe.phases.step import GenerationView
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.registry import GenerationRegistry
@@ -71,12 +70,11 @@ class ShardCore:
         self.faults = ShardFaults()
         self.store = ExpertStore(rank, self.device, self.dtype)
         self._gens: dict[int, _Generation] = {}
-        self._decode_keys: dict[int, int] = {}
+        self.decode_keys = DecodeKeys(cfg, self.dtype)
         self._lock = threading.RLock()
         self._step_lock = threading.Lock()
-        self._routers = [source.router(l).to(self.device, torch.float32) for l in range(cfg.num_layers)]
-        self._biases = [zipf_bias(cfg.num_experts, cfg.router_skew, cfg.seed, l).to(self.device)
-                        for l in range(cfg.num_layers)]
+        router = Router([source.router(l) for l in range(cfg.num_layers)], num_experts=cfg.num_experts,
+                        top_k=cfg.top_k, norm_topk=cfg.norm_topk, skew=cfg.router_skew, seed=cfg.seed, device=self.device)
         self.counters: dict[str, int] = {"steps": 0, "stale_rejects": 0, "aborted_steps": 0}
         # candidate generations (a release in SHADOW / CANARY) serve pinned steps while still PENDING
         self._candidates: set[int] = set()
@@ -84,7 +82,7 @@ class ShardCore:
         self._staging = PinnedStaging()
         self.generator: "GenerationExecutor | None" = None  # the hosted model (load_model)
         self.executor = StepExecutor(rank, dtype=self.dtype, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                                     residual=cfg.residual, device=self.device, router=self._route,
+                                     residual=cfg.residual, device=self.device, router=router,
                                      decode_key=self._decode_key)
 
     @property
@@ -95,7 +93,7 @@ class ShardCore:
     def set_exchange(self, exchange: Exchange) -> None:
         """Pick the data paths of this deployment (``DataPaths.pick``: every rank picks alike)."""
         self.paths = DataPaths.pick(self.cfg, exchange, self.selector, dtype=self.dtype, device=self.device)
-        self._decode_keys.clear()
+        self.decode_keys.forget()
 
     # ---------------------------------------------------------------- weights (expert_store.py)
     def load_experts(self, keys: Sequence[Key]) -> dict[Key, str]:
@@ -202,7 +200,7 @@ class ShardCore:
                 raise GenerationError(f"generation={generation} is ACTIVE on rank {self.rank}; publish a successor first")
             self._candidates.discard(generation)
             self.release_graphs(generation)
-            self._decode_keys.pop(generation, None)
+            self.decode_keys.forget(generation)
             if state == GenerationState.PENDING:
                 self.registry.abandon(generation)
             else:
@@ -342,19 +340,8 @@ class ShardCore:
         with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
             return self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
 
-    def _route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The runtime's own softmax top-k router (when a request carries no routes)."""
-        return route(h, self._routers[layer], self._biases[layer], self.cfg.top_k, self.cfg.norm_topk)
-
     def _decode_key(self, view: GenerationView) -> int:
-        key = self._decode_keys.get(view.generation)
-        if key is None:
-            cfg, bucket = self.cfg, self.paths.bucket
-            key = bucket_key_digest(view.snapshots, hidden_size=cfg.hidden_size, top_k=cfg.top_k, dtype=self.dtype,
-                                    dispatch_backend=cfg.exchange_kind, runner_backend=cfg.runner,
-                                    token_cap=bucket.token_cap, slot_cap_of=lambda s: bucket.shape(s).slot_cap)
-            self._decode_keys[view.generation] = key
-        return key
+        return self.decode_keys(view, self.paths.bucket)
 
     def _any_generation(self) -> _Generation | None:
         active = self.registry.active()

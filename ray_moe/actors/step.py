@@ -35,6 +35,7 @@ from ray_moe.phases.decode import (
     capture_failure,
     StepGraphs,
     agree_overflow,
+    bucket_key_digest,
     decode_round,
     generation_digest,
 )
@@ -120,6 +121,31 @@ class DataPaths:
                                           hidden_size=cfg.hidden_size, slot_cap=cfg.decode_slot_capacity)
         capture = device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
         return cls(exchange, normal, bucket, runner, capture)
+
+
+class DecodeKeys:
+    """The graph-key digest of each generation's decode bucket (spec 0x05C), computed once per generation."""
+
+    def __init__(self, cfg: "RuntimeConfig", dtype: torch.dtype) -> None:
+        self.cfg, self.dtype = cfg, dtype
+        self._keys: dict[int, int] = {}
+
+    def __call__(self, view: GenerationView, bucket: BucketDispatcher) -> int:
+        key = self._keys.get(view.generation)
+        if key is None:
+            cfg = self.cfg
+            key = bucket_key_digest(view.snapshots, hidden_size=cfg.hidden_size, top_k=cfg.top_k, dtype=self.dtype,
+                                    dispatch_backend=cfg.exchange_kind, runner_backend=cfg.runner,
+                                    token_cap=bucket.token_cap, slot_cap_of=lambda s: bucket.shape(s).slot_cap)
+            self._keys[view.generation] = key
+        return key
+
+    def forget(self, generation: int | None = None) -> None:
+        """Drop one generation's key (retired), or all (new data paths)."""
+        if generation is None:
+            self._keys.clear()
+        else:
+            self._keys.pop(generation, None)
 
 
 class Marks:
