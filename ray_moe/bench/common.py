@@ -87,31 +87,7 @@ def write_result(name: str, payload: dict[str, Any], *, suffix: str | None = Non
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, cuda: bool | None = None) -> dict[str, float]:
     """Wall time of ``fn`` (CUDA-synchronised when on GPU): median/min/p90 in milliseconds."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    samples.sort()
-    return {
-        "median_ms": statistics.median(samples),
-        "min_ms": samples[0],
-        "p90_ms": samples[min(len(samples) - 1, int(0.9 * len(samples)))],
-        "iters": iters,
-    }
+    return time_interleaved({"fn": fn}, warmup=warmup, iters=iters, cuda=cuda)["fn"]
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 3, iters: int = 10,

@@ -124,6 +124,7 @@ class StepBooks:
         """Book one served step: counters, per-rank rows, decode paths, the load window and telemetry.
         Returns the load counts when ``flush_every`` steps have accumulated (the caller ships them)."""
         flush = None
+        acc = rem = inter = 0  # this step's routes, over every rank and layer
         with self._lock:
             s = self.stats
             s.steps += 1
@@ -148,21 +149,19 @@ class StepBooks:
                 res = results[r]
                 gen = res.generation
                 for ls in res.layers:
-                    s.accepted_routes += ls.accepted
-                    s.remote_routes += ls.remote
-                    s.inter_node_routes += ls.inter_node
+                    acc, rem, inter = acc + ls.accepted, rem + ls.remote, inter + ls.inter_node
                     self._load[ls.layer] += ls.expert_counts
                     for u, c in enumerate(ls.rank_routes.tolist()):
                         if c:
                             s.rank_rows[u] = s.rank_rows.get(u, 0) + int(c)
+            s.accepted_routes += acc
+            s.remote_routes += rem
+            s.inter_node_routes += inter
             self._load_steps += 1
             if self._load_steps >= self.flush_every and gen is not None:
                 flush = LoadFlush(self._load.copy(), phase, gen)
                 self._load[:] = 0
                 self._load_steps = 0
-        acc = sum(ls.accepted for r in ranks for ls in results[r].layers)
-        rem = sum(ls.remote for r in ranks for ls in results[r].layers)
-        inter = sum(ls.inter_node for r in ranks for ls in results[r].layers)
         base = {"release": self.release_id, "phase": phase.value}
         tel = self.telemetry
         tel.add_ratio(MetricName.REMOTE_ROUTE_RATIO, base, rem, acc)

@@ -15,6 +15,7 @@ import queue
 import random
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -133,16 +134,6 @@ class FailureEvent:
     outcome: SafeOutcome | None
 
 
-@dataclass
-class _ReleaseCounts:
-    served: int = 0
-    shadow: int = 0
-    shadow_mismatches: int = 0
-    shadow_failures: int = 0
-    canary: int = 0
-    failures: int = 0
-
-
 @dataclass(frozen=True)
 class Attempt:
     """One attempt's result: the output or the root cause of its failure."""
@@ -170,7 +161,7 @@ class TrafficStream:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._routing = _Routing()
-        self._counts: dict[str, _ReleaseCounts] = {}
+        self._counts: dict[str, Counter[str]] = {}  # release -> ReleaseTraffic field -> count
         self._failures: list[FailureEvent] = []
         self._probes: "queue.Queue[tuple[Callable[[TrafficStream], Any], Future]]" = queue.Queue()
         self._stop = threading.Event()
@@ -228,7 +219,7 @@ class TrafficStream:
         with self._lock:
             r = self._routing
             r.candidate_gen, r.candidate_release, r.mode, r.fraction = generation, release, RouteMode.SHADOW, 0.0
-            self._counts.setdefault(release, _ReleaseCounts())
+            self._counts.setdefault(release, Counter())
 
     def begin_canary(self, fraction: float) -> None:
         with self._lock:
@@ -261,8 +252,8 @@ class TrafficStream:
     # ---------------------------------------------------------------- observation (main thread)
     def counts(self, release: str) -> ReleaseTraffic:
         with self._lock:
-            c = self._counts.get(release, _ReleaseCounts())
-            return ReleaseTraffic(release_id=release, **c.__dict__)
+            c = self._counts.get(release, Counter())
+            return ReleaseTraffic(release_id=release, **c)
 
     def failures(self) -> list[FailureEvent]:
         with self._lock:
@@ -304,7 +295,7 @@ class TrafficStream:
             return TrafficSummary(
                 submitted=self.submitted, served=self.served, retried=self.retried, mismatches=self.mismatches,
                 lost=self.lost, max_abs_error=self.max_error, failures_by_cause=causes,
-                by_release=tuple(ReleaseTraffic(release_id=k, **v.__dict__) for k, v in self._counts.items()),
+                by_release=tuple(ReleaseTraffic(release_id=k, **v) for k, v in self._counts.items()),
             )
 
     # ---------------------------------------------------------------- in-thread helpers (also used by probes)
@@ -332,9 +323,7 @@ class TrafficStream:
     def _bump(self, release: str | None, **deltas: int) -> None:
         if release is None:
             return
-        c = self._counts.setdefault(release, _ReleaseCounts())
-        for k, v in deltas.items():
-            setattr(c, k, getattr(c, k) + v)
+        self._counts.setdefault(release, Counter()).update(deltas)
 
     def attempt(self, batch: Batch, *, pin: int | None, release: str | None, role: Role) -> Attempt:
         """One step of ``batch`` (pinned to ``pin`` when given); accounts telemetry for ``release`` on success
