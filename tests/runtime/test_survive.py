@@ -14,8 +14,11 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -29,6 +32,8 @@ from ray_moe.actors.expert_shard import ExpertShardActor
 from ray_moe.errors import ConfigError, DeploymentExistsError, DeploymentStartError, ResourcesUnavailableError
 from ray_moe.experts.source import weight_source
 from ray_moe.testing.reference import reference_moe
+
+REPO = Path(__file__).resolve().parents[2]
 
 BASE = dict(num_ranks=2, num_experts=4, hidden_size=16, ffn_size=32, top_k=2, slots_per_rank=3, seed=7,
             tagged_weights=True, exchange_timeout_s=20.0)
@@ -277,6 +282,20 @@ def test_coordinator_restart_under_traffic_and_driver_reattach(ray_session):
         assert rt2._generation == gen and _check(rt2, src, 999) < 1e-4
         assert rt2.scale(expert=0, replicas=2) == gen + 1
         assert _check(rt2, src, 1000) < 1e-4
+        # ---- a driver in another process (a restarted driver script) attaches by name and serves exactly
+        ctx = ray.get_runtime_context()
+        child = subprocess.run(
+            [sys.executable, "-c", "import ray_moe, tests.runtime.test_survive as t\n"
+             "from ray_moe.experts.source import weight_source\n"
+             f"rt = ray_moe.Runtime.connect({name!r}, address={ctx.gcs_address!r})\n"
+             "print(rt.placement().generation, t._check(rt, weight_source(rt.cfg), 1001))"],
+            capture_output=True, text=True, timeout=180, cwd=REPO,
+            env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_MOE_NAMESPACE": ctx.namespace,
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+        assert child.returncode == 0, child.stderr[-2000:]
+        child_gen, child_err = child.stdout.split()[-2:]
+        assert int(child_gen) == gen + 1 and float(child_err) < 1e-4
+        assert _check(rt2, src, 1002) < 1e-4  # the first driver keeps serving after the other one left
     finally:
         rt2.shutdown()
     assert _name_free(name) and not launch.deployment_pgs(name)
