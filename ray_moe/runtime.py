@@ -57,6 +57,33 @@ if TYPE_CHECKING:
     from ray_moe.serving.driver import GenerationEngine
 
 
+class StepGate:
+    """The step lock (re-entrant) with a signal that another thread waits for it: a pipelined generation loop
+    holds it across consecutive steps and drains (no step in flight) as soon as ``contended``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._meta = threading.Lock()
+        self._waiting = 0
+
+    @property
+    def contended(self) -> bool:
+        return self._waiting > 0
+
+    def __enter__(self) -> "StepGate":
+        with self._meta:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._meta:
+                self._waiting -= 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+
 class Runtime:
     """A ray-moe deployment seen from the driver."""
 
@@ -77,7 +104,7 @@ class Runtime:
         self._lock = threading.Lock()
         self.dtype = parse_dtype(cfg.dtype)
         self.max_attempts = 400
-        self._step_lock = threading.RLock()  # held across one step; elastic rank changes take it to quiesce
+        self._step_lock = StepGate()  # held across steps; elastic rank changes take it to quiesce
         self._node_infos: list[dict[str, Any]] = []
         self._extra_pgs: dict[int, Any] = {}
         self.lost_ranks: list[int] = []
@@ -336,27 +363,43 @@ class Runtime:
         a stale generation is replanned on the active one (unless ``pinned``), a dead rank is regrouped away
         and the step re-run on the survivors. Returns (ranks, results by rank)."""
         for attempt in range(self.max_attempts):
-            ranks = list(self.group.peer_order)
-            if self._generation is None:
-                self._refresh_generation()
-            gen = self._generation if pinned is None else pinned
-            step_id = f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
+            ranks, gen, step_id = self._next_step(pinned)
             try:
                 return ranks, self._run_step(step_id, requests(ranks, step_id, gen), method)
-            except StaleGenerationError:
-                self.books.count("stale_retries")
-                if pinned is not None:
-                    raise
-                self._refresh_generation(backoff=attempt > 0)
-            except (RankDeadError, ExchangeAborted, ExchangeTimeoutError) as exc:
-                dead = self._dead_ranks()
-                if not dead:
-                    raise exc
-                self._handle_dead(dead)
+            except (StaleGenerationError, RankDeadError, ExchangeAborted, ExchangeTimeoutError) as exc:
+                self._recover(exc, pinned=pinned, attempt=attempt)
         raise StaleGenerationError(f"no generation accepted the step after {self.max_attempts} attempts")
 
+    def _next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
+        """(live ranks, the generation a new step pins, a fresh step id)."""
+        if self._generation is None:
+            self._refresh_generation()
+        gen = self._generation if pinned is None else pinned
+        return list(self.group.peer_order), gen, f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
+
+    def _recover(self, exc: BaseException, *, pinned: int | None = None, attempt: int = 0) -> None:
+        """After a failed step (nothing in flight): a stale generation is refreshed (a pinned step re-raises);
+        dead ranks are regrouped away; a failure with every rank alive re-raises."""
+        if isinstance(exc, StaleGenerationError):
+            self.books.count("stale_retries")
+            if pinned is not None:
+                raise exc
+            self._refresh_generation(backoff=attempt > 0)
+            return
+        dead = self._dead_ranks()
+        if not dead:
+            raise exc
+        self._handle_dead(dead)
+
     def _run_step(self, step_id: str, reqs: dict[int, Any], method: str = "step") -> dict[int, Any]:
-        refs = {r: getattr(self.shards[r], method).remote(req) for r, req in reqs.items()}
+        return self._gather_step(step_id, reqs, self._launch_step(reqs, method))
+
+    def _launch_step(self, reqs: dict[int, Any], method: str) -> dict[int, "ray.ObjectRef"]:
+        """Send every rank its share of one step (returns at once; ``_gather_step`` collects)."""
+        return {r: getattr(self.shards[r], method).remote(req) for r, req in reqs.items()}
+
+    def _gather_step(self, step_id: str, reqs: dict[int, Any], refs: dict[int, "ray.ObjectRef"]) -> dict[int, Any]:
+        """Every rank's result of a launched step; a failed or dead rank releases its peers and raises."""
         pending = list(refs.values())
         by_ref = {ref: r for r, ref in refs.items()}
         results: dict[int, StepResult] = {}

@@ -27,7 +27,8 @@ import torch
 
 from ray_moe.actors.expert_store import ExpertStore, Key
 from ray_moe.actors.faults import ShardFault, ShardFaults, wrap_paths
-from ray_moe.actors.step import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepRequest, StepResult
+from ray_moe.actors.step import (DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder, StepRequest,
+                                  StepResult)
 from ray_moe.config import RuntimeConfig
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.protocol import ControlStatus
@@ -81,6 +82,7 @@ class ShardCore:
         self._candidate_pins: dict[int, int] = {}
         self._staging = PinnedStaging()
         self.generator: "GenerationExecutor | None" = None  # the hosted model (load_model)
+        self._gen_order = StepOrder()  # pipelined generation steps run in launch order
         self.executor = StepExecutor(rank, dtype=self.dtype, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                                      residual=cfg.residual, device=self.device, router=router,
                                      decode_key=self._decode_key)
@@ -337,8 +339,12 @@ class ShardCore:
         """One generation step (token ids in, sampled token ids out), SPMD with the other ranks."""
         if self.generator is None or self.paths is None:
             raise RuntimeError(f"rank {self.rank}: no model loaded (load_model) or no exchange set")
-        with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
-            return self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
+        self._gen_order.wait_turn(req.step_id, req.after, self.cfg.exchange_timeout_s)
+        try:
+            with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
+                return self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
+        finally:
+            self._gen_order.finished(req.step_id)
 
     def _decode_key(self, view: GenerationView) -> int:
         return self.decode_keys(view, self.paths.bucket)

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -25,7 +27,7 @@ from ray_moe.dispatch.engine import EngineDispatcher
 from ray_moe.dispatch.exchange.base import Exchange
 from ray_moe.dispatch.local import LocalDispatcher
 from ray_moe.dispatch.protocol import ControlStatus, Dispatcher
-from ray_moe.errors import RouteValidationError
+from ray_moe.errors import ExchangeTimeoutError, RouteValidationError
 from ray_moe.experts.runners import make_runner
 from ray_moe.experts.runners.base import ExpertRunner
 from ray_moe.phases.admission import FallbackReason
@@ -351,6 +353,28 @@ def _check_routes(given, num_experts: int, tag: str) -> Exception | None:
     return None
 
 
+class StepOrder:
+    """Generation steps run in the order the driver launched them, although the actor is threaded: a request
+    names the step it follows (``after``) and waits until that one finished here, successfully or not."""
+
+    def __init__(self, remember: int = 64) -> None:
+        self._cv = threading.Condition()
+        self._done: deque[str] = deque(maxlen=remember)
+
+    def wait_turn(self, step_id: str, after: str | None, timeout_s: float) -> None:
+        if after is None:
+            return
+        with self._cv:
+            if not self._cv.wait_for(lambda: after in self._done, timeout=timeout_s):
+                raise ExchangeTimeoutError(f"step {step_id!r}: the step it follows ({after!r}) did not run on this "
+                                           f"rank within {timeout_s:.0f}s")
+
+    def finished(self, step_id: str) -> None:
+        with self._cv:
+            self._done.append(step_id)
+            self._cv.notify_all()
+
+
 class PinnedStaging:
     """A grow-only pinned host buffer for step outputs (a DMA at link speed, no page faults). The output
     array is a view of it until the next step: the caller moves it somewhere durable under the step lock."""
@@ -375,4 +399,5 @@ class PinnedStaging:
                 and np.may_share_memory(arr, self._buf.numpy()))
 
 
-__all__ = ["StepRequest", "StepResult", "DataPaths", "StepExecutor", "Marks", "PinnedStaging", "LayerStats"]
+__all__ = ["StepRequest", "StepResult", "DataPaths", "StepExecutor", "Marks", "PinnedStaging", "LayerStats",
+           "StepOrder"]

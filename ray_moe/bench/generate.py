@@ -110,7 +110,9 @@ def bench_ray_moe(conf: dict, device: str, dtype_name: str, prefill: int, batche
         prompt = torch.randint(0, conf["vocab_size"], (prefill,), generator=g).tolist()
         rt.generate([prompt], max_new_tokens=1)
         t = _median([_timed(lambda: rt.generate([prompt], max_new_tokens=1)) for _ in range(reps)])
-        out["prefill"] = {"tokens": prefill, "seconds": t, "tokens_per_s": prefill / t}
+        out["prefill"] = {"tokens": prefill, "seconds": t, "tokens_per_s": prefill / t,
+                          "step_parts_ms_last": {k: [round(x, 3) for x in list(v)[-2 * reps:]]
+                                                 for k, v in engine.timings.items()}}
         for b in batches:
             ids = [torch.randint(0, conf["vocab_size"], (32,), generator=g).tolist() for _ in range(b)]
             rt.generate(ids, max_new_tokens=3)  # captures this batch's decode graphs

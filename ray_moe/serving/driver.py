@@ -24,7 +24,7 @@ import ray
 from ray_moe.errors import RayMoEError, root_cause
 from ray_moe.serving.engine import GenStepRequest
 from ray_moe.serving.sampling import SamplingParams
-from ray_moe.serving.scheduler import Scheduler
+from ray_moe.serving.scheduler import Scheduler, StepPlan
 from ray_moe.types import Phase
 
 if TYPE_CHECKING:
@@ -100,11 +100,13 @@ class GenerationEngine:
         self._wake = threading.Condition(self._lock)
         self._stop = False
         self.steps = 0
+        self.overlapped = 0  # steps launched while the previous one was still in flight
         self.failed: BaseException | None = None
-        # where a step's time goes, last steps only (ms): plan, submit (Ray round trip, the shards' step
-        # included), shard (the slowest shard's own step), account (statistics), commit (tokens out)
-        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in ("plan", "submit", "shard", "account",
-                                                                          "commit")}
+        # where a step's time goes, last steps only (ms): plan, launch (the actor calls sent), wait (blocked
+        # for the results; with pipelining the next step is already on its way), shard (the slowest shard's
+        # own step), account (statistics), commit (tokens out)
+        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in ("plan", "launch", "wait", "shard",
+                                                                          "account", "commit")}
         self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
         self._thread.start()
 
@@ -153,7 +155,7 @@ class GenerationEngine:
                 if self._stop:
                     return
             try:
-                self._step()
+                self._run()
             except BaseException as exc:  # noqa: BLE001 - every waiting request learns why
                 cause = root_cause(exc)
                 with self._lock:
@@ -164,37 +166,91 @@ class GenerationEngine:
                     h.emit(cause)
                 return
 
-    def _step(self) -> None:
+    def _run(self) -> None:
+        """Steps back to back while there is work, pipelined: step n+1 is planned and launched before step n's
+        tokens are collected (a decode item that needs one of them is deferred: its rank feeds the token it
+        sampled), so the Ray round trip and the driver's own work overlap the shards' step. Nothing is left in
+        flight when this returns: it drains when another thread waits for the step lock (elastic operations
+        quiesce between steps), when the loop stops, and on a failure (the failed step is recovered alone)."""
         rt = self.rt
-        with rt._step_lock:  # elastic operations quiesce between steps
+        with rt._step_lock:
             members = list(rt.group.peer_order)
             if members != self.scheduler.ranks:
                 self._load(members)
                 with self._lock:
                     self.scheduler.set_ranks(members)
-            t_plan = time.perf_counter()
-            with self._lock:
-                plan = self.scheduler.plan()
-            if plan.empty and not any(plan.free.values()):
-                time.sleep(0.001)
-                return
-            units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-            t0 = time.perf_counter()
+            flying: _Launched | None = None
+            while True:
+                nxt = None
+                if not (self._stop or rt._step_lock.contended or list(rt.group.peer_order) != members):
+                    nxt = self._launch(flying)
+                if flying is None:
+                    if nxt is None:
+                        time.sleep(0.001)  # nothing runnable yet (requests wait for KV blocks)
+                        return
+                    flying = nxt
+                    continue
+                if not self._collect(flying, nxt):
+                    return  # recovered alone: the next step is planned from the committed state
+                flying = nxt
+                if flying is None:
+                    return
 
-            def requests(ranks: list[int], step_id: str, gen: int) -> dict[int, GenStepRequest]:
+    def _launch(self, flying: "_Launched | None") -> "_Launched | None":
+        """Plan the next step (after ``flying``, if any) and send every rank its share; None: nothing to run."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        with self._lock:
+            plan = self.scheduler.plan(ahead=None if flying is None else flying.plan)
+        if plan.empty:
+            return None  # frees ride along with the next step that runs
+        units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
+        after = None if flying is None else flying.step_id
+        ranks, gen, step_id = rt._next_step()
+        reqs = {r: GenStepRequest(step_id, gen, plan.items.get(r, ()), plan.free.get(r, ()), units, after)
+                for r in ranks}
+        t1 = time.perf_counter()
+        refs = rt._launch_step(reqs, "generate_step")
+        self.overlapped += flying is not None
+        self.timings["plan"].append((t1 - t0) * 1e3)
+        self.timings["launch"].append((time.perf_counter() - t1) * 1e3)
+        return _Launched(plan, ranks, step_id, reqs, refs, t0)
+
+    def _collect(self, step: "_Launched", nxt: "_Launched | None") -> bool:
+        """Wait for ``step``'s results and commit them. On a failure the next step (already launched) is
+        drained and its outcome dropped, then ``step`` is recovered and re-run alone (stale generation:
+        replanned on the active one; dead rank: regrouped, its sequences re-prefilled on survivors).
+        Returns False when that happened (``nxt`` must not be collected)."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        ranks, recovered = step.ranks, False
+        try:
+            results = rt._gather_step(step.step_id, step.reqs, step.refs)
+        except BaseException as exc:  # noqa: BLE001 - classified by the runtime (re-raised when fatal)
+            if nxt is not None:
+                try:
+                    rt._gather_step(nxt.step_id, nxt.reqs, nxt.refs)
+                except BaseException:  # noqa: BLE001 - its outcome is dropped either way
+                    pass
+            rt._recover(root_cause(exc))
+            plan = step.plan
+
+            def requests(rs: list[int], step_id: str, gen: int) -> dict[int, GenStepRequest]:
+                units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
                 return {r: GenStepRequest(step_id, gen, plan.items.get(r, ()), plan.free.get(r, ()), units)
-                        for r in ranks}
+                        for r in rs}
 
-            t_submit = time.perf_counter()
             ranks, results = rt._submit(requests, "generate_step")
-            t_account = time.perf_counter()
-            if ranks != members:  # a rank died: the step ran on the survivors; the dead rank's sequences
-                with self._lock:  # go back to the queue and are re-prefilled on a survivor
-                    self.scheduler.set_ranks(ranks)
-            tokens = sum(len(it.tokens) for items in plan.items.values() for it in items)
-            rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
-                        (time.perf_counter() - t0) * 1e3)
-        t_commit = time.perf_counter()
+            recovered = True
+        t1 = time.perf_counter()
+        if ranks != step.ranks:  # a rank died: the step ran on the survivors; the dead rank's sequences go
+            with self._lock:  # back to the queue and are re-prefilled on a survivor
+                self.scheduler.set_ranks(ranks)
+        plan = step.plan
+        tokens = sum(it.num_tokens for items in plan.items.values() for it in items)
+        rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
+                    (t1 - step.t0) * 1e3)
+        t2 = time.perf_counter()
         sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
         with self._lock:
             events = self.scheduler.commit(plan, sampled)
@@ -207,11 +263,11 @@ class GenerationEngine:
                 if ev.finished:
                     del self._handles[ev.request_id]
                     h.emit(_DONE)
-        t_end = time.perf_counter()
-        for key, ms in (("plan", t_submit - t_plan), ("submit", t_account - t_submit), ("account", t_commit - t_account),
-                        ("commit", t_end - t_commit),
+        t3 = time.perf_counter()
+        for key, ms in (("wait", t1 - t0), ("account", t2 - t1), ("commit", t3 - t2),
                         ("shard", max((r.elapsed_s for r in results.values()), default=0.0))):
             self.timings[key].append(ms * 1e3)
+        return not recovered
 
     def timing_summary(self, last: int | None = None) -> dict[str, float]:
         """Median milliseconds per step of each part (the last ``last`` steps)."""
@@ -221,6 +277,18 @@ class GenerationEngine:
             if v:
                 out[k] = v[len(v) // 2]
         return out
+
+
+@dataclass(frozen=True, eq=False)
+class _Launched:
+    """A step sent to the ranks and not collected yet."""
+
+    plan: StepPlan
+    ranks: list[int]
+    step_id: str
+    reqs: dict[int, GenStepRequest]
+    refs: dict[int, Any]
+    t0: float
 
 
 class OverloadedError(RayMoEError):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ray_moe.dispatch.protocol import ControlStatus
+from ray_moe.errors import RayMoEError
 from ray_moe.phases.admission import FallbackReason
 from ray_moe.phases.decode import (
     CapturedStep,
@@ -41,13 +42,15 @@ from ray_moe.serving.scheduler import WorkItem
 @dataclass(frozen=True)
 class GenStepRequest:
     """One rank's share of one generation step. ``units``: (prefill, decode) units this step runs on every
-    rank (the same on all ranks: a rank without rows of a unit joins it with an empty batch)."""
+    rank (the same on all ranks: a rank without rows of a unit joins it with an empty batch). ``after``: the
+    step the driver launched just before this one (pipelined steps run in launch order on every rank)."""
 
     step_id: str
     generation: int
     items: tuple[WorkItem, ...]
     free: tuple[str, ...] = ()
     units: tuple[bool, bool] = (True, False)
+    after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class GenStepResult:
     elapsed_s: float
     decode_path: str | None = None
     fallback_reason: str | None = None
+
+
+class DeferredTokenError(RayMoEError, ValueError):
+    """A deferred decode item names a position this rank never sampled (the step is refused on every rank)."""
 
 
 class SplitMoE:
@@ -97,6 +104,9 @@ class GenerationExecutor:
         self.counters: dict[str, int] = {}
         self.graphs = StepGraphs()  # captured decode steps by (generation, (rows, keys))
         self.capture_error: str | None = None  # a failed capture: decode steps stay eager (reported in status)
+        # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
+        # the one at its start position; a rerun step finds its input again
+        self.sampled: dict[str, dict[int, int]] = {}
 
     @classmethod
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
@@ -132,14 +142,16 @@ class GenerationExecutor:
         kv = self.host.kv
         for sid in req.free:
             kv.free(sid)
+            self.sampled.pop(sid, None)
         local_error: Exception | None = None
         try:
-            for it in req.items:
+            resolved = self._resolve(req.items)
+            for it in resolved:
                 kv.reserve(it.seq_id, it.start + len(it.tokens))
-        except KVBudgetError as exc:
+        except (KVBudgetError, DeferredTokenError) as exc:
             local_error = exc
             status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
-        items = () if local_error is not None else req.items
+        items = () if local_error is not None else resolved
         want_prefill, want_decode = req.units
         decode_flags = [it.decode for it in items for _ in it.tokens]
         dev = self.host.device
@@ -171,8 +183,33 @@ class GenerationExecutor:
             tokens, stats, _ = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode,
                                              False, reason, decode_rows, prefill_rows, tag="/rerun")
         self.count("generate_steps")
+        self._remember(items, tokens)
         return GenStepResult(self.rank, req.step_id, view.generation, tokens, stats, time.perf_counter() - t0,
                              ("bucket" if bucket else "variable") if want_decode else None, reason)
+
+    def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[WorkItem, ...]:
+        """Deferred decode items get the token this rank sampled for them (at their start position)."""
+        if not any(it.deferred for it in items):
+            return items
+        out = []
+        self.count("deferred_tokens", sum(it.deferred for it in items))
+        for it in items:
+            if it.deferred:
+                tok = self.sampled.get(it.seq_id, {}).get(it.start)
+                if tok is None:
+                    raise DeferredTokenError(f"sequence {it.seq_id!r}: rank {self.rank} sampled no token for "
+                                             f"position {it.start} (a deferred decode item needs one)")
+                it = dataclasses.replace(it, tokens=(tok,), deferred=False)
+            out.append(it)
+        return tuple(out)
+
+    def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
+        for it in items:
+            if it.sample is not None and it.seq_id in tokens:
+                seen = self.sampled.setdefault(it.seq_id, {})
+                seen[it.sample.position] = tokens[it.seq_id]
+                for p in [p for p in seen if p < it.sample.position - 1]:
+                    del seen[p]
 
     def _graph_decode(self, req, items, view, paths, reason, tag: str):
         """A decode-only step with static shapes: rows = the token bucket, keys = the next power of two of the
@@ -262,4 +299,4 @@ class GenerationExecutor:
         return tokens, tuple(stats), overflow
 
 
-__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE"]
+__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError"]

@@ -71,13 +71,20 @@ class SeqStatus:
 class WorkItem:
     """One sequence's share of one step on its rank: ``tokens`` at positions ``start..``; the next token is
     sampled when ``sample`` (the chunk reaches the end of what is known). ``decode``: a one-token step of a
-    sequence that already has a cache (the decode phase, spec 0x05E)."""
+    sequence that already has a cache (the decode phase, spec 0x05E). ``deferred``: a decode step planned
+    while the step that samples its input token is still in flight; ``tokens`` is empty and the rank feeds
+    the token it sampled for this sequence at position ``start`` (the driver never waits for it)."""
 
     seq_id: str
     tokens: tuple[int, ...]
     start: int
     sample: SampleSpec | None
     decode: bool
+    deferred: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 if self.deferred else len(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -212,26 +219,39 @@ class Scheduler:
             loads[r] += 1
             running += 1
 
-    def plan(self) -> StepPlan:
+    def plan(self, ahead: StepPlan | None = None) -> StepPlan:
+        """The next step. ``ahead``: a step launched but not committed yet; this plan follows it (its chunks
+        count as cached; a sequence it samples continues with a ``deferred`` decode item, unless that sample
+        is its last token). Without ``ahead`` the plan follows the committed state."""
         self._admit()
+        flying = {it.seq_id: (r, it) for r, its in ahead.items.items() for it in its} if ahead is not None else {}
         items: dict[int, list[WorkItem]] = {r: [] for r in self.ranks}
         budget = {r: self.step_tokens for r in self.ranks}
         running = [s for s in self.seqs.values() if s.state is SeqState.RUNNING]
         # decode tokens first (one each), then prefill chunks within the budget, oldest first
-        for s in sorted(running, key=lambda x: (x.cached == 0, x.request_id)):
-            total = s.length
-            left = total - s.cached
-            decode = left == 1 and s.cached > 0
+        for s in sorted(running, key=lambda x: (x.cached == 0 and x.request_id not in flying, x.request_id)):
+            cached, total, deferred = s.cached, s.length, False
+            rank_it = flying.get(s.request_id)
+            if rank_it is not None and rank_it[0] == s.rank:
+                it = rank_it[1]
+                cached = it.start + it.num_tokens
+                if it.sample is not None:  # its next token is being sampled right now, on its rank
+                    if len(s.generated) + 1 >= s.params.max_new_tokens:
+                        continue  # that sample is its last token
+                    total, deferred = total + 1, True
+            left = total - cached
+            decode = left == 1 and cached > 0
             n = 1 if decode else min(left, max(0, budget[s.rank]))
             if n <= 0:
                 continue
             budget[s.rank] -= 0 if decode else n
-            end = s.cached + n
+            end = cached + n
             spec = None
             if end == total:
                 p = s.params
                 spec = SampleSpec(p.temperature, p.top_p, s.seed, end)
-            items[s.rank].append(WorkItem(s.request_id, s.token_slice(s.cached, end), s.cached, spec, decode))
+            tokens = () if deferred else s.token_slice(cached, end)
+            items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred))
         free = {r: tuple(v) for r, v in self._to_free.items()}
         return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free)
 
@@ -246,7 +266,7 @@ class Scheduler:
                 s = self.seqs.get(it.seq_id)
                 if s is None or s.state is not SeqState.RUNNING or s.rank != r:
                     continue
-                s.cached = it.start + len(it.tokens)
+                s.cached = it.start + it.num_tokens
                 if it.sample is None:
                     continue
                 tok = int(sampled[it.seq_id])

@@ -24,10 +24,11 @@ from ray_moe.wire import tensor_to_wire, wire_to_tensor
 class InProcessDeployment:
     """``num_ranks`` ShardCores, one local exchange group, one ControlPlane (generation 0 deployed)."""
 
-    def __init__(self, cfg: RuntimeConfig, *, timeout_s: float = 20.0) -> None:
+    def __init__(self, cfg: RuntimeConfig, *, timeout_s: float = 20.0, device: str = "cpu") -> None:
         self.cfg = cfg
         self.topology = Topology.single_node(cfg.num_ranks)
-        self.cores = {r: ShardCore(r, cfg, weight_source(cfg), topology=self.topology) for r in range(cfg.num_ranks)}
+        self.cores = {r: ShardCore(r, cfg, weight_source(cfg), topology=self.topology, device=device)
+                      for r in range(cfg.num_ranks)}
         self.timeout_s = timeout_s
         self.group = ProcessGroupSpec(group_id="ep-group-0", peer_order=tuple(range(cfg.num_ranks)), epoch=0)
         self._connect(self.group)
@@ -105,9 +106,12 @@ def reference_output(cfg: RuntimeConfig, hidden: torch.Tensor, topk_ids: torch.T
 
 def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_new_tokens: int, *,
                        kv_tokens: int = 1024, block_size: int = 8, step_tokens: int = 64,
-                       join_after: dict[int, list[list[int]]] | None = None) -> list[list[int]]:
+                       join_after: dict[int, list[list[int]]] | None = None, pipelined: bool = False
+                       ) -> list[list[int]]:
     """Greedy generation over the in-process deployment's shards (the same GenStepRequest path the Ray
-    driver uses, no Ray): ``join_after={step: [prompts]}`` submits more prompts between steps."""
+    driver uses, no Ray): ``join_after={step: [prompts]}`` submits more prompts between steps.
+    ``pipelined``: each step is planned before the previous one is committed, as the Ray driver does (its
+    decode items that need the previous step's tokens are deferred to the ranks)."""
     from ray_moe.serving.engine import GenStepRequest
     from ray_moe.serving.sampling import SamplingParams
     from ray_moe.serving.scheduler import Scheduler
@@ -120,19 +124,22 @@ def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_n
     rids = [sched.submit(p, params) for p in prompts]
     out: dict[str, list[int]] = {r: [] for r in rids}
     step = 0
-    while sched.pending() or (join_after and any(s >= step for s in join_after)):
+    plan = None
+    while plan is not None or sched.pending() or (join_after and any(s >= step for s in join_after)):
         for p in (join_after or {}).pop(step, []):
             rid = sched.submit(p, params)
             rids.append(rid)
             out[rid] = []
-        plan = sched.plan()
+        plan = plan if plan is not None else sched.plan()
         units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
         reqs = {r: GenStepRequest(f"gen{step}", dep.generation, plan.items[r], plan.free[r], units)
                 for r in dep.group.peer_order}
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
             res = dict(zip(reqs, pool.map(lambda r: dep.cores[r].generate_step(reqs[r]), reqs)))
+        nxt = sched.plan(ahead=plan) if pipelined else None  # planned before this step's tokens are known
         for ev in sched.commit(plan, {k: v for x in res.values() for k, v in x.tokens.items()}):
             out[ev.request_id].append(ev.token)
+        plan = nxt if nxt is not None and not nxt.empty else None
         step += 1
     return [out[r] for r in rids]
 

@@ -39,6 +39,47 @@ def test_inprocess_generation_equals_transformers_greedy(tmp_path, family):
     assert got == _reference(model, prompts + late, 7)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_pipelined_generation_feeds_deferred_tokens_and_stays_token_equal(tmp_path, family):
+    """Each step planned before the previous one is committed: decode inputs come from the ranks' own samples."""
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
+    prompts = _prompts(5, (5, 13, 2, 9))
+    late = _prompts(6, (6, 3))
+    got = generate_inprocess(dep, prompts, 7, step_tokens=8, join_after={3: late}, pipelined=True)
+    assert got == _reference(model, prompts + late, 7)
+    deferred = sum(c.generator.counters.get("deferred_tokens", 0) for c in dep.cores.values())
+    assert deferred >= 6 * 5  # every decode input after the first of each request came from its rank
+
+
+def test_a_deferred_token_never_sampled_is_refused_on_every_rank(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray_moe.serving.engine import DeferredTokenError, GenStepRequest
+    from ray_moe.serving.scheduler import WorkItem
+
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
+    for c in dep.cores.values():
+        c.load_model(kv_tokens=256, block_size=8)
+    bad = WorkItem("ghost", (), 5, None, True, deferred=True)
+    reqs = {0: GenStepRequest("bad", dep.generation, (bad,), (), (False, True)),
+            1: GenStepRequest("bad", dep.generation, (), (), (False, True))}
+
+    def run(r):
+        try:
+            return dep.cores[r].generate_step(reqs[r])
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        out = list(pool.map(run, (0, 1)))
+    assert isinstance(out[0], DeferredTokenError) and "'ghost'" in str(out[0]) and "position 5" in str(out[0])
+    assert isinstance(out[1], Exception)  # the peer aborted with it, before any payload
+    assert dep.cores[0].generator.host.kv.sequences() == []  # nothing reserved
+
+
 @pytest.fixture(scope="module")
 def served(ray_session, tmp_path_factory):
     model, folder = tiny_model("mixtral", tmp_path_factory.mktemp("gen") / "mixtral")
@@ -70,6 +111,9 @@ def test_generate_and_stream_equal_transformers(served):
     assert rt.generate(prompts[:1], max_new_tokens=3) == _reference(model, prompts[:1], 3)
     s = rt.stats()
     assert s["phase_steps"].get("decode", 0) > 0 and s["bucket_layers"] > 0
+    # the driver pipelined its steps: launched before the previous one was collected, decode inputs deferred
+    assert rt.serving().overlapped > 0
+    assert sum(st["counters"].get("deferred_tokens", 0) for st in rt.shard_status().values()) > 0
 
 
 def _generate_during(rt, prompts, new, op, wait_steps: int = 3):

@@ -101,6 +101,74 @@ def test_scheduler_serves_every_request_exactly_its_tokens(lens, new, budget):
     assert all(v == 0 for v in s._used.values())
 
 
+def test_lookahead_plan_defers_decode_tokens_and_stops_at_the_last_one():
+    """A plan made while the previous step is in flight: chunks continue after the in-flight chunk, a sequence
+    being sampled continues with a deferred decode item at the sampled position, and a sequence whose last
+    token is in flight gets nothing."""
+    s = Scheduler([0], kv_blocks=16, block_size=4, max_context=256, step_tokens=6)
+    b = s.submit([7, 8], SamplingParams(max_new_tokens=1))
+    a = s.submit(list(range(6)), SamplingParams(max_new_tokens=3))
+    p1 = s.plan()
+    assert [(it.seq_id, it.start, it.tokens) for it in p1.items[0]] == [(b, 0, (7, 8)), (a, 0, (0, 1, 2, 3))]
+    p2 = s.plan(ahead=p1)  # p1 not committed: a's next chunk, nothing for b (its only token is in flight)
+    assert [(it.seq_id, it.start, it.tokens, it.deferred) for it in p2.items[0]] == [(a, 4, (4, 5), False)]
+    assert p2.items[0][0].sample.position == 6
+    assert [e.token for e in s.commit(p1, {b: 30})] == [30]  # b finished with its one token
+    p3 = s.plan(ahead=p2)
+    (ia,) = p3.items[0]
+    assert (ia.start, ia.tokens, ia.deferred, ia.decode, ia.num_tokens) == (6, (), True, True, 1)
+    assert ia.sample.position == 7 and p3.free[0] == (b,)
+    s.commit(p2, {a: 40})
+    p4 = s.plan(ahead=p3)
+    assert [(it.start, it.deferred) for it in p4.items[0]] == [(7, True)]
+    s.commit(p3, {a: 41})
+    assert s.plan(ahead=p4).empty  # a's third and last token is in flight
+    events = s.commit(p4, {a: 42})
+    assert [(e.token, e.finished) for e in events] == [(42, True)] and s.seqs[a].generated == [40, 41, 42]
+
+
+def test_lookahead_drops_the_token_after_an_end_of_sequence():
+    s = Scheduler([0], kv_blocks=16, block_size=4, max_context=256, eos_token_ids=[2])
+    a = s.submit([5, 6], SamplingParams(max_new_tokens=8))
+    p1 = s.plan()
+    p2 = s.plan(ahead=p1)
+    assert [e.token for e in s.commit(p1, {a: 2})] == [2]  # end of sequence
+    assert s.commit(p2, {a: 9}) == []  # the speculative step's token is dropped
+    assert s.seqs[a].generated == [2] and s.pending() == 0 and s._used[0] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=8), st.integers(1, 6), st.integers(2, 9),
+       st.lists(st.integers(0, 4), min_size=1, max_size=30))
+def test_pipelined_scheduler_serves_every_request_exactly_its_tokens(lens, new, budget, eos_at):
+    """Conservation with one step always in flight: every request ends with exactly its tokens (or at its
+    end-of-sequence), positions advance by one per token, and blocks return to the pool."""
+    s = Scheduler([0, 1, 2], kv_blocks=24, block_size=4, max_context=256, step_tokens=budget, eos_token_ids=[99])
+    rids = [s.submit(list(range(n)), SamplingParams(max_new_tokens=new)) for n in lens]
+    seen: dict[str, list[int]] = {r: [] for r in rids}
+    flying, i = None, 0
+    for _ in range(500):
+        nxt = s.plan(ahead=flying)
+        if flying is not None:
+            sampled = {}
+            for items in flying.items.values():
+                for it in items:
+                    if it.sample is not None:  # a token that encodes its position (99: end of sequence)
+                        i += 1
+                        sampled[it.seq_id] = 99 if eos_at[i % len(eos_at)] == 0 else it.sample.position
+            for ev in s.commit(flying, sampled):
+                seen[ev.request_id].append(ev.token)
+        flying = None if nxt.empty else nxt
+        if flying is None and not s.pending():
+            break
+    assert s.pending() == 0
+    for r, n in zip(rids, lens):
+        toks = seen[r]
+        assert 1 <= len(toks) <= new and (len(toks) == new or toks[-1] == 99)
+        assert all(t == n + j for j, t in enumerate(toks) if t != 99)  # each sampled for its own position
+    assert all(v == 0 for v in s._used.values())
+
+
 def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     greedy = sample(logits, [SampleSpec(0.0, 1.0, 0, 5)] * 3)

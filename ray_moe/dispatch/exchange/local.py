@@ -55,6 +55,11 @@ class LocalExchange(Exchange):
         self.rank = rank
         self.group.peer_of(rank)  # validates membership
 
+    @property
+    def graph_capturable(self) -> bool:  # type: ignore[override]
+        """A group of one exchanges no payload (its dispatcher is local): a step can be captured on CUDA."""
+        return self.size == 1
+
     def all_gather(self, tag: str, vec: np.ndarray) -> np.ndarray:
         me = self.peer
         box = self._owner._mailbox
