@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU evidence run (the device tool's nvidia-h200), session 3: GPU tests on one H200, the per-layer
+# The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
 # time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|layer|generate
 set -u

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
@@ -83,6 +84,7 @@ class ShardCore:
         self._staging = PinnedStaging()
         self.generator: "GenerationExecutor | None" = None  # the hosted model (load_model)
         self._gen_order = StepOrder()  # pipelined generation steps run in launch order
+        self._gen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ray-moe-gen-r{rank}")
         self.executor = StepExecutor(rank, dtype=self.dtype, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                                      residual=cfg.residual, device=self.device, router=router,
                                      decode_key=self._decode_key)
@@ -341,10 +343,15 @@ class ShardCore:
             raise RuntimeError(f"rank {self.rank}: no model loaded (load_model) or no exchange set")
         self._gen_order.wait_turn(req.step_id, req.after, self.cfg.exchange_timeout_s)
         try:
-            with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
-                return self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
+            # always on the same thread: the actor's calls arrive on any of its pool threads, and CUDA library
+            # state (cuBLAS / cuDNN handles, attention plan caches) is per thread
+            return self._gen_thread.submit(self._generate_step, req).result()
         finally:
             self._gen_order.finished(req.step_id)
+
+    def _generate_step(self, req: "GenStepRequest") -> "GenStepResult":
+        with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
+            return self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
 
     def _decode_key(self, view: GenerationView) -> int:
         return self.decode_keys(view, self.paths.bucket)

@@ -202,6 +202,10 @@ class StepGraphs:
     def put(self, generation: int, key: Any, step: CapturedStep) -> None:
         self._graphs[(generation, key)] = step
 
+    def count(self, generation: int, kind: Any) -> int:
+        """Captured steps of ``generation`` whose key starts with ``kind``."""
+        return sum(1 for g, k in self._graphs if g == generation and isinstance(k, tuple) and k and k[0] == kind)
+
     def release(self, generation: int) -> int:
         keys = [k for k in self._graphs if k[0] == generation]
         for k in keys:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ray_moe.dispatch.local import LocalDispatcher
 from ray_moe.dispatch.protocol import ControlStatus
 from ray_moe.errors import RayMoEError
 from ray_moe.phases.admission import FallbackReason
@@ -67,6 +68,11 @@ class GenStepResult:
     fallback_reason: str | None = None
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 class DeferredTokenError(RayMoEError, ValueError):
     """A deferred decode item names a position this rank never sampled (the step is refused on every rank)."""
 
@@ -102,8 +108,11 @@ class GenerationExecutor:
         self.top_k = top_k
         self.dtype = dtype
         self.counters: dict[str, int] = {}
-        self.graphs = StepGraphs()  # captured decode steps by (generation, (rows, keys))
-        self.capture_error: str | None = None  # a failed capture: decode steps stay eager (reported in status)
+        self.graphs = StepGraphs()  # captured steps by (generation, (unit, rows, keys, sampled rows))
+        self.max_prefill_graphs = 16  # prefill shapes captured per generation (others run eagerly)
+        self._runner: Any = None
+        # a failed capture, per unit: that unit's steps stay eager (reported in status)
+        self.capture_errors: dict[str, str] = {}
         # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
         # the one at its start position; a rerun step finds its input again
         self.sampled: dict[str, dict[int, int]] = {}
@@ -211,54 +220,68 @@ class GenerationExecutor:
                 for p in [p for p in seen if p < it.sample.position - 1]:
                     del seen[p]
 
-    def _graph_decode(self, req, items, view, paths, reason, tag: str):
-        """A decode-only step with static shapes: rows = the token bucket, keys = the next power of two of the
-        rank's context (>= 64). The first step of a (generation, rows, keys) runs eagerly and is then captured
-        as ONE CUDA graph (attention, routers, every MoE layer's bucket dispatch/experts/combine, LM head);
-        later steps copy their inputs into the graph's buffers and replay it. Sampling runs on the logits."""
+    def _graph_step(self, req, items, view, dispatcher, reason, tag: str, rows: int, *, prefill: bool):
+        """A step with static shapes, captured as ONE CUDA graph (attention, routers, every MoE layer's
+        dispatch/experts/combine, LM head) per (generation, shape): the first step of a shape runs eagerly
+        (the warm-up) and is then captured; later steps copy their inputs into the graph's buffers and replay.
+        decode (``prefill`` False): one token per sequence, rows = the agreed token bucket, every row sampled.
+        prefill (one-rank groups): rows = the next power of two of the step's tokens (>= 16), one sampled row
+        per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask.
+        keys = the next power of two of the rank's context (>= 64). Sampling runs on the logits."""
         kv, dev = self.host.kv, self.host.device
-        rows = paths.bucket.token_cap
         chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
+        n = sum(c.num_tokens for c in chunks)
         context = sum(c.start + c.num_tokens for c in chunks)
-        keys = max(64, 1 << max(0, context - 1).bit_length())
-        staged = kv.plan_padded(chunks, rows, keys, self.dtype)
+        plain = prefill and len(chunks) == 1 and chunks[0].start == 0
+        keys = rows if plain else max(64, _pow2(context))
+        last_rows = max(1, _pow2(len(chunks))) if prefill else None
+        staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain)
         ids = torch.zeros(rows, dtype=torch.int64)
-        ids[: len(items)] = torch.tensor([it.tokens[0] for it in items], dtype=torch.int64)
+        ids[:n] = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64)
         staged["token_ids"] = ids.to(dev)
+        unit = "prefill" if prefill else "decode"
+        label = "local-graph" if prefill else None
 
         def body(inp: dict[str, torch.Tensor]):
-            ctx = MoEStep(rank=self.rank, view=view, dispatcher=paths.bucket, runner=paths.runner, dtype=self.dtype,
-                          hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/decode", fallback_reason=reason,
-                          row_valid=inp["row_valid"])
-            layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp["mask"], None)
+            ctx = MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=self._runner, dtype=self.dtype,
+                          hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", fallback_reason=reason,
+                          row_valid=inp["row_valid"], path=label)
+            layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
+                                inp.get("last"))
             return self.host.forward_layout(layout, inp["token_ids"], SplitMoE(None, ctx, None, None)), ctx
 
-        key = (rows, keys)
+        key = (unit, rows, keys, last_rows)
         captured = self.graphs.get(view.generation, key)
         if captured is not None:
             logits, ctx = captured.replay(staged)
-            ctx.path = "bucket-graph"
+            ctx.path = "local-graph" if prefill else "bucket-graph"
             self.count("graph_replays")
         else:
             logits, ctx = body(staged)  # eager, same shapes: this step's answer, and the warm-up
-            ctx.path = "bucket"
-            if self.capture_error is None:
+            ctx.path = "local" if prefill else "bucket"
+            full = prefill and self.graphs.count(view.generation, "prefill") >= self.max_prefill_graphs
+            if unit not in self.capture_errors and not full:
                 step = CapturedStep({k: v.clone() for k, v in staged.items()})
                 try:
                     step.capture(body)  # records only: no collective runs while capturing
                 except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
-                    self.capture_error = capture_failure(exc)
+                    self.capture_errors[unit] = capture_failure(exc)
                 else:
                     self.graphs.put(view.generation, key, step)
                     self.count("graphs_captured")
         want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
         tokens = {}
         if want:
-            sel = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)
+            sel = torch.tensor([i for i, _ in want], dtype=torch.int64).to(logits.device)
             picked = sample(logits.index_select(0, sel), [it.sample for _, it in want])
             tokens = {it.seq_id: tok for (_, it), tok in zip(want, picked)}
         stats, overflow = ctx.finish()
         return tokens, stats, overflow
+
+    @property
+    def capture_error(self) -> str | None:
+        """The failed captures, one line (None: every capture so far succeeded)."""
+        return "; ".join(f"{u}: {e}" for u, e in sorted(self.capture_errors.items())) or None
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -277,8 +300,18 @@ class GenerationExecutor:
                       status if pre is None else ControlStatus.OK, reason)
         split = SplitMoE(pre, dec, decode_rows, prefill_rows)
         tokens: dict[str, int] = {}
-        if items and bucket and pre is None and paths.capture and self.capture_error is None:
-            return self._graph_decode(req, items, view, paths, reason, tag)
+        self._runner = paths.runner
+        if items and paths.capture:
+            if bucket and pre is None and "decode" not in self.capture_errors:
+                return self._graph_step(req, items, view, paths.bucket, reason, tag, paths.bucket.token_cap,
+                                        prefill=False)
+            if (pre is not None and paths.exchange.size == 1 and isinstance(paths.bucket, LocalDispatcher)
+                    and "prefill" not in self.capture_errors):
+                # a group of one: every step (prefill, mixed) runs the local path; routes come from the
+                # model's own router, so the unchecked (capturable) local dispatcher serves the whole step
+                n = sum(len(it.tokens) for it in items)
+                return self._graph_step(req, items, view, paths.bucket, reason, tag, max(16, _pow2(n)),
+                                        prefill=True)
         if items:
             chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
             ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64)

@@ -149,38 +149,52 @@ class PagedKVCache:
         self.layout = layout
         return layout
 
-    def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype
-                    ) -> dict[str, torch.Tensor]:
-        """A one-token-per-sequence (decode) step padded to ``rows`` tokens and ``keys`` context slots: the
-        static shapes of a captured step. Padding tokens write the trash slot and attend only to key 0 (their
-        outputs are never read; their routes are masked); padding keys read the trash slot and are masked.
-        Returns device tensors: write_index [rows], read_index [keys], positions [rows], mask [1, 1, rows,
-        keys], row_valid [rows] bool."""
+    def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
+                    last_rows: int | None = None, plain: bool = False) -> dict[str, torch.Tensor]:
+        """A step padded to ``rows`` tokens and ``keys`` context slots: the static shapes of a captured step.
+        Padding tokens write the trash slot and attend only to key 0 (their outputs are never read; their
+        routes are masked); padding keys read the trash slot and are masked.
+        Returns device tensors: write_index [rows], read_index [keys], positions [rows], row_valid [rows] bool,
+        and mask [1, 1, rows, keys] (absent when ``plain``: one sequence from position 0, keys == rows,
+        transformers' causal mask; padding rows then come after every real one). ``last_rows``: also
+        ``last`` [last_rows], the packed row of each sequence's last new token (padding entries row 0);
+        None: one token per sequence, every row is sampled (a decode step)."""
         v = self._host_plan(chunks)
         n, k = v["write"].size, v["read"].size
-        if n > rows or k > keys:
-            raise ValueError(f"rows={rows}, keys={keys}: the step has {n} tokens and {k} context slots")
+        if n > rows or k > keys or (last_rows is not None and len(chunks) > last_rows):
+            raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}: the step has {n} tokens, {k} "
+                             f"context slots and {len(chunks)} sequences")
+        if plain and not (len(chunks) == 1 and chunks[0].start == 0 and rows == keys):
+            raise ValueError("plain: one sequence from position 0 with keys == rows")
 
         def pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
             out = np.full(size, fill, dtype=np.int64)
             out[: x.size] = x
             return out
 
-        # padding queries are sequence -1, padding keys sequence -2: they match nothing (the padding queries
-        # get key 0 below); real queries never see a padding key
-        k_seq = pad(v["k_seq"], keys, -2)
         host = {"write_index": pad(v["write"], rows, self.trash_slot), "read_index": pad(v["read"], keys, self.trash_slot),
-                "positions": pad(v["q_pos"], rows, 0), "q_seq": pad(v["q_seq"], rows, -1), "k_seq": k_seq,
-                "k_pos": pad(v["k_pos"], keys, 0)}
+                "positions": pad(v["q_pos"], rows, 0)}
+        if last_rows is not None:
+            host["last"] = pad(v["last"], last_rows, 0)
+        if not plain:
+            # padding queries are sequence -1, padding keys sequence -2: they match nothing (the padding
+            # queries get key 0 below); real queries never see a padding key
+            host.update(q_seq=pad(v["q_seq"], rows, -1), k_seq=pad(v["k_seq"], keys, -2), k_pos=pad(v["k_pos"], keys, 0))
+        else:  # padding rows continue the sequence's positions (a causal mask keeps them after the real ones)
+            host["positions"] = np.arange(rows, dtype=np.int64)
         dev = self.device
         up = {name: torch.from_numpy(x).to(dev) for name, x in host.items()}
         row_valid = torch.arange(rows, device=dev) < n
-        allowed = _allowed(up["q_seq"], up["positions"], up["k_seq"], up["k_pos"])
-        allowed[:, 0] |= ~row_valid  # a padding query attends key 0 only (no empty softmax row)
-        mask = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(~allowed,
-                                                                                    torch.finfo(mask_dtype).min)
-        return {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
-                "mask": mask[None, None], "row_valid": row_valid}
+        out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
+               "row_valid": row_valid}
+        if last_rows is not None:
+            out["last"] = up["last"]
+        if not plain:
+            allowed = _allowed(up["q_seq"], up["positions"], up["k_seq"], up["k_pos"])
+            allowed[:, 0] |= ~row_valid  # a padding query attends key 0 only (no empty softmax row)
+            out["mask"] = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(
+                ~allowed, torch.finfo(mask_dtype).min)[None, None]
+        return out
 
     def _host_plan(self, chunks: Sequence[SeqChunk]) -> dict[str, np.ndarray]:
         """Host index vectors of a step: write [N], read [K], q_seq/q_pos [N], k_seq/k_pos [K], last [S]."""

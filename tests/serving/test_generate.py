@@ -182,6 +182,43 @@ def test_static_shape_decode_steps_equal_greedy(tmp_path, monkeypatch):
     assert all(c.get("graphs_captured", 0) >= 1 and c.get("graph_replays", 0) >= 4 for c in counters), counters
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_path, monkeypatch, family):
+    """A group of one captures prefill and mixed steps too (padded tokens, context and sampled rows; a lone
+    prompt keeps the plain causal mask): same tokens, shapes reused across steps and requests."""
+    import dataclasses
+
+    import ray_moe.serving.engine as engine
+    from ray_moe.phases.decode import CapturedStep
+
+    class EagerCapture(CapturedStep):
+        def capture(self, body):
+            self.body = body
+
+        def replay(self, staged):
+            assert staged.keys() == self.inputs.keys()
+            for name, t in staged.items():
+                assert t.shape == self.inputs[name].shape, name
+                self.inputs[name].copy_(t)
+            return self.body(self.inputs)
+
+    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    for p in _prompts(8, (9, 20)):  # lone prompts: the plain causal prefill, padded to 16 / 32 rows
+        assert generate_inprocess(dep, [p], 5) == _reference(model, [p], 5)
+    prompts, late = _prompts(9, (5, 13, 2)), _prompts(10, (6, 3))
+    got = generate_inprocess(dep, prompts, 6, step_tokens=8, join_after={2: late}, pipelined=True)
+    assert got == _reference(model, prompts + late, 6)
+    c = core.generator.counters
+    assert c.get("graphs_captured", 0) >= 4 and c.get("graph_replays", 0) >= 10, c
+    kinds = {k[1][0] for k in core.generator.graphs._graphs}
+    assert kinds == {"prefill", "decode"}
+
+
 def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
     """One sequence from position 0 leaves the mask to transformers (SDPA's causal kernel); same tokens."""
     model, folder = tiny_model("mixtral", tmp_path / "m")
