@@ -111,6 +111,7 @@ class Runtime:
         self.telemetry = Telemetry(f"driver-{uuid.uuid4().hex[:6]}")
         self.books = StepBooks(cfg.num_layers, cfg.num_experts, self.telemetry, release_id=cfg.name)
         self._exporter = None
+        self._publishing = False
         self._engine = None  # the generation loop (serving)
 
     # ================================================================ lifecycle
@@ -220,12 +221,13 @@ class Runtime:
             call([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
 
     def shutdown(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
         """Stop every actor of the deployment and free its placement groups, its durable coordinator record
         and its name (waited for, bounded)."""
         from ray_moe.actors import launch
+
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
         if ray.is_initialized():
             launch.teardown(self.cfg.name, ray.get_runtime_context().namespace, coordinator=self.coordinator,
@@ -537,7 +539,26 @@ class Runtime:
         flush = self.books.record(results, ranks, phase, tokens, ms, topology_version=self.topology.version)
         if flush is not None:
             self.coordinator.record_load.remote(flush.counts, flush.phase.value, flush.generation)
-            self.publish_telemetry()
+            self._publish_soon()
+
+    def _publish_soon(self) -> None:
+        """Telemetry export off the step path (a Prometheus export takes milliseconds): one at a time, a flush
+        while one runs is covered by it (it reads the books when it starts)."""
+        with self._lock:
+            if self._publishing:
+                return
+            self._publishing = True
+
+        def job() -> None:
+            try:
+                self.publish_telemetry()
+            except Exception:  # noqa: BLE001 - a deployment shut down meanwhile; metrics never fail a step
+                pass
+            finally:
+                with self._lock:
+                    self._publishing = False
+
+        threading.Thread(target=job, name="ray-moe-telemetry", daemon=True).start()
 
     def publish_telemetry(self) -> None:
         """Export this driver's telemetry to Prometheus (ray.util.metrics) and share it with ``ray-moe status``."""
