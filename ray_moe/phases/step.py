@@ -56,7 +56,7 @@ def layer_stats(layer: int, sent_slots: np.ndarray, slot_rows: Sequence[int], sn
     local_ids = snapshot.on("cpu").rank_slots[rank].tolist()  # cached per snapshot
     return LayerStats(layer, int(sent.sum()), int(rank_routes.sum() - rank_routes[rank]),
                       int(rank_routes[node != node[rank]].sum()), counts, rank_routes,
-                      {int(q): int(c) for q, c in zip(local_ids, slot_rows)}, path, fallback_reason)
+                      dict(zip(local_ids, np.asarray(slot_rows, dtype=np.int64).tolist())), path, fallback_reason)
 
 
 def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights | None, hidden_size: int) -> torch.Tensor:
@@ -166,7 +166,7 @@ class MoEStep:
         for layer, sent, rows, flag in self._pending:
             sent_h, rows_h, flag_h = take(sent), take(rows), take(flag)
             overflow = overflow or bool(flag_h is not None and np.asarray(flag_h).any())
-            stats.append(layer_stats(layer, sent_h, list(rows_h), self.view.snapshots[layer], self.rank, self.path,
+            stats.append(layer_stats(layer, sent_h, rows_h, self.view.snapshots[layer], self.rank, self.path,
                                      self.fallback_reason))
         return tuple(stats), overflow
 

@@ -14,10 +14,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ray_moe.dispatch.local import LocalDispatcher
@@ -66,6 +68,20 @@ class GenStepResult:
     elapsed_s: float
     decode_path: str | None = None
     fallback_reason: str | None = None
+
+
+def _phase_rows(items: tuple[WorkItem, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode rows, prefill rows): packed row indices of the step's decode and prefill tokens, on ``device``."""
+    flags = np.fromiter((it.decode for it in items for _ in it.tokens), dtype=bool)
+    return (torch.from_numpy(np.flatnonzero(flags)).to(device), torch.from_numpy(np.flatnonzero(~flags)).to(device))
+
+
+def _packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndarray:
+    """[rows or N] int64 the step's token ids in packed order (zero padding past the real tokens)."""
+    n = sum(len(it.tokens) for it in items)
+    out = np.zeros(n if rows is None else rows, dtype=np.int64)
+    out[:n] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64, count=n)
+    return out
 
 
 def _pow2(n: int) -> int:
@@ -162,11 +178,6 @@ class GenerationExecutor:
             status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
         items = () if local_error is not None else resolved
         want_prefill, want_decode = req.units
-        decode_flags = [it.decode for it in items for _ in it.tokens]
-        dev = self.host.device
-        mask = torch.tensor(decode_flags, dtype=torch.bool)
-        decode_rows = torch.nonzero(mask).flatten().to(dev)
-        prefill_rows = torch.nonzero(~mask).flatten().to(dev)
         # 1. the decode unit's path, agreed once per step
         reason, bucket = None, False
         if want_decode:
@@ -174,7 +185,7 @@ class GenerationExecutor:
                 reason = "bucket_disabled"
             else:
                 rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch, generation_digest(view.snapshots),
-                                   status, int(decode_rows.numel()), decode_key, 0)
+                                   status, sum(it.decode for it in items), decode_key, 0)
                 decision = decode_round(paths.exchange, rec, paths.bucket.token_cap, req.step_id,
                                         local_error=local_error)
                 status = ControlStatus.OK  # the decode round carried it (a refusal raised there)
@@ -183,14 +194,14 @@ class GenerationExecutor:
                 if bucket:
                     paths = dataclasses.replace(paths, bucket=paths.bucket.for_tokens(decision.cap))
         tokens, stats, overflow = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket,
-                                                reason, decode_rows, prefill_rows)
+                                                reason)
         if local_error is not None:
             raise local_error
         if bucket and agree_overflow(paths.exchange, overflow, req.step_id):
             reason, bucket = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value, False
             self.count(f"fallback_{reason}")
             tokens, stats, _ = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode,
-                                             False, reason, decode_rows, prefill_rows, tag="/rerun")
+                                             False, reason, tag="/rerun")
         self.count("generate_steps")
         self._remember(items, tokens)
         return GenStepResult(self.rank, req.step_id, view.generation, tokens, stats, time.perf_counter() - t0,
@@ -235,10 +246,8 @@ class GenerationExecutor:
         plain = prefill and len(chunks) == 1 and chunks[0].start == 0
         keys = rows if plain else max(64, _pow2(context))
         last_rows = max(1, _pow2(len(chunks))) if prefill else None
-        staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain)
-        ids = torch.zeros(rows, dtype=torch.int64)
-        ids[:n] = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64)
-        staged["token_ids"] = ids.to(dev)
+        staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain,
+                                extra={"token_ids": _packed_ids(items, rows)})
         unit = "prefill" if prefill else "decode"
         label = "local-graph" if prefill else None
 
@@ -286,8 +295,7 @@ class GenerationExecutor:
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 
-    def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, decode_rows,
-                 prefill_rows, tag: str = ""):
+    def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, tag: str = ""):
         def ctx(unit, dispatcher, st, r=None):
             return MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=paths.runner, dtype=self.dtype,
                            hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", status=st, fallback_reason=r)
@@ -298,7 +306,6 @@ class GenerationExecutor:
         if want_decode:
             dec = ctx("decode", paths.bucket if bucket else paths.normal,
                       status if pre is None else ControlStatus.OK, reason)
-        split = SplitMoE(pre, dec, decode_rows, prefill_rows)
         tokens: dict[str, int] = {}
         self._runner = paths.runner
         if items and paths.capture:
@@ -312,10 +319,10 @@ class GenerationExecutor:
                 n = sum(len(it.tokens) for it in items)
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, max(16, _pow2(n)),
                                         prefill=True)
+        split = SplitMoE(pre, dec, *_phase_rows(items, self.host.device))
         if items:
             chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
-            ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64)
-            logits = self.host.forward(chunks, ids, split)
+            logits = self.host.forward(chunks, torch.from_numpy(_packed_ids(items)), split)
             want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
             if want:
                 rows = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)

@@ -150,7 +150,8 @@ class PagedKVCache:
         return layout
 
     def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
-                    last_rows: int | None = None, plain: bool = False) -> dict[str, torch.Tensor]:
+                    last_rows: int | None = None, plain: bool = False,
+                    extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """A step padded to ``rows`` tokens and ``keys`` context slots: the static shapes of a captured step.
         Padding tokens write the trash slot and attend only to key 0 (their outputs are never read; their
         routes are masked); padding keys read the trash slot and are masked.
@@ -158,7 +159,8 @@ class PagedKVCache:
         and mask [1, 1, rows, keys] (absent when ``plain``: one sequence from position 0, keys == rows,
         transformers' causal mask; padding rows then come after every real one). ``last_rows``: also
         ``last`` [last_rows], the packed row of each sequence's last new token (padding entries row 0);
-        None: one token per sequence, every row is sampled (a decode step)."""
+        None: one token per sequence, every row is sampled (a decode step). ``extra``: more int64 host vectors
+        to upload with the plan (one host-to-device copy for all of them)."""
         v = self._host_plan(chunks)
         n, k = v["write"].size, v["read"].size
         if n > rows or k > keys or (last_rows is not None and len(chunks) > last_rows):
@@ -182,11 +184,12 @@ class PagedKVCache:
             host.update(q_seq=pad(v["q_seq"], rows, -1), k_seq=pad(v["k_seq"], keys, -2), k_pos=pad(v["k_pos"], keys, 0))
         else:  # padding rows continue the sequence's positions (a causal mask keeps them after the real ones)
             host["positions"] = np.arange(rows, dtype=np.int64)
+        host.update(extra or {})
         dev = self.device
-        up = {name: torch.from_numpy(x).to(dev) for name, x in host.items()}
+        up = _upload(host, dev)
         row_valid = torch.arange(rows, device=dev) < n
         out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
-               "row_valid": row_valid}
+               "row_valid": row_valid, **{k: up[k] for k in extra or {}}}
         if last_rows is not None:
             out["last"] = up["last"]
         if not plain:
@@ -247,6 +250,18 @@ class PagedKVCache:
 
     def bytes_per_token(self) -> int:
         return sum(t.shape[1] * t.shape[2] * t.element_size() for s in self._store.values() for t in s)
+
+
+def _upload(host: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Int64 host vectors -> device tensors through ONE copy (pinned and non-blocking on CUDA)."""
+    sizes = [x.size for x in host.values()]
+    flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in host.values()]) if host else np.zeros(0, np.int64)
+    buf = torch.from_numpy(flat)
+    if device.type == "cuda":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = buf.to(device)
+    return dict(zip(host, torch.split(buf, sizes)))
 
 
 def _allowed(q_seq: torch.Tensor, q_pos: torch.Tensor, k_seq: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from ray_moe.serving.kv import KVBudgetError
 from ray_moe.serving.sampling import SampleSpec, SamplingParams
 
@@ -144,9 +146,12 @@ class Scheduler:
         if not prompt:
             raise ValueError("prompt: empty (at least one token id)")
         if vocab_size is not None:
-            bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
-            if bad:
-                raise ValueError(f"prompt: token id {bad[0]} is out of range [0, {vocab_size})")
+            ids = np.asarray(prompt)
+            if ids.dtype.kind not in "iu":
+                ids = np.asarray([int(t) for t in prompt], dtype=np.int64)
+            bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+            if bad.size:
+                raise ValueError(f"prompt: token id {int(ids[bad[0]])} is out of range [0, {vocab_size})")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_context:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
@@ -163,7 +168,7 @@ class Scheduler:
         if rid in self.seqs:
             raise ValueError(f"request_id={rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        self.seqs[rid] = SeqStatus(rid, tuple(int(t) for t in prompt), params, seed)
+        self.seqs[rid] = SeqStatus(rid, tuple(map(int, prompt)), params, seed)
         self._queue.append(rid)
         return rid
 
