@@ -341,17 +341,20 @@ class ShardCore:
         """One generation step (token ids in, sampled token ids out), SPMD with the other ranks."""
         if self.generator is None or self.paths is None:
             raise RuntimeError(f"rank {self.rank}: no model loaded (load_model) or no exchange set")
+        t0 = time.perf_counter()
         self._gen_order.wait_turn(req.step_id, req.after, self.cfg.exchange_timeout_s)
         try:
             # always on the same thread: the actor's calls arrive on any of its pool threads, and CUDA library
             # state (cuBLAS / cuDNN handles, attention plan caches) is per thread
-            return self._gen_thread.submit(self._generate_step, req).result()
+            return self._gen_thread.submit(self._generate_step, req, t0).result()
         finally:
             self._gen_order.finished(req.step_id)
 
-    def _generate_step(self, req: "GenStepRequest") -> "GenStepResult":
+    def _generate_step(self, req: "GenStepRequest", t0: float) -> "GenStepResult":
         with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
-            return self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
+            t1 = time.perf_counter()
+            res = self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
+        return dataclasses.replace(res, queued_s=t1 - t0)
 
     def _decode_key(self, view: GenerationView) -> int:
         return self.decode_keys(view, self.paths.bucket)

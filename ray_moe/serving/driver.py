@@ -104,8 +104,9 @@ class GenerationEngine:
         self.failed: BaseException | None = None
         # where a step's time goes, last steps only (ms): plan, launch (the actor calls sent), wait (blocked
         # for the results; with pipelining the next step is already on its way), shard (the slowest shard's
-        # own step), account (statistics), commit (tokens out)
-        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in ("plan", "launch", "wait", "shard",
+        # own step), queued (its wait on the shard before the step began: launch order, step thread, pin),
+        # account (statistics), commit (tokens out)
+        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in ("plan", "launch", "wait", "shard", "queued",
                                                                           "account", "commit")}
         self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
         self._thread.start()
@@ -265,7 +266,8 @@ class GenerationEngine:
                     h.emit(_DONE)
         t3 = time.perf_counter()
         for key, ms in (("wait", t1 - t0), ("account", t2 - t1), ("commit", t3 - t2),
-                        ("shard", max((r.elapsed_s for r in results.values()), default=0.0))):
+                        ("shard", max((r.elapsed_s for r in results.values()), default=0.0)),
+                        ("queued", max((r.queued_s for r in results.values()), default=0.0))):
             self.timings[key].append(ms * 1e3)
         return not recovered
 

@@ -58,7 +58,9 @@ class GenStepRequest:
 
 @dataclass(frozen=True)
 class GenStepResult:
-    """tokens: {sequence id: sampled token} for the chunks that asked for a sample."""
+    """tokens: {sequence id: sampled token} for the chunks that asked for a sample. elapsed_s: the step on the
+    shard; queued_s: from the actor call's arrival to the step's start (launch order, the step thread, the
+    generation pin), so a driver's wait minus both is the Ray transport and (de)serialisation."""
 
     rank: int
     step_id: str
@@ -68,6 +70,7 @@ class GenStepResult:
     elapsed_s: float
     decode_path: str | None = None
     fallback_reason: str | None = None
+    queued_s: float = 0.0
 
 
 def _phase_rows(items: tuple[WorkItem, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,16 +260,18 @@ class GenerationExecutor:
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
                                 inp.get("last"))
-            return self.host.forward_layout(layout, inp["token_ids"], SplitMoE(None, ctx, None, None)), ctx
+            logits = self.host.forward_layout(layout, inp["token_ids"], SplitMoE(None, ctx, None, None))
+            # every layer's counts, overflow flags and handle checks in one device vector (in the graph)
+            return (logits, ctx.device_summary()), ctx
 
         key = (unit, rows, keys, last_rows)
         captured = self.graphs.get(view.generation, key)
         if captured is not None:
-            logits, ctx = captured.replay(staged)
+            (logits, summary), ctx = captured.replay(staged)
             ctx.path = "local-graph" if prefill else "bucket-graph"
             self.count("graph_replays")
         else:
-            logits, ctx = body(staged)  # eager, same shapes: this step's answer, and the warm-up
+            (logits, summary), ctx = body(staged)  # eager, same shapes: this step's answer, and the warm-up
             ctx.path = "local" if prefill else "bucket"
             full = prefill and self.graphs.count(view.generation, "prefill") >= self.max_prefill_graphs
             if unit not in self.capture_errors and not full:
@@ -278,13 +283,21 @@ class GenerationExecutor:
                 else:
                     self.graphs.put(view.generation, key, step)
                     self.count("graphs_captured")
+        host_summary = None
+        if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both
+            host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
+            host_summary.copy_(summary, non_blocking=True)
         want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
         tokens = {}
         if want:
-            sel = torch.tensor([i for i, _ in want], dtype=torch.int64).to(logits.device)
-            picked = sample(logits.index_select(0, sel), [it.sample for _, it in want])
+            rows_ = [i for i, _ in want]
+            scores = logits[: len(rows_)] if rows_ == list(range(len(rows_))) else logits.index_select(
+                0, torch.tensor(rows_, dtype=torch.int64).to(logits.device))
+            picked = sample(scores, [it.sample for _, it in want])
             tokens = {it.seq_id: tok for (_, it), tok in zip(want, picked)}
-        stats, overflow = ctx.finish()
+        elif dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        stats, overflow = ctx.finish(None if host_summary is None else host_summary.numpy())
         return tokens, stats, overflow
 
     @property
