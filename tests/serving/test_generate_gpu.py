@@ -29,6 +29,12 @@ def test_cuda_generation_replays_whole_step_graphs(ray_session, tmp_path, family
         status = rt.shard_status()[0]
         assert status["capture_error"] is None, status["capture_error"]
         counters = status["counters"]
-        assert counters.get("graphs_captured", 0) >= 1 and counters.get("graph_replays", 0) >= 5, counters
+        assert counters.get("graphs_captured", 0) >= 2 and counters.get("graph_replays", 0) >= 5, counters
+        # the same prompts again: the prefill step (a group of one captures it too) and the decode steps replay
+        assert rt.generate(prompts, max_new_tokens=12) == want
+        assert [rt.generate([p], max_new_tokens=4)[0] for p in prompts[:2]] == [w[:4] for w in want[:2]]
+        again = rt.shard_status()[0]
+        assert again["capture_error"] is None, again["capture_error"]
+        assert again["counters"]["graph_replays"] >= counters["graph_replays"] + 12, again["counters"]
     finally:
         rt.shutdown()
