@@ -101,6 +101,7 @@ class GenerationEngine:
         self._stop = False
         self.steps = 0
         self.overlapped = 0  # steps launched while the previous one was still in flight
+        self._last_done = 0.0  # when the last step's results were collected (perf_counter)
         self.failed: BaseException | None = None
         # where a step's time goes, last steps only (ms): plan, launch (the actor calls sent), wait (blocked
         # for the results; with pipelining the next step is already on its way), shard (the slowest shard's
@@ -249,8 +250,11 @@ class GenerationEngine:
                 self.scheduler.set_ranks(ranks)
         plan = step.plan
         tokens = sum(it.num_tokens for items in plan.items.values() for it in items)
+        # the step's wall time: from its launch, or from the previous step's results when it was launched
+        # behind that one (its queueing there is the previous step's time)
         rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
-                    (t1 - step.t0) * 1e3)
+                    (t1 - max(step.t0, self._last_done)) * 1e3)
+        self._last_done = t1
         t2 = time.perf_counter()
         sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
         with self._lock:
