@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,27 @@ class GenStepResult:
     decode_path: str | None = None
     fallback_reason: str | None = None
     queued_s: float = 0.0
+
+
+class DecodeLayout(str, Enum):
+    """How a captured decode step feeds attention.
+
+    PACKED:  every sequence's token in one row of a [1, N] batch over the packed contexts of all sequences
+             (a block-diagonal mask): attention work ~ tokens x total context
+    BATCHED: one row per sequence over its own context padded to the longest (a [B, 1] batch): attention
+             work ~ tokens x longest context, grouped-query attention without repeating keys
+    AUTO:    BATCHED unless padding every context to the longest would gather more than twice the packed
+             context (one long sequence among short ones)
+    """
+
+    PACKED = "packed"
+    BATCHED = "batched"
+    AUTO = "auto"
+
+    def pick(self, rows: int, longest: int, packed_keys: int) -> "DecodeLayout":
+        if self is not DecodeLayout.AUTO:
+            return self
+        return DecodeLayout.BATCHED if rows * longest <= 2 * packed_keys else DecodeLayout.PACKED
 
 
 def _phase_rows(items: tuple[WorkItem, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +151,7 @@ class GenerationExecutor:
         self.counters: dict[str, int] = {}
         self.graphs = StepGraphs()  # captured steps by (generation, (unit, rows, keys, sampled rows))
         self.max_prefill_graphs = 16  # prefill shapes captured per generation (others run eagerly)
+        self.decode_layout = DecodeLayout.AUTO  # how a captured decode step lays out its sequences
         self._runner: Any = None
         # a failed capture, per unit: that unit's steps stay eager (reported in status)
         self.capture_errors: dict[str, str] = {}
@@ -249,8 +272,16 @@ class GenerationExecutor:
         plain = prefill and len(chunks) == 1 and chunks[0].start == 0
         keys = rows if plain else max(64, _pow2(context))
         last_rows = max(1, _pow2(len(chunks))) if prefill else None
-        staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain,
-                                extra={"token_ids": _packed_ids(items, rows)})
+        extra = {"token_ids": _packed_ids(items, rows)}
+        layout = DecodeLayout.PACKED
+        if not prefill:
+            longest = max(64, _pow2(max(c.start + 1 for c in chunks)))
+            layout = self.decode_layout.pick(rows, longest, keys)
+        if layout is DecodeLayout.BATCHED:
+            keys = longest
+            staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
+        else:
+            staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, extra=extra)
         unit = "prefill" if prefill else "decode"
         label = "local-graph" if prefill else None
 
@@ -264,7 +295,7 @@ class GenerationExecutor:
             # every layer's counts, overflow flags and handle checks in one device vector (in the graph)
             return (logits, ctx.device_summary()), ctx
 
-        key = (unit, rows, keys, last_rows)
+        key = (unit, rows, keys, last_rows, layout.value)
         captured = self.graphs.get(view.generation, key)
         if captured is not None:
             (logits, summary), ctx = captured.replay(staged)
@@ -352,4 +383,4 @@ class GenerationExecutor:
         return tokens, tuple(stats), overflow
 
 
-__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError"]
+__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError", "DecodeLayout"]

@@ -43,7 +43,8 @@ class StepLayout:
     """Where one step's tokens go and what they read (all int64 on the cache's device).
 
     write_index: [N] cache slot of each new token (packed order)
-    read_index:  [K] cache slots of every sequence's context (positions 0 .. end), sequence after sequence
+    read_index:  [K] cache slots of every sequence's context (positions 0 .. end), sequence after sequence;
+                 or [B, K] for a batched decode step (one row per sequence, ``plan_batched``)
     positions:   [N] position of each new token in its sequence (rotary embeddings)
     mask:        [1, 1, N, K] additive float mask (0 attend, dtype min elsewhere): block-diagonal causal; None
                  for one sequence from position 0 (transformers builds its causal mask)
@@ -199,6 +200,37 @@ class PagedKVCache:
                 ~allowed, torch.finfo(mask_dtype).min)[None, None]
         return out
 
+    def plan_batched(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
+                     extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+        """A decode step as a batch: one row per sequence (its one new token), each row reading its own
+        context padded to ``keys`` slots, so attention runs per sequence (no cross-sequence mask over the
+        packed context; grouped-query attention without repeating keys). Padding rows and keys read and write
+        the trash slot; a padding row attends to its key 0 only. Returns device tensors: write_index [rows],
+        read_index [rows, keys], positions [rows], mask [rows, 1, 1, keys], row_valid [rows], and ``extra``."""
+        n = len(chunks)
+        if n > rows or any(c.num_tokens != 1 for c in chunks):
+            raise ValueError(f"rows={rows}: a batched decode step takes one token of each of at most {rows} "
+                             f"sequences, got {[c.num_tokens for c in chunks]}")
+        ends = [c.start + 1 for c in chunks]
+        if ends and max(ends) > keys:
+            raise ValueError(f"keys={keys}: a sequence of this step has {max(ends)} context slots")
+        read = np.full((rows, keys), self.trash_slot, dtype=np.int64)
+        write = np.full(rows, self.trash_slot, dtype=np.int64)
+        pos = np.zeros(rows, dtype=np.int64)
+        lens = np.ones(rows, dtype=np.int64)
+        for i, c in enumerate(chunks):
+            slots = self.slots(c.seq_id, 0, c.start + 1)
+            read[i, : slots.size] = slots
+            write[i], pos[i], lens[i] = slots[-1], c.start, c.start + 1
+        host = {"write_index": write, "read_index": read.reshape(-1), "positions": pos, "lens": lens, **(extra or {})}
+        up = _upload(host, self.device)
+        allowed = torch.arange(keys, device=self.device)[None, :] < up["lens"][:, None]
+        mask = torch.zeros(allowed.shape, dtype=mask_dtype, device=self.device).masked_fill_(
+            ~allowed, torch.finfo(mask_dtype).min)
+        return {"write_index": up["write_index"], "read_index": up["read_index"].view(rows, keys),
+                "positions": up["positions"], "mask": mask[:, None, None, :],
+                "row_valid": torch.arange(rows, device=self.device) < n, **{k: up[k] for k in extra or {}}}
+
     def _host_plan(self, chunks: Sequence[SeqChunk]) -> dict[str, np.ndarray]:
         """Host index vectors of a step: write [N], read [K], q_seq/q_pos [N], k_seq/k_pos [K], last [S]."""
         if not chunks:
@@ -232,9 +264,12 @@ class PagedKVCache:
                                       device=self.device) for x in (a, b))  # + the trash slot
             self._store[layer_idx] = store
         out = []
+        ri = lay.read_index
+        rows = (1, *ri.shape) if ri.dim() == 1 else tuple(ri.shape)  # packed [1, K] or batched [B, K]
         for x, buf in zip((a, b), store):
-            buf.index_copy_(0, lay.write_index, x[0].transpose(0, 1).to(buf.dtype))
-            out.append(buf.index_select(0, lay.read_index).transpose(0, 1).unsqueeze(0))
+            # [B, H, n, D] new tokens -> [B * n, H, D] in packed (batched: row) order
+            buf.index_copy_(0, lay.write_index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
+            out.append(buf.index_select(0, ri.reshape(-1)).view(*rows, *buf.shape[1:]).transpose(1, 2))
         return out[0], out[1]
 
     # transformers asks a cache for the mask geometry when no 4D mask is given (the plain causal case above:

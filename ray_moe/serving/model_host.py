@@ -169,11 +169,16 @@ class ModelHost:
 
     @torch.no_grad()
     def forward_layout(self, layout: StepLayout, token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
-        """The model over one planned layout (``layout.last`` None: logits of every row). No host sync: a
-        padded layout with static shapes runs inside a CUDA graph capture as well."""
+        """The model over one planned layout (``layout.last`` None: logits of every row; a batched layout,
+        ``read_index`` [B, K]: the model runs on B sequences of one token). No host sync: a padded layout
+        with static shapes runs inside a CUDA graph capture as well."""
         self._executor = executor
         self.kv.layout = layout
         try:
+            if layout.read_index.dim() == 2:  # a batched decode step: [B, 1] tokens, one sequence per row
+                out = self.model(input_ids=token_ids.to(self.device)[:, None], position_ids=layout.positions[:, None],
+                                 attention_mask=layout.mask, cache=self.kv, use_cache=True, logits_to_keep=1)
+                return out.logits[:, -1].float()
             out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=layout.positions[None],
                              attention_mask=layout.mask, cache=self.kv, use_cache=True,
                              logits_to_keep=0 if layout.last is None else layout.last)

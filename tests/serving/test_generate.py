@@ -219,6 +219,41 @@ def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_pa
     assert kinds == {"prefill", "decode"}
 
 
+@pytest.mark.parametrize("family,ranks", [("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2), ("qwen2_moe", 1)])
+def test_batched_decode_layout_equals_greedy(tmp_path, monkeypatch, family, ranks):
+    """Captured decode steps with one row per sequence (each over its own padded context) give the same
+    tokens as the packed layout and transformers; AUTO picks packed for a long sequence among short ones."""
+    import dataclasses
+
+    import ray_moe.serving.engine as engine
+    from ray_moe.phases.decode import CapturedStep
+    from ray_moe.serving.engine import DecodeLayout
+
+    class EagerCapture(CapturedStep):
+        def capture(self, body):
+            self.body = body
+
+        def replay(self, staged):
+            for name, t in staged.items():
+                self.inputs[name].copy_(t)
+            return self.body(self.inputs)
+
+    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=ranks, decode_token_capacity=8))
+    for core in dep.cores.values():
+        core.paths = dataclasses.replace(core.paths, capture=True)
+        core.load_model(kv_tokens=1024, block_size=8)
+        core.generator.decode_layout = DecodeLayout.BATCHED
+    prompts = _prompts(11, (5, 13, 2, 9, 7, 30))
+    assert generate_inprocess(dep, prompts, 8, pipelined=True) == _reference(model, prompts, 8)
+    layouts = {k[1][-1] for c in dep.cores.values() for k in c.generator.graphs._graphs if k[1][0] == "decode"}
+    assert layouts == {"batched"}
+    assert DecodeLayout.AUTO.pick(8, 64, 64) is DecodeLayout.PACKED  # 8 x 64 padded > 2 x 64 packed
+    assert DecodeLayout.AUTO.pick(32, 64, 2048) is DecodeLayout.BATCHED
+
+
 def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
     """One sequence from position 0 leaves the mask to transformers (SDPA's causal kernel); same tokens."""
     model, folder = tiny_model("mixtral", tmp_path / "m")

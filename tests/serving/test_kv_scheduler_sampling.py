@@ -3,6 +3,7 @@ scheduler (admission, budgets, chunked prefill, requeue on rank loss), seeded re
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -99,6 +100,24 @@ def test_scheduler_serves_every_request_exactly_its_tokens(lens, new, budget):
             got[ev.request_id] += 1
     assert got == {r: new for r in rids}
     assert all(v == 0 for v in s._used.values())
+
+
+def test_batched_decode_plan_gives_each_sequence_its_own_padded_context():
+    kv = PagedKVCache(8, 4)
+    kv.reserve("a", 6)
+    kv.reserve("b", 2)
+    t = kv.plan_batched([SeqChunk("a", 5, 1), SeqChunk("b", 1, 1)], rows=4, keys=8, mask_dtype=torch.float32,
+                        extra={"token_ids": np.asarray([7, 9, 0, 0])})
+    trash = kv.trash_slot
+    assert t["read_index"].shape == (4, 8) and t["mask"].shape == (4, 1, 1, 8)
+    assert t["read_index"][0].tolist() == [*kv.slots("a", 0, 6).tolist(), trash, trash]
+    assert t["read_index"][1].tolist() == [*kv.slots("b", 0, 2).tolist(), *[trash] * 6]
+    assert t["write_index"].tolist() == [int(kv.slots("a", 5, 6)[0]), int(kv.slots("b", 1, 2)[0]), trash, trash]
+    assert t["positions"].tolist() == [5, 1, 0, 0] and t["row_valid"].tolist() == [True, True, False, False]
+    seen = (t["mask"][:, 0, 0] == 0).sum(1).tolist()
+    assert seen == [6, 2, 1, 1] and t["token_ids"].tolist() == [7, 9, 0, 0]
+    with pytest.raises(ValueError, match="keys=4"):
+        kv.plan_batched([SeqChunk("a", 5, 1)], rows=4, keys=4, mask_dtype=torch.float32)
 
 
 def test_lookahead_plan_defers_decode_tokens_and_stops_at_the_last_one():
