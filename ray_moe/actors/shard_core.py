@@ -16,10 +16,11 @@ State owned here:
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
@@ -45,7 +46,7 @@ from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.types import GenerationState
 
 if TYPE_CHECKING:
-    from ray_moe.serving.engine import GenerationExecutor, GenStepRequest, GenStepResult
+    from ray_moe.serving.engine import GenerationExecutor, GenStepRequest, GenStepResult, PendingStep
 
 
 @dataclass
@@ -85,6 +86,7 @@ class ShardCore:
         self.generator: "GenerationExecutor | None" = None  # the hosted model (load_model)
         self._gen_order = StepOrder()  # pipelined generation steps run in launch order
         self._gen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ray-moe-gen-r{rank}")
+        self._gen_slots = threading.BoundedSemaphore(2)
         self.executor = StepExecutor(rank, dtype=self.dtype, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                                      residual=cfg.residual, device=self.device, router=router,
                                      decode_key=self._decode_key)
@@ -326,7 +328,7 @@ class ShardCore:
     def load_model(self, *, kv_tokens: int, block_size: int = 16, random_model: dict | None = None) -> dict[str, Any]:
         """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
         config dict ``random_model``); routed experts stay this shard's slots. Returns the model's limits."""
-        from ray_moe.serving.engine import GenerationExecutor
+        from ray_moe.serving.engine import GenerationExecutor, PendingStep
 
         with self._step_lock:
             if self.generator is None:
@@ -343,18 +345,43 @@ class ShardCore:
             raise RuntimeError(f"rank {self.rank}: no model loaded (load_model) or no exchange set")
         t0 = time.perf_counter()
         self._gen_order.wait_turn(req.step_id, req.after, self.cfg.exchange_timeout_s)
-        try:
-            # always on the same thread: the actor's calls arrive on any of its pool threads, and CUDA library
-            # state (cuBLAS / cuDNN handles, attention plan caches) is per thread
-            return self._gen_thread.submit(self._generate_step, req, t0).result()
-        finally:
-            self._gen_order.finished(req.step_id)
+        # always on the same thread: the actor's calls arrive on any of its pool threads, and CUDA library
+        # state (cuBLAS / cuDNN handles, attention plan caches) is per thread
+        with self._gen_slots:  # at most two launched steps not completed
+            try:
+                pending, stack, queued = self._gen_thread.submit(self._launch_step, req, t0).result()
+            finally:
+                self._gen_order.finished(req.step_id)  # the next step may launch now
+            # a step still on the device completes behind the next step's launch when that one is already
+            # here: the device runs the next step while the host reads this one's tokens and statistics
+            pending.wait()
+            res = self._gen_thread.submit(self._complete_step, pending, stack).result()
+        return dataclasses.replace(res, queued_s=queued)
 
-    def _generate_step(self, req: "GenStepRequest", t0: float) -> "GenStepResult":
-        with self._step_lock, self._pinned(req.generation, req.step_id) as (status, view, paths):
-            t1 = time.perf_counter()
-            res = self.generator.run(req, view, paths, status, self._decode_key(view) if paths.bucket else 0)
-        return dataclasses.replace(res, queued_s=t1 - t0)
+    def _launch_step(self, req: "GenStepRequest", t0: float):
+        stack = ExitStack()
+        try:
+            with self._step_lock:
+                status, view, paths = stack.enter_context(self._pinned(req.generation, req.step_id))
+                t1 = time.perf_counter()
+                pending = self.generator.launch(req, view, paths, status,
+                                                self._decode_key(view) if paths.bucket else 0)
+        except BaseException:
+            if not stack.__exit__(*sys.exc_info()):
+                raise
+            raise  # pragma: no cover - the pin never swallows an error
+        return pending, stack, t1 - t0
+
+    def _complete_step(self, pending: "PendingStep", stack: ExitStack) -> "GenStepResult":
+        try:
+            with self._step_lock:
+                res = pending.complete()
+        except BaseException:
+            if not stack.__exit__(*sys.exc_info()):
+                raise
+            raise  # pragma: no cover
+        stack.close()  # the generation's pin is released with the step
+        return res
 
     def _decode_key(self, view: GenerationView) -> int:
         return self.decode_keys(view, self.paths.bucket)

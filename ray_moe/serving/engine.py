@@ -39,7 +39,7 @@ from ray_moe.phases.decode import (
 from ray_moe.phases.step import GenerationView, LayerStats, MoEStep
 from ray_moe.serving.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.serving.model_host import ModelHost
-from ray_moe.serving.sampling import sample
+from ray_moe.serving.sampling import sample, sample_tensor
 from ray_moe.serving.scheduler import WorkItem
 
 
@@ -72,6 +72,61 @@ class GenStepResult:
     decode_path: str | None = None
     fallback_reason: str | None = None
     queued_s: float = 0.0
+
+
+@dataclass(eq=False)
+class _GraphPending:
+    """A captured-shape step whose graph and sampling were queued on the device: ``finish`` waits for them.
+    want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled)."""
+
+    ctx: MoEStep
+    want: tuple[WorkItem, ...]
+    picked: torch.Tensor | None
+    host_summary: torch.Tensor | None
+    device: torch.device
+
+    def finish(self) -> tuple[dict[str, int], tuple, bool]:
+        tokens = {}
+        if self.picked is not None:
+            tokens = {it.seq_id: int(t) for it, t in zip(self.want, self.picked.tolist())}
+        elif self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        stats, overflow = self.ctx.finish(None if self.host_summary is None else self.host_summary.numpy())
+        return tokens, stats, overflow
+
+
+class PendingStep:
+    """A launched step of one rank: ``complete`` returns its result (reads a still-running captured step's
+    tokens and statistics). ``wait`` blocks, without the GIL, until the device finished it."""
+
+    def __init__(self, executor: "GenerationExecutor", req: GenStepRequest, generation: int,
+                 items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
+                 graph: _GraphPending | None = None, result: tuple[dict[str, int], tuple] | None = None) -> None:
+        self.executor, self.req, self.generation, self.items = executor, req, generation, items
+        self.t0, self.path, self.reason = t0, path, reason
+        self.graph, self.result = graph, result
+        self.event = None
+        if graph is not None and graph.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def complete(self) -> GenStepResult:
+        ex = self.executor
+        try:
+            if self.result is None:
+                tokens, stats, _ = self.graph.finish()  # a group of one: nothing overflows
+                self.result = (tokens, stats)
+        finally:
+            ex._picks.pop(self.req.step_id, None)
+        tokens, stats = self.result
+        ex.count("generate_steps")
+        ex._remember(self.items, tokens)
+        return GenStepResult(ex.rank, self.req.step_id, self.generation, tokens, stats, time.perf_counter() - self.t0,
+                             self.path, self.reason)
 
 
 class DecodeLayout(str, Enum):
@@ -158,6 +213,8 @@ class GenerationExecutor:
         # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
         # the one at its start position; a rerun step finds its input again
         self.sampled: dict[str, dict[int, int]] = {}
+        # launched steps not completed yet: step id -> (sampled tokens [S] on the device, {(seq, position): i})
+        self._picks: dict[str, tuple[torch.Tensor, dict[tuple[str, int], int]]] = {}
 
     @classmethod
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
@@ -189,14 +246,23 @@ class GenerationExecutor:
 
     def run(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
             decode_key: int) -> GenStepResult:
+        """One step, start to finish (``launch`` then ``complete``)."""
+        return self.launch(req, view, paths, status, decode_key).complete()
+
+    def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+               decode_key: int) -> "PendingStep":
+        """Run a step up to its sampled tokens. A captured step of a group of one returns with its graph (and
+        sampling) still running on the device: the next step can be launched before this one is completed
+        (its deferred tokens are read on the device). Every other step is complete on return."""
         t0 = time.perf_counter()
         kv = self.host.kv
         for sid in req.free:
             kv.free(sid)
             self.sampled.pop(sid, None)
         local_error: Exception | None = None
+        fills: list[tuple[int, torch.Tensor, int]] = []
         try:
-            resolved = self._resolve(req.items)
+            resolved, fills = self._resolve(req.items)
             for it in resolved:
                 kv.reserve(it.seq_id, it.start + len(it.tokens))
         except (KVBudgetError, DeferredTokenError) as exc:
@@ -219,34 +285,59 @@ class GenerationExecutor:
                 bucket = decision.reason is None
                 if bucket:
                     paths = dataclasses.replace(paths, bucket=paths.bucket.for_tokens(decision.cap))
-        tokens, stats, overflow = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket,
-                                                reason)
+        out = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills)
         if local_error is not None:
             raise local_error
+        path = ("bucket" if bucket else "variable") if want_decode else None
+        if isinstance(out, _GraphPending):
+            if paths.exchange.size == 1:  # no overflow to agree on: complete it later
+                if out.picked is not None:
+                    self._picks[req.step_id] = (out.picked, {(it.seq_id, it.sample.position): i
+                                                             for i, it in enumerate(out.want)})
+                return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out)
+            out = out.finish()
+        tokens, stats, overflow = out
         if bucket and agree_overflow(paths.exchange, overflow, req.step_id):
             reason, bucket = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value, False
             self.count(f"fallback_{reason}")
-            tokens, stats, _ = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode,
-                                             False, reason, tag="/rerun")
-        self.count("generate_steps")
-        self._remember(items, tokens)
-        return GenStepResult(self.rank, req.step_id, view.generation, tokens, stats, time.perf_counter() - t0,
-                             ("bucket" if bucket else "variable") if want_decode else None, reason)
+            out = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode, False, reason,
+                                [], tag="/rerun")
+            tokens, stats, _ = out.finish() if isinstance(out, _GraphPending) else out
+            path = "variable"
+        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats))
 
-    def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[WorkItem, ...]:
-        """Deferred decode items get the token this rank sampled for them (at their start position)."""
+    def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
+        """Deferred decode items get the token this rank sampled for them (at their start position): from the
+        host when that step is complete, else ``fills`` (item index, the step's sampled-token tensor, index
+        in it) to copy on the device, the item holding a placeholder token meanwhile."""
         if not any(it.deferred for it in items):
-            return items
-        out = []
+            return items, []
+        out, fills = [], []
         self.count("deferred_tokens", sum(it.deferred for it in items))
-        for it in items:
+        for k, it in enumerate(items):
             if it.deferred:
                 tok = self.sampled.get(it.seq_id, {}).get(it.start)
                 if tok is None:
-                    raise DeferredTokenError(f"sequence {it.seq_id!r}: rank {self.rank} sampled no token for "
-                                             f"position {it.start} (a deferred decode item needs one)")
+                    src = next(((t, ix[(it.seq_id, it.start)]) for t, ix in self._picks.values()
+                                if (it.seq_id, it.start) in ix), None)
+                    if src is None:
+                        raise DeferredTokenError(f"sequence {it.seq_id!r}: rank {self.rank} sampled no token for "
+                                                 f"position {it.start} (a deferred decode item needs one)")
+                    fills.append((k, *src))
+                    self.count("deferred_on_device")
+                    tok = 0
                 it = dataclasses.replace(it, tokens=(tok,), deferred=False)
             out.append(it)
+        return tuple(out), fills
+
+    @staticmethod
+    def _materialize(items: tuple[WorkItem, ...], fills: list[tuple[int, torch.Tensor, int]]) -> tuple[WorkItem, ...]:
+        """Items with their device-held deferred tokens read to the host (waits for the step that sampled them)."""
+        if not fills:
+            return items
+        out = list(items)
+        for k, t, i in fills:
+            out[k] = dataclasses.replace(out[k], tokens=(int(t[i]),))
         return tuple(out)
 
     def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
@@ -257,7 +348,8 @@ class GenerationExecutor:
                 for p in [p for p in seen if p < it.sample.position - 1]:
                     del seen[p]
 
-    def _graph_step(self, req, items, view, dispatcher, reason, tag: str, rows: int, *, prefill: bool):
+    def _graph_step(self, req, items, view, dispatcher, reason, tag: str, rows: int, *, prefill: bool,
+                    fills: list[tuple[int, torch.Tensor, int]]) -> "_GraphPending":
         """A step with static shapes, captured as ONE CUDA graph (attention, routers, every MoE layer's
         dispatch/experts/combine, LM head) per (generation, shape): the first step of a shape runs eagerly
         (the warm-up) and is then captured; later steps copy their inputs into the graph's buffers and replay.
@@ -282,6 +374,11 @@ class GenerationExecutor:
             staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, extra=extra)
+        if fills:  # deferred tokens still on the device: copied behind the step that sampled them
+            starts = np.cumsum([0] + [len(it.tokens) for it in items])
+            dst = torch.tensor([int(starts[k]) for k, _, _ in fills], dtype=torch.int64).to(dev)
+            src = torch.stack([t[i] for _, t, i in fills]).to(torch.int64)
+            staged["token_ids"].index_copy_(0, dst, src)
         unit = "prefill" if prefill else "decode"
         label = "local-graph" if prefill else None
 
@@ -319,17 +416,13 @@ class GenerationExecutor:
             host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
             host_summary.copy_(summary, non_blocking=True)
         want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
-        tokens = {}
+        picked = None
         if want:
             rows_ = [i for i, _ in want]
             scores = logits[: len(rows_)] if rows_ == list(range(len(rows_))) else logits.index_select(
                 0, torch.tensor(rows_, dtype=torch.int64).to(logits.device))
-            picked = sample(scores, [it.sample for _, it in want])
-            tokens = {it.seq_id: tok for (_, it), tok in zip(want, picked)}
-        elif dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
-        stats, overflow = ctx.finish(None if host_summary is None else host_summary.numpy())
-        return tokens, stats, overflow
+            picked = sample_tensor(scores, [it.sample for _, it in want])
+        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev)
 
     @property
     def capture_error(self) -> str | None:
@@ -339,7 +432,10 @@ class GenerationExecutor:
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 
-    def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, tag: str = ""):
+    def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills,
+                 tag: str = ""):
+        """The step's model forward: a captured-shape step (``_GraphPending``) or eagerly ((tokens, stats,
+        overflow)). ``fills``: deferred tokens still on the device (``_resolve``)."""
         def ctx(unit, dispatcher, st, r=None):
             return MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=paths.runner, dtype=self.dtype,
                            hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", status=st, fallback_reason=r)
@@ -355,14 +451,15 @@ class GenerationExecutor:
         if items and paths.capture:
             if bucket and pre is None and "decode" not in self.capture_errors:
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, paths.bucket.token_cap,
-                                        prefill=False)
+                                        prefill=False, fills=fills)
             if (pre is not None and paths.exchange.size == 1 and isinstance(paths.bucket, LocalDispatcher)
                     and "prefill" not in self.capture_errors):
                 # a group of one: every step (prefill, mixed) runs the local path; routes come from the
                 # model's own router, so the unchecked (capturable) local dispatcher serves the whole step
                 n = sum(len(it.tokens) for it in items)
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, max(16, _pow2(n)),
-                                        prefill=True)
+                                        prefill=True, fills=fills)
+        items = self._materialize(items, fills)
         split = SplitMoE(pre, dec, *_phase_rows(items, self.host.device))
         if items:
             chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
@@ -383,4 +480,5 @@ class GenerationExecutor:
         return tokens, tuple(stats), overflow
 
 
-__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError", "DecodeLayout"]
+__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError", "DecodeLayout",
+           "PendingStep"]

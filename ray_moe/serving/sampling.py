@@ -45,6 +45,11 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
     """logits [S, V] float32 -> one token per row (greedy rows in one argmax, sampled rows one by one)."""
     if not specs:
         return []
+    return [int(t) for t in sample_tensor(logits, specs).tolist()]
+
+
+def sample_tensor(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """``sample`` on the logits' device: [S] int64, no host wait (read it when the step is done)."""
     out = torch.argmax(logits, dim=-1)
     for i, sp in enumerate(specs):
         if sp.temperature <= 0.0:
@@ -57,7 +62,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
             p = torch.zeros_like(p).scatter_(0, idx[keep], sorted_p[keep])
         g = _generator(sp.seed, sp.position, p.device)
         out[i] = torch.multinomial(p / p.sum(), 1, generator=g)[0]
-    return [int(t) for t in out.tolist()]
+    return out
 
 
-__all__ = ["SamplingParams", "SampleSpec", "sample"]
+__all__ = ["SamplingParams", "SampleSpec", "sample", "sample_tensor"]

@@ -254,6 +254,61 @@ def test_batched_decode_layout_equals_greedy(tmp_path, monkeypatch, family, rank
     assert DecodeLayout.AUTO.pick(32, 64, 2048) is DecodeLayout.BATCHED
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_device(tmp_path, monkeypatch, family):
+    """A group of one launches step n+1 while step n is still running (launch n+1, then complete n): n+1's
+    deferred tokens are copied from n's sampled-token tensor on the device; outputs stay token-equal."""
+    import dataclasses
+
+    import ray_moe.serving.engine as engine
+    from ray_moe.phases.decode import CapturedStep
+    from ray_moe.serving.engine import GenStepRequest
+    from ray_moe.serving.sampling import SamplingParams
+    from ray_moe.serving.scheduler import Scheduler
+
+    class EagerCapture(CapturedStep):
+        def capture(self, body):
+            self.body = body
+
+        def replay(self, staged):
+            for name, t in staged.items():
+                self.inputs[name].copy_(t)
+            return self.body(self.inputs)
+
+    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    info = core.load_model(kv_tokens=1024, block_size=8)
+    sched = Scheduler([0], kv_blocks=info["kv_blocks"], block_size=8, max_context=info["max_context"], step_tokens=64)
+    prompts = _prompts(12, (5, 13, 2, 9))
+    rids = [sched.submit(p, SamplingParams(max_new_tokens=7)) for p in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+
+    def launch(plan, n):
+        req = GenStepRequest(f"o{n}", dep.generation, plan.items[0], plan.free[0],
+                             (plan.has_prefill or not plan.has_decode, plan.has_decode))
+        with core._pinned(req.generation, req.step_id) as (status, view, paths):
+            return core.generator.launch(req, view, paths, status, core._decode_key(view) if paths.bucket else 0)
+
+    flying, n = None, 0
+    while True:
+        plan = sched.plan(ahead=None if flying is None else flying[0])
+        nxt = None if plan.empty else (plan, launch(plan, n))  # launched before the previous one completes
+        n += 1
+        if flying is not None:
+            res = flying[1].complete()
+            for ev in sched.commit(flying[0], res.tokens):
+                got[ev.request_id].append(ev.token)
+        flying = nxt
+        if flying is None and not sched.pending():
+            break
+    assert [got[r] for r in rids] == _reference(model, prompts, 7)
+    assert core.generator.counters.get("deferred_on_device", 0) >= 4 * 5, core.generator.counters
+
+
 def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
     """One sequence from position 0 leaves the mask to transformers (SDPA's causal kernel); same tokens."""
     model, folder = tiny_model("mixtral", tmp_path / "m")
