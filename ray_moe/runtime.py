@@ -48,6 +48,7 @@ from ray_moe.errors import (
 from ray_moe.experts.weights import parse_dtype
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import NodeInfo, ProcessGroupSpec, RankInfo, Topology
+from ray_moe.step_gate import StepGate
 from ray_moe.telemetry.books import RuntimeStats, StepBooks
 from ray_moe.telemetry.metrics import Telemetry, TelemetrySnapshot, merge_snapshots
 from ray_moe.types import ExchangeKind, Phase
@@ -55,33 +56,6 @@ from ray_moe.wire import experts_from_wire, tensor_to_wire, wire_to_tensor
 
 if TYPE_CHECKING:
     from ray_moe.serving.driver import GenerationEngine
-
-
-class StepGate:
-    """The step lock (re-entrant) with a signal that another thread waits for it: a pipelined generation loop
-    holds it across consecutive steps and drains (no step in flight) as soon as ``contended``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._meta = threading.Lock()
-        self._waiting = 0
-
-    @property
-    def contended(self) -> bool:
-        return self._waiting > 0
-
-    def __enter__(self) -> "StepGate":
-        with self._meta:
-            self._waiting += 1
-        try:
-            self._lock.acquire()
-        finally:
-            with self._meta:
-                self._waiting -= 1
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._lock.release()
 
 
 class Runtime:

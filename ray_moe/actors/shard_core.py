@@ -351,7 +351,7 @@ class ShardCore:
             try:
                 pending, stack, queued = self._gen_thread.submit(self._launch_step, req, t0).result()
             finally:
-                self._gen_order.finished(req.step_id)  # the next step may launch now
+                self._gen_order.launched(req.step_id)  # the next step may launch now
             # a step still on the device completes behind the next step's launch when that one is already
             # here: the device runs the next step while the host reads this one's tokens and statistics
             pending.wait()

@@ -354,8 +354,9 @@ def _check_routes(given, num_experts: int, tag: str) -> Exception | None:
 
 
 class StepOrder:
-    """Generation steps run in the order the driver launched them, although the actor is threaded: a request
-    names the step it follows (``after``) and waits until that one finished here, successfully or not."""
+    """Generation steps launch in the order the driver sent them, although the actor is threaded: a request
+    names the step it follows (``after``) and waits until that one was launched here (it may still be
+    completing: a group of one overlaps them), successfully or not."""
 
     def __init__(self, remember: int = 64) -> None:
         self._cv = threading.Condition()
@@ -369,7 +370,7 @@ class StepOrder:
                 raise ExchangeTimeoutError(f"step {step_id!r}: the step it follows ({after!r}) did not run on this "
                                            f"rank within {timeout_s:.0f}s")
 
-    def finished(self, step_id: str) -> None:
+    def launched(self, step_id: str) -> None:
         with self._cv:
             self._done.append(step_id)
             self._cv.notify_all()

@@ -1,13 +1,17 @@
 # ======================================================================================================
 #  ONE GENERATION STEP ON ONE SHARD (pure: no Ray)
 #
-#   GenStepRequest (token ids + positions only) ──> free finished sequences, reserve KV for the new tokens
+#   GenStepRequest (token ids + positions only; a deferred decode item names the position whose token this
+#   rank sampled) ──> free finished sequences, resolve deferred tokens (host, or on the device while the
+#   step that sampled them is still running), reserve KV for the new tokens
 #     ──> [decode unit on the bucket path? one agreed admission round]
-#     ──> the model's forward over the rank's packed tokens (data-parallel attention, paged KV cache);
+#     ──> the model's forward over the rank's tokens (data-parallel attention, paged KV cache);
 #         every MoE block: prefill rows -> normal dispatcher, decode rows -> decode dispatcher (spec 0x05E),
-#         expert-parallel across ranks; a rank with no tokens joins every MoE layer with empty batches
-#     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample
-#   ──> GenStepResult (one sampled token id per finished chunk, layer statistics)
+#         expert-parallel across ranks; a rank with no tokens joins every MoE layer with empty batches.
+#         Static shapes (decode buckets; every step of a group of one) replay one captured CUDA graph.
+#     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample on the device
+#   launch ends here for a captured step of a group of one (completed behind the next step's launch);
+#   complete: tokens and statistics read with one wait ──> GenStepResult (one token id per sampled chunk)
 # ======================================================================================================
 """The shard side of serving: one model step per actor call, token ids in, sampled token ids out."""
 

@@ -25,10 +25,10 @@ def test_a_step_waits_for_the_one_it_follows():
     assert ran == []
     order.wait_turn("s1", None, timeout_s=10)
     ran.append("s1")
-    order.finished("s1")
+    order.launched("s1")
     th.join(5)
     assert ran == ["s1", "s2"]
-    order.wait_turn("s3", "s1", timeout_s=0.1)  # already finished: no wait
+    order.wait_turn("s3", "s1", timeout_s=0.1)  # already launched: no wait
 
 
 def test_a_step_whose_predecessor_never_ran_times_out_by_name():
