@@ -354,7 +354,13 @@ class ShardCore:
                 self._gen_order.launched(req.step_id)  # the next step may launch now
             # a step still on the device completes behind the next step's launch when that one is already
             # here: the device runs the next step while the host reads this one's tokens and statistics
-            pending.wait()
+            try:
+                pending.wait()
+            except BaseException:
+                pending.abandon()
+                if not stack.__exit__(*sys.exc_info()):
+                    raise
+                raise  # pragma: no cover - the pin never swallows an error
             res = self._gen_thread.submit(self._complete_step, pending, stack).result()
         return dataclasses.replace(res, queued_s=queued)
 

@@ -118,6 +118,10 @@ class PendingStep:
         if self.event is not None:
             self.event.synchronize()
 
+    def abandon(self) -> None:
+        """A step that will not be completed: later steps no longer read its tokens."""
+        self.executor._picks.pop(self.req.step_id, None)
+
     def complete(self) -> GenStepResult:
         ex = self.executor
         try:
