@@ -460,8 +460,9 @@ class GenerationExecutor:
             if bucket and pre is None and "decode" not in self.capture_errors:
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, paths.bucket.token_cap,
                                         prefill=False, fills=fills)
-            if (pre is not None and paths.exchange.size == 1 and isinstance(paths.bucket, LocalDispatcher)
-                    and "prefill" not in self.capture_errors):
+            if (pre is not None and status == ControlStatus.OK and paths.exchange.size == 1
+                    and isinstance(paths.bucket, LocalDispatcher) and "prefill" not in self.capture_errors):
+                # (a refused step takes the eager path, whose first dispatch raises the refusal)
                 # a group of one: every step (prefill, mixed) runs the local path; routes come from the
                 # model's own router, so the unchecked (capturable) local dispatcher serves the whole step
                 n = sum(len(it.tokens) for it in items)

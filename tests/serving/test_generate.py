@@ -309,6 +309,48 @@ def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_d
     assert core.generator.counters.get("deferred_on_device", 0) >= 4 * 5, core.generator.counters
 
 
+def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, monkeypatch):
+    """The captured prefill path carries no control status: a step pinned to a retired generation must take
+    the eager path and be refused there (nothing generated, nothing captured for it)."""
+    import dataclasses
+
+    import numpy as np
+
+    import ray_moe.serving.engine as engine
+    from ray_moe.errors import StaleGenerationError
+    from ray_moe.phases.decode import CapturedStep
+    from ray_moe.serving.engine import GenStepRequest
+    from ray_moe.serving.sampling import SampleSpec
+    from ray_moe.serving.scheduler import WorkItem
+
+    class EagerCapture(CapturedStep):
+        def capture(self, body):
+            self.body = body
+
+        def replay(self, staged):
+            for name, t in staged.items():
+                self.inputs[name].copy_(t)
+            return self.body(self.inputs)
+
+    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
+    model, folder = tiny_model("qwen3_moe", tmp_path / "q3")
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    core.load_model(kv_tokens=256, block_size=8)
+    g0 = dep.generation
+    counts = np.ones((dep.cfg.num_layers, dep.cfg.num_experts), dtype=np.int64)
+    dep.plane.record_load(counts, phase="prefill", generation=g0)
+    g1 = dep.plane.apply(dep.plane.propose_rebalance(), reason="rebalance").new_generation
+    assert g1 != g0
+    item = WorkItem("s", (3, 4, 5), 0, SampleSpec(0.0, 1.0, 1, 3), False)
+    with pytest.raises(StaleGenerationError):
+        core.generate_step(GenStepRequest("stale", g0, (item,), (), (True, False)))
+    assert core.generator.graphs._graphs == {} or all(k[0] != g0 for k in core.generator.graphs._graphs)
+    res = core.generate_step(GenStepRequest("fresh", g1, (item,), (), (True, False)))
+    assert set(res.tokens) == {"s"}
+
+
 def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
     """One sequence from position 0 leaves the mask to transformers (SDPA's causal kernel); same tokens."""
     model, folder = tiny_model("mixtral", tmp_path / "m")
