@@ -348,20 +348,25 @@ class ShardCore:
         # always on the same thread: the actor's calls arrive on any of its pool threads, and CUDA library
         # state (cuBLAS / cuDNN handles, attention plan caches) is per thread
         with self._gen_slots:  # at most two launched steps not completed
+            done = None
             try:
                 pending, stack, queued = self._gen_thread.submit(self._launch_step, req, t0).result()
+                if pending.ready:  # complete already: its result is queued before any later launch
+                    done = self._gen_thread.submit(self._complete_step, pending, stack)
             finally:
                 self._gen_order.launched(req.step_id)  # the next step may launch now
-            # a step still on the device completes behind the next step's launch when that one is already
-            # here: the device runs the next step while the host reads this one's tokens and statistics
-            try:
-                pending.wait()
-            except BaseException:
-                pending.abandon()
-                if not stack.__exit__(*sys.exc_info()):
-                    raise
-                raise  # pragma: no cover - the pin never swallows an error
-            res = self._gen_thread.submit(self._complete_step, pending, stack).result()
+            if done is None:
+                # a step still on the device completes behind the next step's launch when that one is
+                # already here: the device runs the next step while the host reads this one's tokens
+                try:
+                    pending.wait()
+                except BaseException:
+                    pending.abandon()
+                    if not stack.__exit__(*sys.exc_info()):
+                        raise
+                    raise  # pragma: no cover - the pin never swallows an error
+                done = self._gen_thread.submit(self._complete_step, pending, stack)
+            res = done.result()
         return dataclasses.replace(res, queued_s=queued)
 
     def _launch_step(self, req: "GenStepRequest", t0: float):

@@ -114,6 +114,11 @@ class PendingStep:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    @property
+    def ready(self) -> bool:
+        """Complete on launch (its tokens are already this rank's ``sampled``)."""
+        return self.graph is None
+
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
@@ -124,15 +129,14 @@ class PendingStep:
 
     def complete(self) -> GenStepResult:
         ex = self.executor
-        try:
-            if self.result is None:
+        if self.graph is not None:
+            try:
                 tokens, stats, _ = self.graph.finish()  # a group of one: nothing overflows
-                self.result = (tokens, stats)
-        finally:
-            ex._picks.pop(self.req.step_id, None)
+            finally:
+                ex._picks.pop(self.req.step_id, None)
+            ex.finished(self.items, tokens)
+            self.result, self.graph = (tokens, stats), None
         tokens, stats = self.result
-        ex.count("generate_steps")
-        ex._remember(self.items, tokens)
         return GenStepResult(ex.rank, self.req.step_id, self.generation, tokens, stats, time.perf_counter() - self.t0,
                              self.path, self.reason)
 
@@ -312,6 +316,7 @@ class GenerationExecutor:
                                 [], tag="/rerun")
             tokens, stats, _ = out.finish() if isinstance(out, _GraphPending) else out
             path = "variable"
+        self.finished(items, tokens)
         return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats))
 
     def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
@@ -347,6 +352,11 @@ class GenerationExecutor:
         for k, t, i in fills:
             out[k] = dataclasses.replace(out[k], tokens=(int(t[i]),))
         return tuple(out)
+
+    def finished(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
+        """A step's tokens are known on the host: count it and keep its samples for deferred items."""
+        self.count("generate_steps")
+        self._remember(items, tokens)
 
     def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
         for it in items:

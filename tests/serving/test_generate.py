@@ -351,6 +351,48 @@ def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, monkey
     assert set(res.tokens) == {"s"}
 
 
+def test_shards_serve_a_pipelined_driver_from_concurrent_calls(tmp_path):
+    """As the Ray driver does: step n+1 (deferred tokens, ``after`` = n) is sent to every rank while step n is
+    still running there, each call on its own thread; the shards launch in order and stay token-equal."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray_moe.serving.engine import GenStepRequest
+    from ray_moe.serving.sampling import SamplingParams
+    from ray_moe.serving.scheduler import Scheduler
+
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
+    infos = [c.load_model(kv_tokens=512, block_size=8) for c in dep.cores.values()]
+    sched = Scheduler([0, 1], kv_blocks=infos[0]["kv_blocks"], block_size=8, max_context=infos[0]["max_context"],
+                      step_tokens=8)
+    prompts = _prompts(13, (5, 13, 2, 9, 4))
+    rids = [sched.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    pool = ThreadPoolExecutor(8)
+
+    def send(plan, n, after):
+        units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
+        reqs = {r: GenStepRequest(f"c{n}", dep.generation, plan.items[r], plan.free[r], units, after) for r in (0, 1)}
+        return f"c{n}", {r: pool.submit(dep.cores[r].generate_step, reqs[r]) for r in (0, 1)}
+
+    flying, n = None, 0
+    while True:
+        plan = sched.plan(ahead=None if flying is None else flying[0])
+        nxt = None if plan.empty else (plan, *send(plan, n, None if flying is None else flying[1]))
+        n += 1
+        if flying is not None:
+            results = {r: f.result(timeout=60) for r, f in flying[2].items()}
+            for ev in sched.commit(flying[0], {k: v for x in results.values() for k, v in x.tokens.items()}):
+                got[ev.request_id].append(ev.token)
+        flying = nxt
+        if flying is None and not sched.pending():
+            break
+    pool.shutdown()
+    assert [got[r] for r in rids] == _reference(model, prompts, 6)
+    assert sum(c.generator.counters.get("deferred_tokens", 0) for c in dep.cores.values()) >= 5 * 4
+
+
 def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
     """One sequence from position 0 leaves the mask to transformers (SDPA's causal kernel); same tokens."""
     model, folder = tiny_model("mixtral", tmp_path / "m")
