@@ -60,6 +60,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def shard_lines(status: dict[int, dict]) -> dict[str, dict]:
+    """Per rank: steps served, generation steps, captured-graph replays, deferred decode inputs, and a failed
+    CUDA-graph capture (its steps then run eagerly: slower, still exact)."""
+    keys = ("steps", "generate_steps", "graph_replays", "deferred_tokens")
+    return {str(r): {**{k: int(st.get("counters", {}).get(k, 0)) for k in keys},
+                     "capture_error": st.get("capture_error")} for r, st in sorted(status.items())}
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     rt = _connect(args)
     man = rt.placement()
@@ -75,6 +83,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "replica_floors": rt.floors(),
         "telemetry": rt.telemetry_snapshot(),
         "timeline": rt.timeline()[-args.tail:],
+        "shards": shard_lines(rt.shard_status()),
     }
     if args.json:
         print(json.dumps(body, indent=2, default=str))
@@ -90,6 +99,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     floors = body["replica_floors"]
     print("replica floors (set by scale, kept by rebalance): " + (", ".join(
         f"expert {f['expert']} layer {f['layer']} >= {f['replicas']}" for f in floors) if floors else "none"))
+    print("shards (steps served; generation: steps, captured-graph replays, decode inputs deferred to the rank):")
+    for r, sh in body["shards"].items():
+        gen = (f"generation {sh['generate_steps']} steps, {sh['graph_replays']} graph replays, "
+               f"{sh['deferred_tokens']} deferred" if sh["generate_steps"] else "no generation")
+        print(f"  rank {r}: {sh['steps']} steps, {gen}"
+              + (f"; CAPTURE FAILED (steps run eagerly): {sh['capture_error']}" if sh["capture_error"] else ""))
     tel = rt.telemetry_table()
     if tel:
         print(tel)

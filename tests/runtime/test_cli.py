@@ -84,12 +84,17 @@ def test_status_json(deployed, capsys):
     assert sum(body["replica_counts"]["0"]) == 9
     names = {r["metric"] for r in body["telemetry"]["ratios"]}
     assert "moe_remote_route_ratio" in names
+    # every rank served the six steps; no generation, no failed capture
+    assert set(body["shards"]) == {"0", "1", "2"}
+    assert all(sh["steps"] >= 6 and sh["generate_steps"] == 0 and sh["capture_error"] is None
+               for sh in body["shards"].values())
 
 
 def test_status_table(deployed, capsys):
     assert main(["status", "--name", "cli-test"]) == 0
     out = capsys.readouterr().out
     assert "ACTIVE" in out and "moe_remote_route_ratio" in out and "publish" in out
+    assert "rank 2:" in out and "no generation" in out and "CAPTURE FAILED" not in out
 
 
 def test_scale_and_rebalance_commands(deployed, capsys):
@@ -228,3 +233,14 @@ def test_demo_smoke(ray_session, tmp_path, capsys):
     assert "every generated token equal to transformers' generate" in out.out
     # the progress bar goes to stderr: a redirected stdout holds the report only, no carriage-return line
     assert "generating" in out.err and "\r" not in out.out and "generating:" not in out.out
+
+
+def test_status_shard_lines_name_a_failed_capture():
+    from ray_moe.cli import shard_lines
+
+    out = shard_lines({1: {"counters": {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4},
+                           "capture_error": "decode: RuntimeError: x"}, 0: {"counters": {}}})
+    assert list(out) == ["0", "1"]
+    assert out["1"] == {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4,
+                        "capture_error": "decode: RuntimeError: x"}
+    assert out["0"]["steps"] == 0 and out["0"]["capture_error"] is None
