@@ -206,11 +206,8 @@ class GenerationEngine:
             plan = self.scheduler.plan(ahead=None if flying is None else flying.plan)
         if plan.empty:
             return None  # frees ride along with the next step that runs
-        units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-        after = None if flying is None else flying.step_id
         ranks, gen, step_id = rt._next_step()
-        reqs = {r: GenStepRequest(step_id, gen, plan.items.get(r, ()), plan.free.get(r, ()), units, after)
-                for r in ranks}
+        reqs = _requests(plan, ranks, step_id, gen, None if flying is None else flying.step_id)
         t1 = time.perf_counter()
         refs = rt._launch_step(reqs, "generate_step")
         self.overlapped += flying is not None
@@ -235,14 +232,7 @@ class GenerationEngine:
                 except BaseException:  # noqa: BLE001 - its outcome is dropped either way
                     pass
             rt._recover(root_cause(exc))
-            plan = step.plan
-
-            def requests(rs: list[int], step_id: str, gen: int) -> dict[int, GenStepRequest]:
-                units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-                return {r: GenStepRequest(step_id, gen, plan.items.get(r, ()), plan.free.get(r, ()), units)
-                        for r in rs}
-
-            ranks, results = rt._submit(requests, "generate_step")
+            ranks, results = rt._submit(lambda rs, sid, gen: _requests(step.plan, rs, sid, gen), "generate_step")
             recovered = True
         t1 = time.perf_counter()
         if ranks != step.ranks:  # a rank died: the step ran on the survivors; the dead rank's sequences go
@@ -283,6 +273,14 @@ class GenerationEngine:
             if v:
                 out[k] = v[len(v) // 2]
         return out
+
+
+def _requests(plan: StepPlan, ranks: list[int], step_id: str, generation: int,
+              after: str | None = None) -> dict[int, GenStepRequest]:
+    """Every rank's share of ``plan`` (a rank without work joins with an empty batch)."""
+    units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
+    return {r: GenStepRequest(step_id, generation, plan.items.get(r, ()), plan.free.get(r, ()), units, after)
+            for r in ranks}
 
 
 @dataclass(frozen=True, eq=False)

@@ -256,11 +256,6 @@ class GenerationExecutor:
                 "max_context": int(getattr(host.config, "max_position_embeddings", 1 << 20)),
                 "eos_token_ids": host.eos_token_ids()}
 
-    def run(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
-            decode_key: int) -> GenStepResult:
-        """One step, start to finish (``launch`` then ``complete``)."""
-        return self.launch(req, view, paths, status, decode_key).complete()
-
     def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                decode_key: int) -> "PendingStep":
         """Run a step up to its sampled tokens. A captured step of a group of one returns with its graph (and

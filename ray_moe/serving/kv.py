@@ -196,8 +196,7 @@ class PagedKVCache:
         if not plain:
             allowed = _allowed(up["q_seq"], up["positions"], up["k_seq"], up["k_pos"])
             allowed[:, 0] |= ~row_valid  # a padding query attends key 0 only (no empty softmax row)
-            out["mask"] = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(
-                ~allowed, torch.finfo(mask_dtype).min)[None, None]
+            out["mask"] = _additive(allowed, mask_dtype)[None, None]
         return out
 
     def plan_batched(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
@@ -225,10 +224,8 @@ class PagedKVCache:
         host = {"write_index": write, "read_index": read.reshape(-1), "positions": pos, "lens": lens, **(extra or {})}
         up = _upload(host, self.device)
         allowed = torch.arange(keys, device=self.device)[None, :] < up["lens"][:, None]
-        mask = torch.zeros(allowed.shape, dtype=mask_dtype, device=self.device).masked_fill_(
-            ~allowed, torch.finfo(mask_dtype).min)
         return {"write_index": up["write_index"], "read_index": up["read_index"].view(rows, keys),
-                "positions": up["positions"], "mask": mask[:, None, None, :],
+                "positions": up["positions"], "mask": _additive(allowed, mask_dtype)[:, None, None, :],
                 "row_valid": torch.arange(rows, device=self.device) < n, **{k: up[k] for k in extra or {}}}
 
     def _host_plan(self, chunks: Sequence[SeqChunk]) -> dict[str, np.ndarray]:
@@ -304,11 +301,14 @@ def _allowed(q_seq: torch.Tensor, q_pos: torch.Tensor, k_seq: torch.Tensor, k_po
     return (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask of ``allowed``'s shape: 0 where allowed, the dtype's minimum elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def _mask(q_seq, q_pos, k_seq, k_pos, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, N, K] additive mask built on the device: 0 where allowed, the dtype's minimum elsewhere."""
-    allowed = _allowed(q_seq, q_pos, k_seq, k_pos)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, torch.finfo(dtype).min)[None, None]
+    """[1, 1, N, K] additive mask built on the device (``_allowed`` pairs)."""
+    return _additive(_allowed(q_seq, q_pos, k_seq, k_pos), dtype)[None, None]
 
 
 __all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError"]

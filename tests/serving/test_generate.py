@@ -153,24 +153,11 @@ def test_generation_survives_rebalance_scale_removal_and_a_killed_shard(served):
     assert all(rc == 0 for rc in rt.refcounts().values())
 
 
-def test_static_shape_decode_steps_equal_greedy(tmp_path, monkeypatch):
+def test_static_shape_decode_steps_equal_greedy(tmp_path, eager_capture):
     """The decode path that CUDA graphs capture (padded rows and context, masked padding routes, inputs copied
     into the captured buffers on replay) gives the same tokens; on CPU the 'graph' replays its body eagerly."""
     import dataclasses
 
-    import ray_moe.serving.engine as engine
-    from ray_moe.phases.decode import CapturedStep
-
-    class EagerCapture(CapturedStep):
-        def capture(self, body):
-            self.body = body
-
-        def replay(self, staged):
-            for name, t in staged.items():
-                self.inputs[name].copy_(t)
-            return self.body(self.inputs)
-
-    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
     model, folder = tiny_model("qwen3_moe", tmp_path / "q3")
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=8))
@@ -183,26 +170,11 @@ def test_static_shape_decode_steps_equal_greedy(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_path, monkeypatch, family):
+def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_path, eager_capture, family):
     """A group of one captures prefill and mixed steps too (padded tokens, context and sampled rows; a lone
     prompt keeps the plain causal mask): same tokens, shapes reused across steps and requests."""
     import dataclasses
 
-    import ray_moe.serving.engine as engine
-    from ray_moe.phases.decode import CapturedStep
-
-    class EagerCapture(CapturedStep):
-        def capture(self, body):
-            self.body = body
-
-        def replay(self, staged):
-            assert staged.keys() == self.inputs.keys()
-            for name, t in staged.items():
-                assert t.shape == self.inputs[name].shape, name
-                self.inputs[name].copy_(t)
-            return self.body(self.inputs)
-
-    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
     model, folder = tiny_model(family, tmp_path / family)
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
@@ -220,25 +192,13 @@ def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_pa
 
 
 @pytest.mark.parametrize("family,ranks", [("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2), ("qwen2_moe", 1)])
-def test_batched_decode_layout_equals_greedy(tmp_path, monkeypatch, family, ranks):
+def test_batched_decode_layout_equals_greedy(tmp_path, eager_capture, family, ranks):
     """Captured decode steps with one row per sequence (each over its own padded context) give the same
     tokens as the packed layout and transformers; AUTO picks packed for a long sequence among short ones."""
     import dataclasses
 
-    import ray_moe.serving.engine as engine
-    from ray_moe.phases.decode import CapturedStep
     from ray_moe.serving.engine import DecodeLayout
 
-    class EagerCapture(CapturedStep):
-        def capture(self, body):
-            self.body = body
-
-        def replay(self, staged):
-            for name, t in staged.items():
-                self.inputs[name].copy_(t)
-            return self.body(self.inputs)
-
-    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
     model, folder = tiny_model(family, tmp_path / family)
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=ranks, decode_token_capacity=8))
@@ -255,27 +215,15 @@ def test_batched_decode_layout_equals_greedy(tmp_path, monkeypatch, family, rank
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_device(tmp_path, monkeypatch, family):
+def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_device(tmp_path, eager_capture, family):
     """A group of one launches step n+1 while step n is still running (launch n+1, then complete n): n+1's
     deferred tokens are copied from n's sampled-token tensor on the device; outputs stay token-equal."""
     import dataclasses
 
-    import ray_moe.serving.engine as engine
-    from ray_moe.phases.decode import CapturedStep
     from ray_moe.serving.engine import GenStepRequest
     from ray_moe.serving.sampling import SamplingParams
     from ray_moe.serving.scheduler import Scheduler
 
-    class EagerCapture(CapturedStep):
-        def capture(self, body):
-            self.body = body
-
-        def replay(self, staged):
-            for name, t in staged.items():
-                self.inputs[name].copy_(t)
-            return self.body(self.inputs)
-
-    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
     model, folder = tiny_model(family, tmp_path / family)
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
@@ -309,30 +257,18 @@ def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_d
     assert core.generator.counters.get("deferred_on_device", 0) >= 4 * 5, core.generator.counters
 
 
-def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, monkeypatch):
+def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, eager_capture):
     """The captured prefill path carries no control status: a step pinned to a retired generation must take
     the eager path and be refused there (nothing generated, nothing captured for it)."""
     import dataclasses
 
     import numpy as np
 
-    import ray_moe.serving.engine as engine
     from ray_moe.errors import StaleGenerationError
-    from ray_moe.phases.decode import CapturedStep
     from ray_moe.serving.engine import GenStepRequest
     from ray_moe.serving.sampling import SampleSpec
     from ray_moe.serving.scheduler import WorkItem
 
-    class EagerCapture(CapturedStep):
-        def capture(self, body):
-            self.body = body
-
-        def replay(self, staged):
-            for name, t in staged.items():
-                self.inputs[name].copy_(t)
-            return self.body(self.inputs)
-
-    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
     model, folder = tiny_model("qwen3_moe", tmp_path / "q3")
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
     core = dep.cores[0]
