@@ -29,6 +29,7 @@ import torch
 
 from ray_moe.dispatch.local import LocalDispatcher
 from ray_moe.dispatch.protocol import ControlStatus
+from ray_moe.experts.runners.grouped import device_tensor
 from ray_moe.errors import RayMoEError
 from ray_moe.phases.admission import FallbackReason
 from ray_moe.phases.decode import (
@@ -387,11 +388,17 @@ class GenerationExecutor:
             staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, extra=extra)
-        if fills:  # deferred tokens still on the device: copied behind the step that sampled them
+        if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
+            # one gather per source step and index vectors uploaded without a host wait
             starts = np.cumsum([0] + [len(it.tokens) for it in items])
-            dst = torch.tensor([int(starts[k]) for k, _, _ in fills], dtype=torch.int64).to(dev)
-            src = torch.stack([t[i] for _, t, i in fills]).to(torch.int64)
-            staged["token_ids"].index_copy_(0, dst, src)
+            by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+            for k, t, i in fills:
+                _, dst, idx = by_source.setdefault(id(t), (t, [], []))
+                dst.append(int(starts[k]))
+                idx.append(i)
+            for t, dst, idx in by_source.values():
+                staged["token_ids"].index_copy_(0, device_tensor(dst, torch.int64, dev),
+                                                t.index_select(0, device_tensor(idx, torch.int64, dev)).to(torch.int64))
         unit = "prefill" if prefill else "decode"
         label = "local-graph" if prefill else None
 
