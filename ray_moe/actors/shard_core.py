@@ -367,7 +367,7 @@ class ShardCore:
                     raise  # pragma: no cover - the pin never swallows an error
                 done = self._gen_thread.submit(self._complete_step, pending, stack)
             res = done.result()
-        return dataclasses.replace(res, queued_s=queued)
+        return dataclasses.replace(res, queued_s=queued, actor_s=time.perf_counter() - t0)
 
     def _launch_step(self, req: "GenStepRequest", t0: float):
         stack = ExitStack()

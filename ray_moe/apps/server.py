@@ -218,6 +218,9 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     from ray_moe.env import read_env
     from ray_moe.runtime import Runtime
 
+    decode_steps = getattr(args, "decode_steps", 4)
+    if not 1 <= decode_steps <= 64:  # before Ray or any shard starts
+        raise ValueError(f"--decode-steps={decode_steps}: must be in [1, 64]")
     env = read_env()
     api_key = args.api_key or env.api_key
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -230,7 +233,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
-                   max_running=args.max_running, max_queued=args.max_queued)
+                   max_running=args.max_running, max_queued=args.max_queued,
+                   decode_steps=decode_steps)
     app_name = f"ray-moe-{args.name}"
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

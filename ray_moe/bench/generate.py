@@ -13,7 +13,9 @@ initialisation for the non-expert modules in both; seeded random experts in ray-
   ray-moe       a one-rank deployment (``Runtime.start``), ``rt.serving(random_model=config)``: prefill =
                 ``rt.generate([prompt], max_new_tokens=1)``; decode = the same difference over
                 ``rt.generate(B prompts, N)``. Wall clock in the driver: Ray calls, scheduling and sampling
-                included. Decode steps are whole-step CUDA graphs after the first step of each shape.
+                included. Decode steps are whole-step CUDA graphs after the first step of each shape; multi-step
+                decode runs ``--decode-steps`` (the first value; the others are measured too, as
+                ``decode_<B>_k<K>``) decode sub-steps per actor call.
 tokens/s: prefill tokens / prefill time; decode: B / decode step time.
 """
 
@@ -87,7 +89,7 @@ def bench_transformers(conf: dict, device: str, dtype: torch.dtype, prefill: int
 
 
 def bench_ray_moe(conf: dict, device: str, dtype_name: str, prefill: int, batches: list[int], new: int,
-                  reps: int) -> dict[str, Any]:
+                  reps: int, decode_steps: list[int]) -> dict[str, Any]:
     import ray
 
     import ray_moe
@@ -105,7 +107,7 @@ def bench_ray_moe(conf: dict, device: str, dtype_name: str, prefill: int, batche
     try:
         kv = max(batches) * (32 + new + 16) + prefill + 1024
         engine = rt.serving(kv_tokens=kv, block_size=16, step_tokens=max(prefill, 256), max_running=max(batches),
-                            random_model=conf)
+                            random_model=conf, decode_steps=decode_steps[0])
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, conf["vocab_size"], (prefill,), generator=g).tolist()
         rt.generate([prompt], max_new_tokens=1)
@@ -116,11 +118,17 @@ def bench_ray_moe(conf: dict, device: str, dtype_name: str, prefill: int, batche
         for b in batches:
             ids = [torch.randint(0, conf["vocab_size"], (32,), generator=g).tolist() for _ in range(b)]
             rt.generate(ids, max_new_tokens=3)  # captures this batch's decode graphs
-            t1 = _median([_timed(lambda: rt.generate(ids, max_new_tokens=1)) for _ in range(reps)])
-            tn = _median([_timed(lambda: rt.generate(ids, max_new_tokens=new)) for _ in range(reps)])
-            step = (tn - t1) / (new - 1)
-            out[f"decode_{b}"] = {"batch": b, "step_ms": step * 1e3, "tokens_per_s": b / step,
-                                  "step_parts_ms_p50": engine.timing_summary(last=(new - 1) * reps)}
+            for k in decode_steps:
+                engine.scheduler.decode_steps = k
+                t1 = _median([_timed(lambda: rt.generate(ids, max_new_tokens=1)) for _ in range(reps)])
+                calls = engine.steps
+                tn = _median([_timed(lambda: rt.generate(ids, max_new_tokens=new)) for _ in range(reps)])
+                calls = (engine.steps - calls) // reps
+                step = (tn - t1) / (new - 1)
+                key = f"decode_{b}" if k == decode_steps[0] else f"decode_{b}_k{k}"
+                out[key] = {"batch": b, "decode_steps": k, "step_ms": step * 1e3, "tokens_per_s": b / step,
+                            "calls_per_generate": calls, "call_parts_ms_p50": engine.timing_summary(last=calls * reps)}
+            engine.scheduler.decode_steps = decode_steps[0]
         st = rt.stats()
         out["paths"] = {"bucket_layers": st["bucket_layers"], "graph_replays": st["graph_replays"],
                         "fallbacks": st["fallbacks"]}
@@ -139,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--new-tokens", type=int, default=17, help="N: decode steps measured per batch = N - 1")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, nargs="+", default=[4, 1],
+                   help="multi-step decode sub-steps per call; the first is the headline, the others an ablation")
     p.add_argument("--skip-transformers", action="store_true")
     add_output_argument(p)
     a = p.parse_args(argv)
@@ -154,12 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         res["transformers"] = bench_transformers(conf, device, getattr(torch, dtype_name), prefill, batches, new,
                                                  a.reps)
         print("transformers:", {k: round(v["tokens_per_s"], 1) for k, v in res["transformers"].items()}, flush=True)
-    res["ray_moe"] = bench_ray_moe(conf, device, dtype_name, prefill, batches, new, a.reps)
+    res["decode_steps"] = a.decode_steps
+    res["ray_moe"] = bench_ray_moe(conf, device, dtype_name, prefill, batches, new, a.reps, a.decode_steps)
     print("ray-moe:", {k: round(v["tokens_per_s"], 1) for k, v in res["ray_moe"].items() if isinstance(v, dict)
                        and "tokens_per_s" in v}, flush=True)
     if "transformers" in res:
         res["speedup"] = {k: res["ray_moe"][k]["tokens_per_s"] / v["tokens_per_s"]
                           for k, v in res["transformers"].items()}
+        for b in batches:  # the ablation against the same baseline
+            for k in a.decode_steps[1:]:
+                res["speedup"][f"decode_{b}_k{k}"] = (res["ray_moe"][f"decode_{b}_k{k}"]["tokens_per_s"]
+                                                      / res["transformers"][f"decode_{b}"]["tokens_per_s"])
         print("speedup (ray-moe / transformers):", {k: round(v, 2) for k, v in res["speedup"].items()}, flush=True)
     path = write_result("generate", res, suffix="cpu-quick" if a.quick else None, out=a.out)
     print(f"wrote {path}")

@@ -65,6 +65,29 @@ def _layer_stats_from_wire(layer, accepted, remote, inter_node, counts, rank_rou
                       path, reason)
 
 
+def merge_layer_stats(stats: Sequence[LayerStats]) -> tuple[LayerStats, ...]:
+    """One LayerStats per layer (first-seen order): the counts of every entry of that layer summed (the
+    sub-steps of a multi-step decode request); the path and fallback reason of its first entry."""
+    by_layer: dict[int, list[LayerStats]] = {}
+    for ls in stats:
+        by_layer.setdefault(ls.layer, []).append(ls)
+    out = []
+    for layer, group in by_layer.items():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        rows: dict[int, int] = {}
+        for ls in group:
+            for k, v in ls.slot_rows.items():
+                rows[k] = rows.get(k, 0) + v
+        first = group[0]
+        out.append(LayerStats(layer, sum(ls.accepted for ls in group), sum(ls.remote for ls in group),
+                              sum(ls.inter_node for ls in group), np.sum([ls.expert_counts for ls in group], axis=0),
+                              np.sum([ls.rank_routes for ls in group], axis=0), rows, first.path,
+                              first.fallback_reason))
+    return tuple(out)
+
+
 def layer_stats(layer: int, sent_slots: np.ndarray, slot_rows: Sequence[int], snapshot: PlacementSnapshot,
                 rank: int, path: str, fallback_reason: str | None) -> LayerStats:
     """LayerStats from the routes this rank sent per physical slot ([Q] int64) and the rows it executed
@@ -191,4 +214,4 @@ class MoEStep:
         return tuple(stats), overflow
 
 
-__all__ = ["LayerStats", "MoEStep", "GenerationView", "layer_stats", "run_experts"]
+__all__ = ["LayerStats", "MoEStep", "GenerationView", "layer_stats", "merge_layer_stats", "run_experts"]

@@ -80,10 +80,15 @@ class GenerationEngine:
 
     kv_tokens: KV cache tokens per rank; block_size: tokens per cache block; step_tokens: prefill tokens per
     rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
-    ``submit`` refuses new ones (overload)."""
+    ``submit`` refuses new ones (overload); decode_steps: decode sub-steps one step may run when every
+    sequence is decoding and none waits (multi-step decode: one actor call per rank for that many tokens
+    per sequence; 1 turns it off)."""
 
     def __init__(self, rt: "Runtime", *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
-                 max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None) -> None:
+                 max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
+                 decode_steps: int = 4) -> None:
+        if not 1 <= int(decode_steps) <= 64:  # before any shard loads the model
+            raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
         self.rt = rt
         self.random_model = random_model
         self.kv_tokens, self.block_size = int(kv_tokens), int(block_size)
@@ -94,7 +99,7 @@ class GenerationEngine:
         self.max_context = int(info["max_context"])
         self.scheduler = Scheduler(list(rt.group.peer_order), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
                                    max_context=self.max_context, step_tokens=step_tokens, max_running=max_running,
-                                   eos_token_ids=info.get("eos_token_ids", ()))
+                                   eos_token_ids=info.get("eos_token_ids", ()), decode_steps=decode_steps)
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -106,9 +111,12 @@ class GenerationEngine:
         # where a step's time goes, last steps only (ms): plan, launch (the actor calls sent), wait (blocked
         # for the results; with pipelining the next step is already on its way), shard (the slowest shard's
         # own step), queued (its wait on the shard before the step began: launch order, step thread, pin),
-        # account (statistics), commit (tokens out)
-        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in ("plan", "launch", "wait", "shard", "queued",
-                                                                          "account", "commit")}
+        # account (statistics), commit (tokens out), device (the slowest rank's device time of the step) and
+        # idle (the longest a rank's device sat idle before the step started: the host did not keep it fed),
+        # transport (the step's round trip from its actor calls sent to its results here, minus the slowest
+        # actor call on its shard: Ray's dispatch, (de)serialisation and transfer both ways)
+        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in (
+            "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport")}
         self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
         self._thread.start()
 
@@ -210,10 +218,11 @@ class GenerationEngine:
         reqs = _requests(plan, ranks, step_id, gen, None if flying is None else flying.step_id)
         t1 = time.perf_counter()
         refs = rt._launch_step(reqs, "generate_step")
+        sent = time.perf_counter()
         self.overlapped += flying is not None
         self.timings["plan"].append((t1 - t0) * 1e3)
-        self.timings["launch"].append((time.perf_counter() - t1) * 1e3)
-        return _Launched(plan, ranks, step_id, reqs, refs, t0)
+        self.timings["launch"].append((sent - t1) * 1e3)
+        return _Launched(plan, ranks, step_id, reqs, refs, t0, sent)
 
     def _collect(self, step: "_Launched", nxt: "_Launched | None") -> bool:
         """Wait for ``step``'s results and commit them. On a failure the next step (already launched) is
@@ -239,7 +248,7 @@ class GenerationEngine:
             with self._lock:  # back to the queue and are re-prefilled on a survivor
                 self.scheduler.set_ranks(ranks)
         plan = step.plan
-        tokens = sum(it.num_tokens for items in plan.items.values() for it in items)
+        tokens = sum(it.num_tokens for items in plan.items.values() for it in items) * plan.steps
         # the step's wall time: from its launch, or from the previous step's results when it was launched
         # behind that one (its queueing there is the previous step's time)
         rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
@@ -261,8 +270,13 @@ class GenerationEngine:
         t3 = time.perf_counter()
         for key, ms in (("wait", t1 - t0), ("account", t2 - t1), ("commit", t3 - t2),
                         ("shard", max((r.elapsed_s for r in results.values()), default=0.0)),
-                        ("queued", max((r.queued_s for r in results.values()), default=0.0))):
-            self.timings[key].append(ms * 1e3)
+                        ("queued", max((r.queued_s for r in results.values()), default=0.0)),
+                        ("device", max((r.device_s for r in results.values()), default=0.0)),
+                        ("idle", max((r.idle_s for r in results.values()), default=0.0)),
+                        ("transport", None if recovered else
+                         t1 - step.sent - max((r.actor_s for r in results.values()), default=0.0))):
+            if ms is not None:  # (a recovered step's round trip includes its failure and re-run)
+                self.timings[key].append(ms * 1e3)
         return not recovered
 
     def timing_summary(self, last: int | None = None) -> dict[str, float]:
@@ -279,8 +293,8 @@ def _requests(plan: StepPlan, ranks: list[int], step_id: str, generation: int,
               after: str | None = None) -> dict[int, GenStepRequest]:
     """Every rank's share of ``plan`` (a rank without work joins with an empty batch)."""
     units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-    return {r: GenStepRequest(step_id, generation, plan.items.get(r, ()), plan.free.get(r, ()), units, after)
-            for r in ranks}
+    return {r: GenStepRequest(step_id, generation, plan.items.get(r, ()), plan.free.get(r, ()), units, after,
+                              plan.steps) for r in ranks}
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,6 +307,7 @@ class _Launched:
     reqs: dict[int, GenStepRequest]
     refs: dict[int, Any]
     t0: float
+    sent: float = 0.0
 
 
 class OverloadedError(RayMoEError):

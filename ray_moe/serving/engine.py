@@ -41,7 +41,7 @@ from ray_moe.phases.decode import (
     decode_round,
     generation_digest,
 )
-from ray_moe.phases.step import GenerationView, LayerStats, MoEStep
+from ray_moe.phases.step import GenerationView, LayerStats, MoEStep, merge_layer_stats
 from ray_moe.serving.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.serving.model_host import ModelHost
 from ray_moe.serving.sampling import sample, sample_tensor
@@ -52,7 +52,9 @@ from ray_moe.serving.scheduler import WorkItem
 class GenStepRequest:
     """One rank's share of one generation step. ``units``: (prefill, decode) units this step runs on every
     rank (the same on all ranks: a rank without rows of a unit joins it with an empty batch). ``after``: the
-    step the driver launched just before this one (pipelined steps run in launch order on every rank)."""
+    step the driver launched just before this one (pipelined steps run in launch order on every rank).
+    ``steps``: decode sub-steps (multi-step decode, every item a decode item): sub-step j feeds each
+    sequence the token it sampled in sub-step j - 1; every rank runs the same number (SPMD)."""
 
     step_id: str
     generation: int
@@ -60,23 +62,32 @@ class GenStepRequest:
     free: tuple[str, ...] = ()
     units: tuple[bool, bool] = (True, False)
     after: str | None = None
+    steps: int = 1
 
 
 @dataclass(frozen=True)
 class GenStepResult:
-    """tokens: {sequence id: sampled token} for the chunks that asked for a sample. elapsed_s: the step on the
+    """tokens: {sequence id: its sampled tokens in position order} for the chunks that asked for a sample (one
+    token; ``steps`` of them for a multi-step decode request). layers: every layer's statistics, summed over
+    the sub-steps. elapsed_s: the step on the
     shard; queued_s: from the actor call's arrival to the step's start (launch order, the step thread, the
-    generation pin), so a driver's wait minus both is the Ray transport and (de)serialisation."""
+    generation pin), so a driver's wait minus both is the Ray transport and (de)serialisation. device_s: the
+    step's time on the device (CUDA events around its work; 0 on CPU); idle_s: how long the device sat idle
+    between the previous step's end and this step's start (the host did not keep it fed). actor_s: the actor
+    call on the shard, arrival to return (a driver's round trip minus it is Ray's transport)."""
 
     rank: int
     step_id: str
     generation: int
-    tokens: dict[str, int]
+    tokens: dict[str, tuple[int, ...]]
     layers: tuple[LayerStats, ...]
     elapsed_s: float
     decode_path: str | None = None
     fallback_reason: str | None = None
     queued_s: float = 0.0
+    device_s: float = 0.0
+    idle_s: float = 0.0
+    actor_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -111,9 +122,10 @@ class PendingStep:
         self.t0, self.path, self.reason = t0, path, reason
         self.graph, self.result = graph, result
         self.event = None
-        if graph is not None and graph.device.type == "cuda":
-            self.event = torch.cuda.Event()
+        if executor._start is not None:  # on CUDA: the step's device span, [start, event]
+            self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
+        self.start, executor._start = executor._start, None
 
     @property
     def ready(self) -> bool:
@@ -138,8 +150,45 @@ class PendingStep:
             ex.finished(self.items, tokens)
             self.result, self.graph = (tokens, stats), None
         tokens, stats = self.result
-        return GenStepResult(ex.rank, self.req.step_id, self.generation, tokens, stats, time.perf_counter() - self.t0,
-                             self.path, self.reason)
+        device_s, idle_s = ex.device_span(self.start, self.event)
+        return GenStepResult(ex.rank, self.req.step_id, self.generation, {k: (v,) for k, v in tokens.items()}, stats,
+                             time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s)
+
+
+class MultiPending:
+    """A multi-step decode request's sub-steps (``PendingStep`` each, launched back to back): the same
+    interface; ``complete`` returns one result with every sequence's tokens in position order."""
+
+    def __init__(self, req: GenStepRequest, parts: list[PendingStep]) -> None:
+        self.req, self.parts = req, parts
+
+    @property
+    def ready(self) -> bool:
+        return all(p.ready for p in self.parts)
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()
+
+    def abandon(self) -> None:
+        for p in self.parts:
+            p.abandon()
+
+    def complete(self) -> GenStepResult:
+        results = []
+        try:
+            for p in self.parts:
+                results.append(p.complete())
+        except BaseException:
+            for p in self.parts[len(results):]:
+                p.abandon()
+            raise
+        first = results[0]
+        tokens = {k: tuple(r.tokens[k][0] for r in results) for k in first.tokens}
+        return GenStepResult(first.rank, self.req.step_id, first.generation, tokens,
+                             merge_layer_stats([ls for r in results for ls in r.layers]),
+                             time.perf_counter() - self.parts[0].t0, first.decode_path, first.fallback_reason,
+                             device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results))
 
 
 class DecodeLayout(str, Enum):
@@ -228,6 +277,9 @@ class GenerationExecutor:
         self.sampled: dict[str, dict[int, int]] = {}
         # launched steps not completed yet: step id -> (sampled tokens [S] on the device, {(seq, position): i})
         self._picks: dict[str, tuple[torch.Tensor, dict[tuple[str, int], int]]] = {}
+        # device timing (CUDA): the launching step's start event, the last completed step's end event
+        self._start: torch.cuda.Event | None = None
+        self._last_end: torch.cuda.Event | None = None
 
     @classmethod
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
@@ -258,11 +310,42 @@ class GenerationExecutor:
                 "eos_token_ids": host.eos_token_ids()}
 
     def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
-               decode_key: int) -> "PendingStep":
+               decode_key: int) -> "PendingStep | MultiPending":
         """Run a step up to its sampled tokens. A captured step of a group of one returns with its graph (and
         sampling) still running on the device: the next step can be launched before this one is completed
-        (its deferred tokens are read on the device). Every other step is complete on return."""
+        (its deferred tokens are read on the device). Every other step is complete on return.
+        A multi-step decode request (``steps`` > 1) launches its sub-steps back to back: sub-step j's items
+        are deferred on sub-step j - 1's samples (on the device while those are still running)."""
+        if req.steps == 1:
+            return self._launch_one(req, view, paths, status, decode_key)
+        if req.units != (False, True) or any(not it.decode or it.sample is None for it in req.items):
+            raise ValueError(f"steps={req.steps}: a multi-step request carries sampled decode items only")
+        self.count("multi_step_requests")
+        parts: list[PendingStep] = []
+        sub = req
+        try:
+            for j in range(req.steps):
+                if j:
+                    sub = dataclasses.replace(
+                        req, step_id=f"{req.step_id}/{j}", free=(), steps=1,
+                        items=tuple(WorkItem(it.seq_id, (), it.start + j, dataclasses.replace(
+                            it.sample, position=it.sample.position + j), True, True) for it in req.items))
+                else:
+                    sub = dataclasses.replace(req, steps=1)
+                parts.append(self._launch_one(sub, view, paths, status, decode_key))
+        except BaseException:
+            for p in parts:
+                p.abandon()
+            raise
+        return MultiPending(req, parts)
+
+    def _launch_one(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+                    decode_key: int) -> "PendingStep":
         t0 = time.perf_counter()
+        self._start = None
+        if self.host.device.type == "cuda":  # queued behind the steps already launched: fires when this one starts
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         kv = self.host.kv
         for sid in req.free:
             kv.free(sid)
@@ -388,6 +471,9 @@ class GenerationExecutor:
             staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, extra=extra)
+        if self._start is not None:  # the step's device work starts here (its host planning came first)
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
             # one gather per source step and index vectors uploaded without a host wait
             starts = np.cumsum([0] + [len(it.tokens) for it in items])
@@ -443,6 +529,18 @@ class GenerationExecutor:
                 0, torch.tensor(rows_, dtype=torch.int64).to(logits.device))
             picked = sample_tensor(scores, [it.sample for _, it in want])
         return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev)
+
+    def device_span(self, start: "torch.cuda.Event | None", end: "torch.cuda.Event | None") -> tuple[float, float]:
+        """(busy, idle) seconds of a completed step: its device time, and the device's idle gap since the step
+        completed before it (steps complete in launch order on a rank). (0, 0) on CPU."""
+        if start is None or end is None:
+            return 0.0, 0.0
+        end.synchronize()
+        busy = start.elapsed_time(end) / 1e3
+        idle = 0.0 if self._last_end is None else max(0.0, self._last_end.elapsed_time(start) / 1e3)
+        self._last_end = end
+        self.count("device_busy_us", int(busy * 1e6))
+        return busy, idle
 
     @property
     def capture_error(self) -> str | None:
@@ -502,4 +600,4 @@ class GenerationExecutor:
 
 
 __all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError", "DecodeLayout",
-           "PendingStep"]
+           "PendingStep", "MultiPending"]

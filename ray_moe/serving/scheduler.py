@@ -3,7 +3,10 @@
 Requests join a FIFO queue; between steps they are admitted to the rank with the most free KV blocks (a
 request reserves blocks for its prompt plus ``max_new_tokens`` when admitted, so an admitted request always
 runs to completion and nothing is preempted); every step gives each rank the next chunk of each of its
-sequences: a prefill chunk (up to the step's token budget) or one decode token. A request that can never fit
+sequences: a prefill chunk (up to the step's token budget) or one decode token. A step of decode tokens only,
+with no request waiting, runs ``decode_steps`` decode sub-steps in one call (multi-step decode: the rank feeds
+each sampled token back as the next input; bounded by the fewest tokens any of its sequences still needs, so
+no sequence runs past its reservation; tokens after an end-of-sequence are dropped). A request that can never fit
 a rank's KV budget or the model's context is refused at submission with an error naming the numbers; the
 others are unaffected. Sequences of a rank that leaves (removed or killed) go back to the queue head with
 what they generated so far and are re-prefilled elsewhere.
@@ -11,7 +14,7 @@ what they generated so far and are re-prefilled elsewhere.
     sched = Scheduler(ranks=[0, 1], kv_blocks=256, block_size=16, max_context=4096)
     rid = sched.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
     plan = sched.plan()                      # StepPlan: per-rank work items
-    events = sched.commit(plan, sampled)     # sampled: {seq_id: token}
+    events = sched.commit(plan, sampled)     # sampled: {seq_id: token, or plan.steps tokens}
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -91,11 +94,14 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Every rank's work in one step; ``free``: sequences each rank must drop from its cache first."""
+    """Every rank's work in one step; ``free``: sequences each rank must drop from its cache first.
+    ``steps``: decode sub-steps (> 1 only when every item is a decode item): each item's rank feeds the token
+    it samples at position p back as the input at p and samples p + 1, ``steps`` tokens per item in all."""
 
     step: int
     items: dict[int, tuple[WorkItem, ...]]
     free: dict[int, tuple[str, ...]]
+    steps: int = 1
 
     @property
     def has_decode(self) -> bool:
@@ -119,10 +125,15 @@ class TokenEvent:
 
 class Scheduler:
     """kv_blocks / block_size: every rank's cache; max_context: the model's positions; step_tokens: the
-    prefill token budget of one rank in one step (decode tokens always run)."""
+    prefill token budget of one rank in one step (decode tokens always run); decode_steps: the most decode
+    sub-steps of one step (multi-step decode; 1: one token per sequence per step)."""
 
     def __init__(self, ranks: Sequence[int], *, kv_blocks: int, block_size: int, max_context: int,
-                 step_tokens: int = 2048, max_running: int = 256, eos_token_ids: Iterable[int] = ()) -> None:
+                 step_tokens: int = 2048, max_running: int = 256, eos_token_ids: Iterable[int] = (),
+                 decode_steps: int = 1) -> None:
+        if not 1 <= int(decode_steps) <= 64:
+            raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
+        self.decode_steps = int(decode_steps)
         self.ranks = list(ranks)
         self.kv_blocks = int(kv_blocks)
         self.block_size = int(block_size)
@@ -233,23 +244,29 @@ class Scheduler:
         items: dict[int, list[WorkItem]] = {r: [] for r in self.ranks}
         budget = {r: self.step_tokens for r in self.ranks}
         running = [s for s in self.seqs.values() if s.state is SeqState.RUNNING]
+        steps = self.decode_steps if not self._queue else 1  # a waiting request joins at the next step
+        all_decode = True
         # decode tokens first (one each), then prefill chunks within the budget, oldest first
         for s in sorted(running, key=lambda x: (x.cached == 0 and x.request_id not in flying, x.request_id)):
             cached, total, deferred = s.cached, s.length, False
             rank_it = flying.get(s.request_id)
+            sampling = 0  # tokens of this sequence being sampled by the step in flight
             if rank_it is not None and rank_it[0] == s.rank:
                 it = rank_it[1]
-                cached = it.start + it.num_tokens
-                if it.sample is not None:  # its next token is being sampled right now, on its rank
-                    if len(s.generated) + 1 >= s.params.max_new_tokens:
-                        continue  # that sample is its last token
-                    total, deferred = total + 1, True
+                sampling = ahead.steps if it.sample is not None else 0
+                cached = it.start + it.num_tokens + (ahead.steps - 1)
+                if it.sample is not None:  # its next tokens are being sampled right now, on its rank
+                    if len(s.generated) + sampling >= s.params.max_new_tokens:
+                        continue  # those samples reach its last token
+                    total, deferred = total + sampling, True
             left = total - cached
             decode = left == 1 and cached > 0
             n = 1 if decode else min(left, max(0, budget[s.rank]))
             if n <= 0:
                 continue
             budget[s.rank] -= 0 if decode else n
+            all_decode = all_decode and decode
+            steps = min(steps, s.params.max_new_tokens - len(s.generated) - sampling)
             end = cached + n
             spec = None
             if end == total:
@@ -258,10 +275,13 @@ class Scheduler:
             tokens = () if deferred else s.token_slice(cached, end)
             items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred))
         free = {r: tuple(v) for r, v in self._to_free.items()}
-        return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free)
+        steps = max(1, steps) if all_decode else 1
+        return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free, steps)
 
-    def commit(self, plan: StepPlan, sampled: dict[str, int]) -> list[TokenEvent]:
-        """Apply a successful step: caches advanced, sampled tokens appended, finished sequences freed."""
+    def commit(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]]) -> list[TokenEvent]:
+        """Apply a successful step: caches advanced, sampled tokens appended, finished sequences freed.
+        sampled: {sequence id: its token}, or for a plan of ``steps`` > 1 the ``steps`` tokens in position
+        order (those after its last token, an end of sequence or a stop token are dropped)."""
         for r, names in plan.free.items():
             done = set(names)
             self._to_free[r] = [x for x in self._to_free.get(r, []) if x not in done]
@@ -271,15 +291,22 @@ class Scheduler:
                 s = self.seqs.get(it.seq_id)
                 if s is None or s.state is not SeqState.RUNNING or s.rank != r:
                     continue
-                s.cached = it.start + it.num_tokens
+                s.cached = it.start + it.num_tokens + (plan.steps - 1)
                 if it.sample is None:
                     continue
-                tok = int(sampled[it.seq_id])
-                s.generated.append(tok)
-                finished = len(s.generated) >= s.params.max_new_tokens or tok in self.eos or tok in s.params.stop_token_ids
-                events.append(TokenEvent(s.request_id, tok, finished))
-                if finished:
-                    self._finish(s)
+                got = sampled[it.seq_id]
+                toks = (got,) if isinstance(got, (int, np.integer)) else tuple(got)
+                if len(toks) != plan.steps:
+                    raise ValueError(f"sampled[{it.seq_id!r}]: {len(toks)} tokens for a step of {plan.steps} "
+                                     f"decode sub-steps")
+                for tok in map(int, toks):
+                    s.generated.append(tok)
+                    finished = (len(s.generated) >= s.params.max_new_tokens or tok in self.eos
+                                or tok in s.params.stop_token_ids)
+                    events.append(TokenEvent(s.request_id, tok, finished))
+                    if finished:
+                        self._finish(s)
+                        break
         return events
 
     def _finish(self, s: SeqStatus) -> None:

@@ -106,12 +106,13 @@ def reference_output(cfg: RuntimeConfig, hidden: torch.Tensor, topk_ids: torch.T
 
 def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_new_tokens: int, *,
                        kv_tokens: int = 1024, block_size: int = 8, step_tokens: int = 64,
-                       join_after: dict[int, list[list[int]]] | None = None, pipelined: bool = False
-                       ) -> list[list[int]]:
+                       join_after: dict[int, list[list[int]]] | None = None, pipelined: bool = False,
+                       decode_steps: int = 1) -> list[list[int]]:
     """Greedy generation over the in-process deployment's shards (the same GenStepRequest path the Ray
     driver uses, no Ray): ``join_after={step: [prompts]}`` submits more prompts between steps.
     ``pipelined``: each step is planned before the previous one is committed, as the Ray driver does (its
-    decode items that need the previous step's tokens are deferred to the ranks)."""
+    decode items that need the previous step's tokens are deferred to the ranks). ``decode_steps``: the
+    scheduler's multi-step decode bound."""
     from ray_moe.serving.engine import GenStepRequest
     from ray_moe.serving.sampling import SamplingParams
     from ray_moe.serving.scheduler import Scheduler
@@ -119,7 +120,7 @@ def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_n
     infos = [c.load_model(kv_tokens=kv_tokens, block_size=block_size) for c in dep.cores.values()]
     sched = Scheduler(list(dep.group.peer_order), kv_blocks=infos[0]["kv_blocks"], block_size=block_size,
                       max_context=infos[0]["max_context"], step_tokens=step_tokens,
-                      eos_token_ids=infos[0]["eos_token_ids"])
+                      eos_token_ids=infos[0]["eos_token_ids"], decode_steps=decode_steps)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rids = [sched.submit(p, params) for p in prompts]
     out: dict[str, list[int]] = {r: [] for r in rids}
@@ -132,7 +133,7 @@ def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_n
             out[rid] = []
         plan = plan if plan is not None else sched.plan()
         units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-        reqs = {r: GenStepRequest(f"gen{step}", dep.generation, plan.items[r], plan.free[r], units)
+        reqs = {r: GenStepRequest(f"gen{step}", dep.generation, plan.items[r], plan.free[r], units, steps=plan.steps)
                 for r in dep.group.peer_order}
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
             res = dict(zip(reqs, pool.map(lambda r: dep.cores[r].generate_step(reqs[r]), reqs)))

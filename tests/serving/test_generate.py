@@ -214,10 +214,35 @@ def test_batched_decode_layout_equals_greedy(tmp_path, eager_capture, family, ra
     assert DecodeLayout.AUTO.pick(32, 64, 2048) is DecodeLayout.BATCHED
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_device(tmp_path, eager_capture, family):
+@pytest.mark.parametrize("family,ranks,pipelined,capture", [("mixtral", 2, False, False), ("deepseek_v3", 2, True, True),
+                                                             ("qwen3_moe", 1, True, True), ("qwen2_moe", 1, False, False)])
+def test_multi_step_decode_stays_token_equal(tmp_path, eager_capture, family, ranks, pipelined, capture):
+    """Multi-step decode: one request per rank runs several decode sub-steps, each fed the tokens the rank
+    sampled in the one before (on the device while they run, or from the host); requests joining mid-stream
+    get single steps meanwhile; every rank runs the same sub-steps; outputs stay token-equal."""
+    import dataclasses
+
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=ranks, decode_token_capacity=8))
+    for core in dep.cores.values():
+        core.paths = dataclasses.replace(core.paths, capture=capture)
+    prompts, late = _prompts(13, (5, 13, 2, 9)), _prompts(14, (6, 3))
+    got = generate_inprocess(dep, prompts, 11, step_tokens=8, join_after={3: late}, pipelined=pipelined,
+                             decode_steps=4)
+    assert got == _reference(model, prompts + late, 11)
+    counters = [c.generator.counters for c in dep.cores.values()]
+    assert all(c.get("multi_step_requests", 0) >= 1 for c in counters), counters
+    if capture:
+        assert all(c.get("graph_replays", 0) >= 8 for c in counters), counters
+
+
+@pytest.mark.parametrize("family,decode_steps", [("qwen3_moe", 1), ("deepseek_v3", 1), ("qwen3_moe", 4)])
+def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_device(tmp_path, eager_capture, family,
+                                                                                      decode_steps):
     """A group of one launches step n+1 while step n is still running (launch n+1, then complete n): n+1's
-    deferred tokens are copied from n's sampled-token tensor on the device; outputs stay token-equal."""
+    deferred tokens are copied from n's sampled-token tensor on the device; outputs stay token-equal. With
+    multi-step decode each sub-step also feeds the next from the device."""
     import dataclasses
 
     from ray_moe.serving.engine import GenStepRequest
@@ -230,14 +255,15 @@ def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_d
     core = dep.cores[0]
     core.paths = dataclasses.replace(core.paths, capture=True)
     info = core.load_model(kv_tokens=1024, block_size=8)
-    sched = Scheduler([0], kv_blocks=info["kv_blocks"], block_size=8, max_context=info["max_context"], step_tokens=64)
+    sched = Scheduler([0], kv_blocks=info["kv_blocks"], block_size=8, max_context=info["max_context"], step_tokens=64,
+                      decode_steps=decode_steps)
     prompts = _prompts(12, (5, 13, 2, 9))
     rids = [sched.submit(p, SamplingParams(max_new_tokens=7)) for p in prompts]
     got: dict[str, list[int]] = {r: [] for r in rids}
 
     def launch(plan, n):
         req = GenStepRequest(f"o{n}", dep.generation, plan.items[0], plan.free[0],
-                             (plan.has_prefill or not plan.has_decode, plan.has_decode))
+                             (plan.has_prefill or not plan.has_decode, plan.has_decode), steps=plan.steps)
         with core._pinned(req.generation, req.step_id) as (status, view, paths):
             return core.generator.launch(req, view, paths, status, core._decode_key(view) if paths.bucket else 0)
 

@@ -36,5 +36,10 @@ def test_cuda_generation_replays_whole_step_graphs(ray_session, tmp_path, family
         again = rt.shard_status()[0]
         assert again["capture_error"] is None, again["capture_error"]
         assert again["counters"]["graph_replays"] >= counters["graph_replays"] + 12, again["counters"]
+        # multi-step decode ran (several sub-steps per call, fed on the device) and device time was measured
+        assert again["counters"].get("multi_step_requests", 0) >= 2, again["counters"]
+        assert again["counters"].get("device_busy_us", 0) > 0, again["counters"]
+        timings = rt.serving().timing_summary()
+        assert timings["device"] > 0 and timings["device"] <= timings["shard"] + 1e-6, timings
     finally:
         rt.shutdown()

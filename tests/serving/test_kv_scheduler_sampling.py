@@ -156,25 +156,30 @@ def test_lookahead_drops_the_token_after_an_end_of_sequence():
     assert s.seqs[a].generated == [2] and s.pending() == 0 and s._used[0] == 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 20), min_size=1, max_size=8), st.integers(1, 6), st.integers(2, 9),
-       st.lists(st.integers(0, 4), min_size=1, max_size=30))
-def test_pipelined_scheduler_serves_every_request_exactly_its_tokens(lens, new, budget, eos_at):
-    """Conservation with one step always in flight: every request ends with exactly its tokens (or at its
-    end-of-sequence), positions advance by one per token, and blocks return to the pool."""
-    s = Scheduler([0, 1, 2], kv_blocks=24, block_size=4, max_context=256, step_tokens=budget, eos_token_ids=[99])
+       st.lists(st.integers(0, 4), min_size=1, max_size=30), st.integers(1, 4))
+def test_pipelined_scheduler_serves_every_request_exactly_its_tokens(lens, new, budget, eos_at, decode_steps):
+    """Conservation with one step always in flight (and multi-step decode): every request ends with exactly
+    its tokens (or at its end-of-sequence), positions advance by one per token, and blocks return to the pool."""
+    s = Scheduler([0, 1, 2], kv_blocks=24, block_size=4, max_context=256, step_tokens=budget, eos_token_ids=[99],
+                  decode_steps=decode_steps)
     rids = [s.submit(list(range(n)), SamplingParams(max_new_tokens=new)) for n in lens]
     seen: dict[str, list[int]] = {r: [] for r in rids}
     flying, i = None, 0
     for _ in range(500):
         nxt = s.plan(ahead=flying)
         if flying is not None:
+            assert flying.steps == 1 or not flying.has_prefill
             sampled = {}
             for items in flying.items.values():
                 for it in items:
-                    if it.sample is not None:  # a token that encodes its position (99: end of sequence)
-                        i += 1
-                        sampled[it.seq_id] = 99 if eos_at[i % len(eos_at)] == 0 else it.sample.position
+                    if it.sample is not None:  # tokens that encode their positions (99: end of sequence)
+                        toks = []
+                        for j in range(flying.steps):
+                            i += 1
+                            toks.append(99 if eos_at[i % len(eos_at)] == 0 else it.sample.position + j)
+                        sampled[it.seq_id] = tuple(toks)
             for ev in s.commit(flying, sampled):
                 seen[ev.request_id].append(ev.token)
         flying = None if nxt.empty else nxt
@@ -202,3 +207,36 @@ def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise():
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError):
         SamplingParams(max_new_tokens=1, top_p=0.0)
+
+
+def test_multi_step_decode_plans_bounded_sub_steps_only_for_pure_decode():
+    """Multi-step decode: a step of decode items only (nothing waiting) runs up to ``decode_steps`` tokens per
+    sequence, bounded by the fewest any sequence still needs; a prefill or a waiting request keeps one; the
+    lookahead plan continues after every in-flight sub-step; an end of sequence drops the rest."""
+    s = Scheduler([0], kv_blocks=16, block_size=4, max_context=256, decode_steps=4, eos_token_ids=[2])
+    a = s.submit([5, 6], SamplingParams(max_new_tokens=9))
+    b = s.submit([7], SamplingParams(max_new_tokens=3))
+    p1 = s.plan()
+    assert p1.steps == 1 and p1.has_prefill  # prefill: one step
+    s.commit(p1, {a: 10, b: 20})
+    p2 = s.plan()
+    assert p2.steps == 2  # b needs 2 more tokens: no sequence runs past its reservation
+    assert [(it.seq_id, it.start, it.sample.position) for it in p2.items[0]] == [(a, 2, 3), (b, 1, 2)]
+    p3 = s.plan(ahead=p2)  # b's last tokens are in flight; a continues after both sub-steps
+    assert [(it.seq_id, it.start, it.deferred, it.sample.position) for it in p3.items[0]] == [(a, 4, True, 5)]
+    assert p3.steps == 4
+    with pytest.raises(ValueError, match="1 tokens for a step of 2"):
+        s.commit(p2, {a: (11,), b: (21, 22)})
+    ev = s.commit(p2, {a: (11, 12), b: (21, 22)})
+    assert [(e.token, e.finished) for e in ev] == [(11, False), (12, False), (21, False), (22, True)]
+    assert s.seqs[a].cached == 4 and s.seqs[b].state.value == "FINISHED"
+    ev = s.commit(p3, {a: (13, 2, 14, 15)})  # end of sequence at the second sub-step: the rest dropped
+    assert [e.token for e in ev] == [13, 2] and ev[-1].finished and s.seqs[a].generated == [10, 11, 12, 13, 2]
+    assert s.pending() == 0 and s._used[0] == 0
+    c = s.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
+    s.commit(s.plan(), {c: 3})
+    d = s.submit([4], SamplingParams(max_new_tokens=8))
+    s.kv_blocks = 0  # d waits for blocks: c decodes one token per step meanwhile
+    assert s.plan().steps == 1
+    with pytest.raises(ValueError, match="decode_steps=0"):
+        Scheduler([0], kv_blocks=4, block_size=4, max_context=64, decode_steps=0)
