@@ -93,19 +93,26 @@ class GenStepResult:
 @dataclass(eq=False)
 class _GraphPending:
     """A captured-shape step whose graph and sampling were queued on the device: ``finish`` waits for them.
-    want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled)."""
+    want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled);
+    host_picked / host_summary: their copies queued to (pinned) host memory right behind the step, so reading
+    them never waits for steps launched after this one. ``done``: an event recorded after those copies."""
 
     ctx: MoEStep
     want: tuple[WorkItem, ...]
     picked: torch.Tensor | None
     host_summary: torch.Tensor | None
     device: torch.device
+    host_picked: torch.Tensor | None = None
+    done: Any = None
 
     def finish(self) -> tuple[dict[str, int], tuple, bool]:
         tokens = {}
+        if self.done is not None:
+            self.done.synchronize()
         if self.picked is not None:
-            tokens = {it.seq_id: int(t) for it, t in zip(self.want, self.picked.tolist())}
-        elif self.device.type == "cuda":
+            src = self.host_picked if self.host_picked is not None else self.picked
+            tokens = {it.seq_id: int(t) for it, t in zip(self.want, src.tolist())}
+        elif self.device.type == "cuda" and self.done is None:
             torch.cuda.current_stream(self.device).synchronize()
         stats, overflow = self.ctx.finish(None if self.host_summary is None else self.host_summary.numpy())
         return tokens, stats, overflow
@@ -528,7 +535,14 @@ class GenerationExecutor:
             scores = logits[: len(rows_)] if rows_ == list(range(len(rows_))) else logits.index_select(
                 0, torch.tensor(rows_, dtype=torch.int64).to(logits.device))
             picked = sample_tensor(scores, [it.sample for _, it in want])
-        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev)
+        host_picked = done = None
+        if dev.type == "cuda":  # copied right behind the step: completing it never waits for later steps
+            if picked is not None:
+                host_picked = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+                host_picked.copy_(picked, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev, host_picked, done)
 
     def device_span(self, start: "torch.cuda.Event | None", end: "torch.cuda.Event | None") -> tuple[float, float]:
         """(busy, idle) seconds of a completed step: its device time, and the device's idle gap since the step
