@@ -381,8 +381,11 @@ class Runtime:
         results: dict[int, StepResult] = {}
         first_error: BaseException | None = None
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ref = done[0]
+            if len(pending) == 1:  # the last (or only) one: no wait round first
+                ref, pending = pending[0], []
+            else:
+                done, pending = ray.wait(pending, num_returns=1)
+                ref = done[0]
             try:
                 results[by_ref[ref]] = ray.get(ref)
             except BaseException as exc:  # noqa: BLE001 - classified below

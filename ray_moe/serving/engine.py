@@ -44,7 +44,7 @@ from ray_moe.phases.decode import (
 from ray_moe.phases.step import GenerationView, LayerStats, MoEStep, merge_layer_stats
 from ray_moe.serving.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.serving.model_host import ModelHost
-from ray_moe.serving.sampling import sample, sample_tensor
+from ray_moe.serving.sampling import SampleSpec, sample, sample_tensor
 from ray_moe.serving.scheduler import WorkItem
 
 
@@ -63,6 +63,39 @@ class GenStepRequest:
     units: tuple[bool, bool] = (True, False)
     after: str | None = None
     steps: int = 1
+
+    def __reduce__(self):
+        """A columnar wire form: every step sends one of these per rank, and pickling its work items one
+        dataclass at a time cost ~10 us each (1.2 ms for a batch of 128 decode items; ~0.3 ms this way)."""
+        items = self.items
+        n = len(items)
+        ints = np.zeros((5, n), dtype=np.int64)  # start, token count, flags, seed, sample position
+        floats = np.zeros((2, n), dtype=np.float64)  # temperature, top_p
+        for i, it in enumerate(items):
+            sp = it.sample
+            ints[0, i], ints[1, i] = it.start, len(it.tokens)
+            ints[2, i] = it.decode | (it.deferred << 1) | ((sp is not None) << 2)
+            if sp is not None:
+                ints[3, i], ints[4, i] = sp.seed, sp.position
+                floats[0, i], floats[1, i] = sp.temperature, sp.top_p
+        tokens = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64,
+                             count=int(ints[1].sum()))
+        return (_request_from_wire, (self.step_id, self.generation, self.free, self.units, self.after, self.steps,
+                                     [it.seq_id for it in items], ints.tobytes(), floats.tobytes(), tokens.tobytes()))
+
+
+def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints, floats, tokens) -> GenStepRequest:
+    n = len(ids)
+    start, count, flags, seed, pos = np.frombuffer(ints, dtype=np.int64).reshape(5, n).tolist()
+    temp, top_p = np.frombuffer(floats, dtype=np.float64).reshape(2, n).tolist()
+    flat = np.frombuffer(tokens, dtype=np.int64).tolist()
+    items, o = [], 0
+    for i, sid in enumerate(ids):
+        f, c = flags[i], count[i]
+        sample = SampleSpec(temp[i], top_p[i], seed[i], pos[i]) if f & 4 else None
+        items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2)))
+        o += c
+    return GenStepRequest(step_id, generation, tuple(items), free, units, after, steps)
 
 
 @dataclass(frozen=True)
@@ -88,6 +121,16 @@ class GenStepResult:
     device_s: float = 0.0
     idle_s: float = 0.0
     actor_s: float = 0.0
+
+    def __reduce__(self):
+        """The tokens as one int64 block when every sequence has as many (they do: one per sub-step)."""
+        widths = {len(v) for v in self.tokens.values()}
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        if len(widths) == 1:
+            ids = list(self.tokens)
+            block = np.asarray(list(self.tokens.values()), dtype=np.int64)
+            return (_result_from_wire, (ids, block.tobytes(), widths.pop(), *fields[:3], *fields[4:]))
+        return (GenStepResult, tuple(fields))
 
 
 @dataclass(eq=False)
@@ -160,6 +203,11 @@ class PendingStep:
         device_s, idle_s = ex.device_span(self.start, self.event)
         return GenStepResult(ex.rank, self.req.step_id, self.generation, {k: (v,) for k, v in tokens.items()}, stats,
                              time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s)
+
+
+def _result_from_wire(ids, block, width, *fields) -> GenStepResult:
+    rows = np.frombuffer(block, dtype=np.int64).reshape(len(ids), width).tolist()
+    return GenStepResult(*fields[:3], dict(zip(ids, map(tuple, rows))), *fields[3:])
 
 
 class MultiPending:
