@@ -365,3 +365,39 @@ def test_cuda_runners_match_loop(kind, dtype):
                                              w.w_down.cpu()))
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(y.cpu().double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,d,f", [([0, 5, 1, 0, 16, 7, 0, 33], 256, 512),  # empty slots, > 16 rows (row loop)
+                                        ([1] * 8 + [0] * 120, 2048, 768),        # a decode step: most slots empty
+                                        ([3, 0, 2, 9], 64, 96),                  # f not a multiple of 64
+                                        ([0, 0, 0], 128, 64)])                   # nothing routed
+def test_cuda_skinny_kernels_match_the_reference(counts, d, f):
+    """The decode-size Triton kernels (device offsets, no host sync) against the float64 per-row loop, the
+    grouped runner's choice of them at decode sizes, and padding rows past the last offset left unread."""
+    from ray_moe.experts.runners import skinny
+    from ray_moe.experts.runners.grouped import SKINNY_ROWS_PER_SLOT
+
+    w = slot_weights(list(range(len(counts))), d, f, dtype=torch.bfloat16, seed=9)
+    w = SlotWeights(w.layer, w.slot_ids, w.experts, w.w_gate.cuda(), w.w_up.cuda(), w.w_down.cuda())
+    n = sum(counts)
+    x = torch.randn(n + 3, d, device="cuda").to(torch.bfloat16)  # 3 padding rows past offsets[-1]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    assert skinny.available(x, w.w_gate, w.w_down)
+    y = skinny.skinny_swiglu(x, offsets, w.w_gate, w.w_up, w.w_down)
+    ref = naive(x[:n].cpu(), counts, SlotWeights(w.layer, w.slot_ids, w.experts, w.w_gate.cpu(), w.w_up.cpu(),
+                                                 w.w_down.cpu()))
+    torch.testing.assert_close(y[:n].cpu().double(), ref, atol=5e-2, rtol=5e-2)
+    runner = GroupedRunner()
+    via_runner = runner.run_offsets(x, offsets, w)
+    if n + 3 <= SKINNY_ROWS_PER_SLOT * len(counts):
+        torch.testing.assert_close(via_runner[:n], y[:n], atol=0, rtol=0)  # the runner took the kernels
+    assert not skinny.available(x.float(), w.w_gate, w.w_down)  # fp32: grouped_mm / loop instead
+
+
+def test_skinny_kernels_are_cuda_only():
+    """Off CUDA (or in float32) the grouped runner keeps its own paths: the kernels report unavailable."""
+    from ray_moe.experts.runners import skinny
+
+    w = slot_weights([0, 1], 64, 32, dtype=torch.bfloat16)
+    assert not skinny.available(torch.zeros(4, 64, dtype=torch.bfloat16), w.w_gate, w.w_down)

@@ -17,7 +17,10 @@ output's gate/up halves are strided views and the activation over them took 0.63
 4.57 ms end to end against 4.17 ms for the separate launches here, which also need no weight copy.
 
 Where the kernel cannot take the operands (dtype, device or 16-byte stride rules below), the same
-views run through a per-slot loop with identical semantics.
+views run through a per-slot loop with identical semantics. At decode sizes on CUDA (at most
+``SKINNY_ROWS_PER_SLOT`` rows per slot on average) ``run_offsets`` takes the skinny Triton kernels
+instead (``skinny.py``: the layer is a weight read there, which grouped_mm streams at about half of HBM
+bandwidth).
 
 ``torch._grouped_mm`` rules honoured here (torch 2.8-2.13, ``GroupedMMUtils.h``):
   - dtypes float32 / bfloat16 / float16, offsets int32, output dtype = input dtype;
@@ -36,6 +39,7 @@ from typing import Sequence
 
 import torch
 
+from ray_moe.experts.runners import skinny
 from ray_moe.experts.runners.base import ExpertRunner, RunnerLedger, down_operand, gate_up_operands, swiglu_act
 from ray_moe.experts.weights import SlotWeights
 from ray_moe.types import RunnerKind
@@ -45,6 +49,9 @@ DESCRIPTOR_FIELDS = (
 )
 DESCRIPTOR_BYTES = 8 * len(DESCRIPTOR_FIELDS)  # eight INT64 fields per active problem (0x04C teaching ABI)
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# rows per slot (on average) up to which ``run_offsets`` takes the skinny Triton kernels on CUDA (decode
+# sizes: one 16-row block per active slot); above it grouped_mm (prefill: compute, not the weight read)
+SKINNY_ROWS_PER_SLOT = 16
 
 
 def as_counts(counts: Sequence[int] | torch.Tensor) -> list[int]:
@@ -232,6 +239,11 @@ class GroupedRunner(ExpertRunner):
     def run_offsets(self, x: torch.Tensor, offsets: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
         """Expert-major rows with device-side offsets: three grouped launches, no host sync (rows past
         ``offsets[-1]`` are left uncomputed: the combine never reads them)."""
+        if (self.use_grouped_mm is None and x.shape[0] <= SKINNY_ROWS_PER_SLOT * max(weights.num_slots, 1)
+                and skinny.available(x, weights.w_gate, weights.w_down)):
+            # decode sizes: a few rows per slot, the layer is a weight read (the skinny kernels stream the
+            # active slots' weights at ~4.2 TB/s on H200, grouped_mm at ~2.7)
+            return skinny.skinny_swiglu(x, offsets, weights.w_gate, weights.w_up, weights.w_down)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         few = weights.num_slots <= self.loop_max_active and self.use_grouped_mm is None
         if self.use_grouped_mm is False or not grouped_mm_available(x.device, x.dtype, weights.hidden_size,
