@@ -20,7 +20,7 @@ from ray_moe.bench import available
 
 REPO = Path(__file__).resolve().parents[2]
 EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate",
-            "overlap", "runners"}
+            "overlap", "runners", "skinny"}
 
 
 def console_script() -> str:

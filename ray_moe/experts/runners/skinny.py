@@ -107,7 +107,7 @@ def skinny_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, 
     if n == 0 or q == 0:
         return y
     a = torch.empty((n, f), dtype=x.dtype, device=x.device)
-    # tiles measured on H200 (bench/results/skinny-h200x1.json): 64 output columns, 128-deep K steps
+    # tiles measured on H200 (python -m ray_moe.bench.skinny; bench/results/skinny-h200x1.json): 64 output columns, 128-deep K steps
     bn, bk = _block(f, 64), _block(d, 128)
     gate_up[(q, f // bn)](x, w_gate, w_up, offsets, a, d, f, f * d, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                           num_warps=4, num_stages=4)
