@@ -61,10 +61,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def shard_lines(status: dict[int, dict]) -> dict[str, dict]:
-    """Per rank: steps served, generation steps, captured-graph replays, deferred decode inputs, and a failed
-    CUDA-graph capture (its steps then run eagerly: slower, still exact)."""
-    keys = ("steps", "generate_steps", "graph_replays", "deferred_tokens")
+    """Per rank: steps served, generation steps, captured-graph replays, deferred decode inputs, multi-step
+    decode calls, the device time its generation steps took (CUDA; 0 on CPU), and a failed CUDA-graph capture
+    (its steps then run eagerly: slower, still exact)."""
+    keys = ("steps", "generate_steps", "graph_replays", "deferred_tokens", "multi_step_requests")
     return {str(r): {**{k: int(st.get("counters", {}).get(k, 0)) for k in keys},
+                     "device_busy_s": st.get("counters", {}).get("device_busy_us", 0) / 1e6,
                      "capture_error": st.get("capture_error")} for r, st in sorted(status.items())}
 
 
@@ -101,8 +103,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"expert {f['expert']} layer {f['layer']} >= {f['replicas']}" for f in floors) if floors else "none"))
     print("shards (steps served; generation: steps, captured-graph replays, decode inputs deferred to the rank):")
     for r, sh in body["shards"].items():
-        gen = (f"generation {sh['generate_steps']} steps, {sh['graph_replays']} graph replays, "
-               f"{sh['deferred_tokens']} deferred" if sh["generate_steps"] else "no generation")
+        gen = (f"generation {sh['generate_steps']} steps ({sh['multi_step_requests']} multi-step calls), "
+               f"{sh['graph_replays']} graph replays, {sh['deferred_tokens']} deferred"
+               + (f", {sh['device_busy_s']:.2f} s on the device" if sh["device_busy_s"] else "")
+               if sh["generate_steps"] else "no generation")
         print(f"  rank {r}: {sh['steps']} steps, {gen}"
               + (f"; CAPTURE FAILED (steps run eagerly): {sh['capture_error']}" if sh["capture_error"] else ""))
     tel = rt.telemetry_table()

@@ -3,6 +3,7 @@
 #
 #   submit(prompt) ──> Scheduler queue ──> loop thread, between steps: admit / free / plan
 #     ──> ONE actor call per rank per step: GenStepRequest (token ids + positions) ──> GenStepResult (ids)
+#         (a step of decode items only, nothing waiting: up to decode_steps sub-steps in that one call)
 #     ──> commit: tokens to each request's stream; finished requests release their KV blocks
 #   a stale generation replans the same step on the active one; a dead rank is regrouped away and its
 #   sequences are re-prefilled on the survivors; membership changes (add / remove rank) are picked up

@@ -12,6 +12,8 @@
 #     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample on the device
 #   launch ends here for a captured step of a group of one (completed behind the next step's launch);
 #   complete: tokens and statistics read with one wait ──> GenStepResult (one token id per sampled chunk)
+#   multi-step decode: the sub-steps of one request launched back to back, each fed the previous one's
+#   samples on the device; one result with every sequence's tokens in position order
 # ======================================================================================================
 """The shard side of serving: one model step per actor call, token ids in, sampled token ids out."""
 
@@ -63,6 +65,10 @@ class GenStepRequest:
     units: tuple[bool, bool] = (True, False)
     after: str | None = None
     steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: a step runs at least one decode sub-step")
 
     def __reduce__(self):
         """A columnar wire form: every step sends one of these per rank, and pickling its work items one

@@ -238,9 +238,10 @@ def test_demo_smoke(ray_session, tmp_path, capsys):
 def test_status_shard_lines_name_a_failed_capture():
     from ray_moe.cli import shard_lines
 
-    out = shard_lines({1: {"counters": {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4},
+    out = shard_lines({1: {"counters": {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4,
+                                        "multi_step_requests": 2, "device_busy_us": 1_500_000},
                            "capture_error": "decode: RuntimeError: x"}, 0: {"counters": {}}})
     assert list(out) == ["0", "1"]
     assert out["1"] == {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4,
-                        "capture_error": "decode: RuntimeError: x"}
+                        "multi_step_requests": 2, "device_busy_s": 1.5, "capture_error": "decode: RuntimeError: x"}
     assert out["0"]["steps"] == 0 and out["0"]["capture_error"] is None

@@ -47,3 +47,10 @@ def test_step_result_round_trips_tokens_and_statistics():
         assert (back.rank, back.step_id, back.generation, back.elapsed_s, back.decode_path, back.queued_s,
                 back.device_s, back.idle_s, back.actor_s) == (1, "s1", 4, 0.5, "bucket", 0.1, 0.2, 0.3, 0.6)
         assert back.layers[0].slot_rows == {5: 4, 9: 5} and np.array_equal(back.layers[0].expert_counts, np.arange(4))
+
+
+def test_a_request_of_no_sub_steps_is_refused_by_name():
+    import pytest
+
+    with pytest.raises(ValueError, match="steps=0"):
+        GenStepRequest("s", 1, (), steps=0)
