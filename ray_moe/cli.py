@@ -241,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     sv.add_argument("--step-tokens", type=int, default=2048, help="prefill tokens per rank per step")
     sv.add_argument("--max-running", type=int, default=256, help="sequences in flight over every rank")
-    sv.add_argument("--decode-steps", type=int, default=4,
+    sv.add_argument("--decode-steps", type=int, default=None,
                     help="multi-step decode: decode tokens per sequence per step when every sequence is decoding "
-                         "and none waits (1: one token per step)")
+                         "and none waits (1: one token per step; default 4 on cuda, 1 on cpu)")
     sv.add_argument("--max-queued", type=int, default=1024,
                     help="requests in flight before new ones get 503 (overload)")
     sv.set_defaults(fn=cmd_serve)

@@ -625,13 +625,14 @@ class Runtime:
     # ================================================================ serving generation
     def serving(self, *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
                 max_running: int = 256, max_queued: int = 4096, random_model: dict[str, Any] | None = None,
-                decode_steps: int = 4) -> "GenerationEngine":
+                decode_steps: int | None = None) -> "GenerationEngine":
         """The deployment's generation loop (started on first use: every shard loads the model's non-expert
         modules and a paged KV cache of ``kv_tokens`` per rank). The arguments apply to the first call.
         ``random_model`` (a transformers config dict): seeded random non-expert weights of that model instead
         of the checkpoint's, for benchmarks of checkpoint-sized shapes (the experts come from the config's
         weight source as always). ``decode_steps``: multi-step decode, the most decode tokens per sequence one
-        step may run when every sequence is decoding and no request waits (1: one token per step)."""
+        step may run when every sequence is decoding and no request waits (1: one token per step; default 4
+        on CUDA, 1 on CPU)."""
         with self._lock:
             if self._engine is None:
                 from ray_moe.serving.driver import GenerationEngine

@@ -218,8 +218,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     from ray_moe.env import read_env
     from ray_moe.runtime import Runtime
 
-    decode_steps = getattr(args, "decode_steps", 4)
-    if not 1 <= decode_steps <= 64:  # before Ray or any shard starts
+    decode_steps = getattr(args, "decode_steps", None)
+    if decode_steps is not None and not 1 <= decode_steps <= 64:  # before Ray or any shard starts
         raise ValueError(f"--decode-steps={decode_steps}: must be in [1, 64]")
     env = read_env()
     api_key = args.api_key or env.api_key

@@ -87,7 +87,8 @@ def served(ray_session, tmp_path_factory):
     cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=4, slots_per_rank=4, decode_token_capacity=4,
                                                 name="gen-elastic")
     rt = ray_moe.Runtime.start(cfg)
-    rt.serving(kv_tokens=96, block_size=8, step_tokens=32)  # 12 blocks per rank: requests queue for blocks
+    # 12 blocks per rank: requests queue for blocks; multi-step decode (the CUDA default) on every elastic test
+    rt.serving(kv_tokens=96, block_size=8, step_tokens=32, decode_steps=4)
     yield model, rt
     rt.shutdown()
 
@@ -114,6 +115,7 @@ def test_generate_and_stream_equal_transformers(served):
     # the driver pipelined its steps: launched before the previous one was collected, decode inputs deferred
     assert rt.serving().overlapped > 0
     assert sum(st["counters"].get("deferred_tokens", 0) for st in rt.shard_status().values()) > 0
+    assert all(st["counters"].get("multi_step_requests", 0) > 0 for st in rt.shard_status().values())
 
 
 def _generate_during(rt, prompts, new, op, wait_steps: int = 3):
