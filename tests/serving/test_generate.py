@@ -104,6 +104,13 @@ def test_generate_and_stream_equal_transformers(served):
     a = rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=11)
     assert a == rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=11)
     assert a != rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=12)
+    # the same seeded tokens whether decode runs one token per call or several sub-steps per call
+    sched = rt.serving().scheduler
+    try:
+        sched.decode_steps = 1
+        assert rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=11) == a
+    finally:
+        sched.decode_steps = 4
     # one request too large for a rank's KV budget is refused by name; nothing else is affected
     with pytest.raises(KVBudgetError, match="need 15 KV blocks of 8; a rank's budget is 12 blocks"):
         rt.generate([[1] * 110], max_new_tokens=4)
