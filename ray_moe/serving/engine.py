@@ -173,8 +173,10 @@ class PendingStep:
 
     def __init__(self, executor: "GenerationExecutor", req: GenStepRequest, generation: int,
                  items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
-                 graph: _GraphPending | None = None, result: tuple[dict[str, int], tuple] | None = None) -> None:
+                 graph: _GraphPending | None = None, result: tuple[dict[str, int], tuple] | None = None,
+                 decision: Any = None) -> None:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
+        self.decision = decision  # the decode unit's agreed decision (None: no decode round)
         self.t0, self.path, self.reason = t0, path, reason
         self.graph, self.result = graph, result
         self.event = None
@@ -393,7 +395,8 @@ class GenerationExecutor:
                             it.sample, position=it.sample.position + j), True, True) for it in req.items))
                 else:
                     sub = dataclasses.replace(req, steps=1)
-                parts.append(self._launch_one(sub, view, paths, status, decode_key))
+                parts.append(self._launch_one(sub, view, paths, status, decode_key,
+                                              parts[0].decision if parts else None))
         except BaseException:
             for p in parts:
                 p.abandon()
@@ -401,7 +404,9 @@ class GenerationExecutor:
         return MultiPending(req, parts)
 
     def _launch_one(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
-                    decode_key: int) -> "PendingStep":
+                    decode_key: int, agreed: Any = None) -> "PendingStep":
+        """One step (or sub-step). ``agreed``: the decode decision of the request's first sub-step (the
+        generation, the path and the token bucket hold for every sub-step: no control round of its own)."""
         t0 = time.perf_counter()
         self._start = None
         if self.host.device.type == "cuda":  # queued behind the steps already launched: fires when this one starts
@@ -423,15 +428,21 @@ class GenerationExecutor:
         items = () if local_error is not None else resolved
         want_prefill, want_decode = req.units
         # 1. the decode unit's path, agreed once per step
-        reason, bucket = None, False
+        reason, bucket, decision = None, False, None
         if want_decode:
             if paths.bucket is None:
                 reason = "bucket_disabled"
             else:
-                rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch, generation_digest(view.snapshots),
-                                   status, sum(it.decode for it in items), decode_key, 0)
-                decision = decode_round(paths.exchange, rec, paths.bucket.token_cap, req.step_id,
-                                        local_error=local_error)
+                if agreed is not None:  # a later sub-step of a multi-step request: agreed at its first one
+                    if local_error is not None:
+                        raise local_error
+                    decision = agreed
+                else:
+                    rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch,
+                                       generation_digest(view.snapshots), status, sum(it.decode for it in items),
+                                       decode_key, 0)
+                    decision = decode_round(paths.exchange, rec, paths.bucket.token_cap, req.step_id,
+                                            local_error=local_error)
                 status = ControlStatus.OK  # the decode round carried it (a refusal raised there)
                 reason = None if decision.reason is None else decision.reason.value
                 bucket = decision.reason is None
@@ -446,7 +457,7 @@ class GenerationExecutor:
                 if out.picked is not None:
                     self._picks[req.step_id] = (out.picked, {(it.seq_id, it.sample.position): i
                                                              for i, it in enumerate(out.want)})
-                return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out)
+                return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision)
             out = out.finish()
         tokens, stats, overflow = out
         if bucket and agree_overflow(paths.exchange, overflow, req.step_id):
@@ -457,7 +468,8 @@ class GenerationExecutor:
             tokens, stats, _ = out.finish() if isinstance(out, _GraphPending) else out
             path = "variable"
         self.finished(items, tokens)
-        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats))
+        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats),
+                           decision=decision)
 
     def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
         """Deferred decode items get the token this rank sampled for them (at their start position): from the

@@ -393,3 +393,27 @@ def test_other_families_stay_token_equal_across_rebalance_and_scale(ray_session,
         assert all(rc == 0 for rc in rt.refcounts().values())
     finally:
         rt.shutdown()
+
+
+def test_a_multi_step_request_agrees_its_decode_path_once(tmp_path, monkeypatch):
+    """Every rank agrees the generation, the path and the token bucket once per request: the sub-steps after
+    the first take no control round of their own (one round per call, however many sub-steps)."""
+    import ray_moe.serving.engine as engine
+
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=8))
+    rounds, calls = [], []
+    real_round, real_launch = engine.decode_round, engine.GenerationExecutor.launch
+    monkeypatch.setattr(engine, "decode_round", lambda *a, **k: rounds.append(1) or real_round(*a, **k))
+
+    def launch(self, req, *a, **k):
+        calls.append((req.units[1], req.steps))
+        return real_launch(self, req, *a, **k)
+
+    monkeypatch.setattr(engine.GenerationExecutor, "launch", launch)
+    prompts = _prompts(15, (5, 9, 3, 7))
+    assert generate_inprocess(dep, prompts, 10, decode_steps=4) == _reference(model, prompts, 10)
+    decode_calls = [steps for want_decode, steps in calls if want_decode]
+    assert max(decode_calls) == 4 and len(rounds) == len(decode_calls)  # one round per call, on each rank
+    assert sum(decode_calls) > len(rounds)
