@@ -391,8 +391,9 @@ class GenerationExecutor:
                 if j:
                     sub = dataclasses.replace(
                         req, step_id=f"{req.step_id}/{j}", free=(), steps=1,
-                        items=tuple(WorkItem(it.seq_id, (), it.start + j, dataclasses.replace(
-                            it.sample, position=it.sample.position + j), True, True) for it in req.items))
+                        items=tuple(WorkItem(it.seq_id, (), it.start + j, SampleSpec(
+                            it.sample.temperature, it.sample.top_p, it.sample.seed, it.sample.position + j),
+                            True, True) for it in req.items))
                 else:
                     sub = dataclasses.replace(req, steps=1)
                 parts.append(self._launch_one(sub, view, paths, status, decode_key,
@@ -545,8 +546,7 @@ class GenerationExecutor:
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, extra=extra)
         if self._start is not None:  # the step's device work starts here (its host planning came first)
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            self._start.record()  # re-recorded: the later record is the one that counts
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
             # one gather per source step and index vectors uploaded without a host wait
             starts = np.cumsum([0] + [len(it.tokens) for it in items])
