@@ -325,9 +325,11 @@ class ShardCore:
                           time.perf_counter() - t0, marks.done())
 
     # ================================================================ serving generation
-    def load_model(self, *, kv_tokens: int, block_size: int = 16, random_model: dict | None = None) -> dict[str, Any]:
+    def load_model(self, *, kv_tokens: int, block_size: int = 16, random_model: dict | None = None,
+                   fused_norms: bool = True) -> dict[str, Any]:
         """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
-        config dict ``random_model``); routed experts stay this shard's slots. Returns the model's limits."""
+        config dict ``random_model``); routed experts stay this shard's slots. ``fused_norms``: the model's
+        RMSNorm layers take the fused kernel on CUDA (``models.norms``). Returns the model's limits."""
         from ray_moe.serving.engine import GenerationExecutor, PendingStep
 
         with self._step_lock:
@@ -336,7 +338,7 @@ class ShardCore:
                 self.generator = GenerationExecutor.load(
                     self.rank, checkpoint=cfg.checkpoint, random_model=random_model, num_layers=cfg.num_layers,
                     hidden_size=cfg.hidden_size, top_k=cfg.top_k, seed=cfg.seed, device=self.device,
-                    dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size)
+                    dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_norms=fused_norms)
             return self.generator.info()
 
     def generate_step(self, req: "GenStepRequest") -> "GenStepResult":

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from ray_moe.errors import ConfigError
+from ray_moe.models.norms import FusedNorms, fuse_rms_norms
 from ray_moe.serving.kv import PagedKVCache, SeqChunk, StepLayout
 
 
@@ -57,6 +58,7 @@ class ModelHost:
         self.kv = PagedKVCache(max(1, -(-kv_tokens // block_size)), block_size, device=device, dtype=dtype)
         self._executor: Any = None
         self.vocab_size = int(self.config.vocab_size)
+        self.norms = FusedNorms()  # fuse_norms: which norm layers take the fused kernel
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -152,6 +154,13 @@ class ModelHost:
         if eos is None:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def fuse_norms(self) -> FusedNorms:
+        """The model's RMSNorm layers take the fused kernel where it reproduces them (CUDA with Triton; checked
+        per class against the layer's own forward, ``models.norms``); elsewhere nothing changes."""
+        if self.device.type == "cuda":
+            self.norms = fuse_rms_norms(self.model)
+        return self.norms
 
     # ------------------------------------------------------------------ the seam
     def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,

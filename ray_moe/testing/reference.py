@@ -432,3 +432,21 @@ def scalar_expert_rows(
     if start != int(rows.shape[0]):
         raise ValueError(f"counts: sum {start} != rows {int(rows.shape[0])}")
     return out
+
+
+# ------------------------------------------------------------------------------------------- norms
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm one row at a time, with the layer's roundings (``models.norms``' oracle):
+    y = (x / sqrt(mean(x^2) + eps)) in FP32, rounded to x's dtype, then weight * y rounded to x's dtype.
+
+    x: [..., H], weight: [H] of x's dtype -> [..., H] of x's dtype."""
+    h = x.shape[-1]
+    rows = x.reshape(-1, h)
+    out = torch.empty_like(rows)
+    w = weight.float().cpu()
+    for i in range(rows.shape[0]):
+        r = rows[i].float().cpu()
+        ms = sum(float(v) * float(v) for v in r) / h
+        y = (r * (1.0 / (ms + eps) ** 0.5)).to(x.dtype)
+        out[i] = (w * y.float()).to(x.dtype).to(out.device)
+    return out.view(x.shape)
