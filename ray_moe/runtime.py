@@ -625,15 +625,15 @@ class Runtime:
     # ================================================================ serving generation
     def serving(self, *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
                 max_running: int = 256, max_queued: int = 4096, random_model: dict[str, Any] | None = None,
-                decode_steps: int | None = None, fused_norms: bool = True) -> "GenerationEngine":
+                decode_steps: int | None = None, fused_kernels: bool = True) -> "GenerationEngine":
         """The deployment's generation loop (started on first use: every shard loads the model's non-expert
         modules and a paged KV cache of ``kv_tokens`` per rank). The arguments apply to the first call.
         ``random_model`` (a transformers config dict): seeded random non-expert weights of that model instead
         of the checkpoint's, for benchmarks of checkpoint-sized shapes (the experts come from the config's
         weight source as always). ``decode_steps``: multi-step decode, the most decode tokens per sequence one
         step may run when every sequence is decoding and no request waits (1: one token per step; default 4
-        on CUDA, 1 on CPU). ``fused_norms``: the model's RMSNorm layers take one fused kernel on CUDA where it
-        reproduces them (``models.norms``; False: transformers' own forward)."""
+        on CUDA, 1 on CPU). ``fused_kernels``: the model's RMSNorm layers and rotary embedding take fused kernels
+        on CUDA where they reproduce transformers' own (``models.norms``, ``models.rotary``; False: its own)."""
         with self._lock:
             if self._engine is None:
                 from ray_moe.serving.driver import GenerationEngine
@@ -644,7 +644,7 @@ class Runtime:
                 self._engine = GenerationEngine(self, kv_tokens=kv_tokens, block_size=block_size,
                                                 step_tokens=step_tokens, max_running=max_running,
                                                 max_queued=max_queued, random_model=random_model,
-                                                decode_steps=decode_steps, fused_norms=fused_norms)
+                                                decode_steps=decode_steps, fused_kernels=fused_kernels)
             return self._engine
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,

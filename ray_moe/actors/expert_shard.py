@@ -235,9 +235,9 @@ class ExpertShardActor:
 
     # ---------------------------------------------------------------- serving generation
     def load_model(self, kv_tokens: int, block_size: int = 16, random_model: dict | None = None,
-                   fused_norms: bool = True) -> dict[str, Any]:
+                   fused_kernels: bool = True) -> dict[str, Any]:
         return self.core.load_model(kv_tokens=kv_tokens, block_size=block_size, random_model=random_model,
-                                    fused_norms=fused_norms)
+                                    fused_kernels=fused_kernels)
 
     def generate_step(self, req: Any) -> Any:
         try:

@@ -326,10 +326,10 @@ class ShardCore:
 
     # ================================================================ serving generation
     def load_model(self, *, kv_tokens: int, block_size: int = 16, random_model: dict | None = None,
-                   fused_norms: bool = True) -> dict[str, Any]:
+                   fused_kernels: bool = True) -> dict[str, Any]:
         """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
-        config dict ``random_model``); routed experts stay this shard's slots. ``fused_norms``: the model's
-        RMSNorm layers take the fused kernel on CUDA (``models.norms``). Returns the model's limits."""
+        config dict ``random_model``); routed experts stay this shard's slots. ``fused_kernels``: the model's
+        RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``). Returns the model's limits."""
         from ray_moe.serving.engine import GenerationExecutor, PendingStep
 
         with self._step_lock:
@@ -338,7 +338,7 @@ class ShardCore:
                 self.generator = GenerationExecutor.load(
                     self.rank, checkpoint=cfg.checkpoint, random_model=random_model, num_layers=cfg.num_layers,
                     hidden_size=cfg.hidden_size, top_k=cfg.top_k, seed=cfg.seed, device=self.device,
-                    dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_norms=fused_norms)
+                    dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels)
             return self.generator.info()
 
     def generate_step(self, req: "GenStepRequest") -> "GenStepResult":

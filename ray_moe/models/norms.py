@@ -4,8 +4,9 @@ transformers' kernels hub replaces for ``@use_kernel_forward_from_hub("RMSNorm")
 transformers' Llama-style RMSNorm (Mixtral, Qwen3-MoE, DeepSeek-V3, ...) runs as separate kernels: to(float32),
 pow, mean, add, rsqrt, mul, to(dtype), then the weight mul, moving about ten times the tensor's bytes. In a
 4096-token prefill of a Qwen3-30B-A3B-shaped decoder layer (two layer norms plus the per-head q/k norms) they
-took about 0.4 ms of the layer's 2.3 ms on an H200 (measured: bench/results/logs). One Triton kernel reads
-each row once and writes it once, with the layer's arithmetic:
+took about 0.46 ms of the layer's 2.34 ms of device time on an H200; fused, an 8-layer step went from 18.7 to
+15.0 ms (measured in process, bench/results/logs/h200-s6-run6.log). One Triton kernel reads each row once and
+writes it once, with the layer's arithmetic:
 
   1. x32 = x.float(); var = mean(x32 ** 2) over the last dim            (FP32)
   2. y = (x32 * rsqrt(var + eps)).to(x.dtype)
@@ -14,7 +15,7 @@ each row once and writes it once, with the layer's arithmetic:
 ``fuse_rms_norms(model)`` gives every Llama-style RMSNorm module an instance ``forward`` that takes the kernel
 for CUDA inputs of the weight's dtype with a contiguous last dim, and the layer's own forward otherwise. A
 class is recognised by checking, once per class on the model's device, that the kernel reproduces the
-class's own forward on random rows (to one unit in the last place of the dtype); a class with another
+class's own forward on random rows (to two units in the last place of the dtype); a class with another
 formula (``(1 + weight)``, a bias, a float32 weight over bf16 inputs) fails the check and keeps its forward.
 The layer's own forward stays the reference (tests compare on CUDA); on CPU or without Triton nothing is
 replaced. ``unfuse_rms_norms`` restores every replaced forward.
@@ -29,8 +30,9 @@ from typing import Any
 import torch
 
 _ORIGINAL_ATTR = "_ray_moe_unfused_forward"
-# 1 ulp of the dtype (relative): the kernel's sum order differs from torch's reduction
-_RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-5}
+# 2 ulps of the dtype (relative): the kernel's sum order differs from torch's reduction, so the normalised
+# row can round one unit apart, which the weight multiply (also rounded) can make two
+_RTOL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 1e-5}
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         per_program = block_r * block_h
         warps = 4 if per_program <= 2048 else 8 if per_program <= 8192 else 16
         _kernel()[((n + block_r - 1) // block_r,)](rows, weight, out, n, h, float(eps), BLOCK_R=block_r,
-                                                     BLOCK_H=block_h, num_warps=warps)
+                                                     BLOCK_H=block_h, num_warps=warps, enable_fp_fusion=False)
     return out.view(x.shape)
 
 

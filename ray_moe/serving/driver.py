@@ -86,19 +86,20 @@ class GenerationEngine:
     sequence is decoding and none waits (multi-step decode: one actor call per rank for that many tokens
     per sequence; 1 turns it off). Default: 4 on CUDA, where it keeps the device fed while the host round
     trip runs; 1 on CPU (no device to keep fed: every step's load reaches the rebalancer's window and
-    requests join at every step; the CPU demo takes about the same time either way). fused_norms: the model's
-    RMSNorm layers take the fused kernel on CUDA (``models.norms``; False keeps transformers' own forward)."""
+    requests join at every step; the CPU demo takes about the same time either way). fused_kernels: the model's
+    RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
+    keeps transformers' own)."""
 
     def __init__(self, rt: "Runtime", *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
                  max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
-                 decode_steps: int | None = None, fused_norms: bool = True) -> None:
+                 decode_steps: int | None = None, fused_kernels: bool = True) -> None:
         if decode_steps is None:
             decode_steps = DEFAULT_DECODE_STEPS_CUDA if rt.cfg.device == "cuda" else 1
         if not 1 <= int(decode_steps) <= 64:  # before any shard loads the model
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
         self.rt = rt
         self.random_model = random_model
-        self.fused_norms = bool(fused_norms)
+        self.fused_kernels = bool(fused_kernels)
         self.kv_tokens, self.block_size = int(kv_tokens), int(block_size)
         self.max_queued = int(max_queued)
         self._loaded: set[int] = set()
@@ -161,7 +162,7 @@ class GenerationEngine:
         todo = [r for r in ranks if r not in self._loaded]
         infos = ray.get([self.rt.shards[r].load_model.remote(kv_tokens=self.kv_tokens, block_size=self.block_size,
                                                                random_model=self.random_model,
-                                                               fused_norms=self.fused_norms)
+                                                               fused_kernels=self.fused_kernels)
                          for r in todo]) if todo else []
         self._loaded.update(todo)
         return infos[0] if infos else {}

@@ -347,11 +347,12 @@ class GenerationExecutor:
     @classmethod
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
              top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int,
-             block_size: int, fused_norms: bool = True) -> "GenerationExecutor":
+             block_size: int, fused_kernels: bool = True) -> "GenerationExecutor":
         """A shard's model: the non-expert modules (transformers classes) from ``checkpoint``, or seeded random
         ones of the transformers config dict ``random_model`` (benchmarks). Routed experts stay the shard's
-        slots. ``num_layers`` must equal the model's MoE layer count. ``fused_norms``: the model's RMSNorm layers
-        take the fused kernel where it reproduces them (CUDA; ``models.norms``)."""
+        slots. ``num_layers`` must equal the model's MoE layer count. ``fused_kernels``: the model's RMSNorm layers
+        and rotary embedding take fused kernels where they reproduce transformers' own (CUDA; ``models.norms``,
+        ``models.rotary``)."""
         if random_model is not None:
             from transformers import AutoConfig
 
@@ -363,11 +364,13 @@ class GenerationExecutor:
                                              block_size=block_size)
         if host.moe_layers != num_layers:
             raise ValueError(f"num_layers={num_layers} but the model has {host.moe_layers} MoE layers")
-        if fused_norms:
-            host.fuse_norms()
+        if fused_kernels:
+            host.fuse_kernels()
         executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype)
         if host.norms.modules:
             executor.count("fused_norm_layers", host.norms.modules)
+        if host.rotary.modules:
+            executor.count("fused_rotary_modules", len(host.rotary.modules))
         return executor
 
     def info(self) -> dict[str, Any]:
@@ -376,7 +379,8 @@ class GenerationExecutor:
         return {"rank": self.rank, "kv_blocks": host.kv.num_blocks, "block_size": host.kv.block_size,
                 "vocab_size": host.vocab_size,
                 "max_context": int(getattr(host.config, "max_position_embeddings", 1 << 20)),
-                "eos_token_ids": host.eos_token_ids(), "fused_norms": host.norms.modules}
+                "eos_token_ids": host.eos_token_ids(), "fused_norm_layers": host.norms.modules,
+                "fused_rotary_modules": len(host.rotary.modules)}
 
     def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                decode_key: int) -> "PendingStep | MultiPending":

@@ -20,6 +20,7 @@ import torch
 
 from ray_moe.errors import ConfigError
 from ray_moe.models.norms import FusedNorms, fuse_rms_norms
+from ray_moe.models.rotary import FusedRotary, fuse_rotary
 from ray_moe.serving.kv import PagedKVCache, SeqChunk, StepLayout
 
 
@@ -58,7 +59,8 @@ class ModelHost:
         self.kv = PagedKVCache(max(1, -(-kv_tokens // block_size)), block_size, device=device, dtype=dtype)
         self._executor: Any = None
         self.vocab_size = int(self.config.vocab_size)
-        self.norms = FusedNorms()  # fuse_norms: which norm layers take the fused kernel
+        self.norms = FusedNorms()  # fuse_kernels: which norm layers take the fused kernel
+        self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -155,12 +157,13 @@ class ModelHost:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
-    def fuse_norms(self) -> FusedNorms:
-        """The model's RMSNorm layers take the fused kernel where it reproduces them (CUDA with Triton; checked
-        per class against the layer's own forward, ``models.norms``); elsewhere nothing changes."""
+    def fuse_kernels(self) -> None:
+        """The model's RMSNorm layers and rotary embedding take fused kernels where those reproduce
+        transformers' own (CUDA with Triton; checked per class / modeling module on this device and dtype:
+        ``models.norms``, ``models.rotary``); elsewhere nothing changes."""
         if self.device.type == "cuda":
             self.norms = fuse_rms_norms(self.model)
-        return self.norms
+            self.rotary = fuse_rotary(self.model, self.device, self.dtype)
 
     # ------------------------------------------------------------------ the seam
     def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,

@@ -450,3 +450,22 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
         y = (r * (1.0 / (ms + eps) ** 0.5)).to(x.dtype)
         out[i] = (w * y.float()).to(x.dtype).to(out.device)
     return out.view(x.shape)
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding one (batch, head, position) row at a time, with transformers' roundings
+    (``models.rotary``' oracle): y = round(x * cos) + round(rotate_half(x) * sin), rounded, where
+    rotate_half([x1 | x2]) = [-x2 | x1].
+
+    x: [B, H, T, D], cos / sin: [B or 1, T, D] of x's dtype -> [B, H, T, D] contiguous."""
+    b, h, t, d = x.shape
+    half = d // 2
+    out = torch.empty(b, h, t, d, dtype=x.dtype)
+    for i in range(b):
+        for j in range(h):
+            for p in range(t):
+                row = x[i, j, p].cpu()
+                c, s = cos[min(i, cos.shape[0] - 1), p].cpu(), sin[min(i, sin.shape[0] - 1), p].cpu()
+                rot = torch.cat([-row[half:], row[:half]])
+                out[i, j, p] = (row * c) + (rot * s)  # each product rounded to x's dtype, then the sum
+    return out
