@@ -329,7 +329,8 @@ class ShardCore:
                    fused_kernels: bool = True) -> dict[str, Any]:
         """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
         config dict ``random_model``); routed experts stay this shard's slots. ``fused_kernels``: the model's
-        RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``). Returns the model's limits."""
+        RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``).
+        Returns the model's limits."""
         from ray_moe.serving.engine import GenerationExecutor, PendingStep
 
         with self._step_lock:

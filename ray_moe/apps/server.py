@@ -234,7 +234,7 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
                    max_running=args.max_running, max_queued=args.max_queued,
-                   decode_steps=decode_steps)
+                   decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True))
     app_name = f"ray-moe-{args.name}"
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

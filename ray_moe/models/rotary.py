@@ -158,11 +158,13 @@ class FusedRotary:
 
 
 def _modeling_modules(model: torch.nn.Module) -> dict[str, Any]:
+    """{module name: module} of every attention class of ``model`` whose module defines the rotary function."""
     out = {}
     for m in model.modules():
         name = type(m).__module__
         mod = sys.modules.get(name)
-        if name not in out and mod is not None and callable(getattr(mod, FUNCTION, None)) and "Attention" in type(m).__name__:
+        if (name not in out and mod is not None and "Attention" in type(m).__name__
+                and callable(getattr(mod, FUNCTION, None))):
             out[name] = mod
     return out
 

@@ -245,3 +245,11 @@ def test_status_shard_lines_name_a_failed_capture():
     assert out["1"] == {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4,
                         "multi_step_requests": 2, "device_busy_s": 1.5, "capture_error": "decode: RuntimeError: x"}
     assert out["0"]["steps"] == 0 and out["0"]["capture_error"] is None
+
+
+def test_serve_fused_kernels_flag_parses():
+    from ray_moe.cli import build_parser
+
+    base = ["serve", "--checkpoint", "/tmp/x", "--ranks", "2"]
+    assert build_parser().parse_args(base).fused_kernels is True
+    assert build_parser().parse_args(base + ["--no-fused-kernels"]).fused_kernels is False
