@@ -62,12 +62,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def shard_lines(status: dict[int, dict]) -> dict[str, dict]:
     """Per rank: steps served, generation steps, captured-graph replays, deferred decode inputs, multi-step
-    decode calls, the device time its generation steps took (CUDA; 0 on CPU), and a failed CUDA-graph capture
-    (its steps then run eagerly: slower, still exact)."""
+    decode calls, the device time its generation steps took (CUDA; 0 on CPU), a failed CUDA-graph capture
+    (its steps then run eagerly: slower, still exact), and the fused kernels its model took (CUDA: norm
+    layers, rotary; what kept transformers' own and why; None without a model)."""
     keys = ("steps", "generate_steps", "graph_replays", "deferred_tokens", "multi_step_requests")
     return {str(r): {**{k: int(st.get("counters", {}).get(k, 0)) for k in keys},
                      "device_busy_s": st.get("counters", {}).get("device_busy_us", 0) / 1e6,
-                     "capture_error": st.get("capture_error")} for r, st in sorted(status.items())}
+                     "capture_error": st.get("capture_error"), "fused_kernels": st.get("fused_kernels")}
+            for r, st in sorted(status.items())}
+
+
+def fused_line(fk: dict | None) -> str:
+    """``; fused kernels: 33 norm layers, rotary`` (and what kept transformers' own), or "" when none were tried."""
+    if not fk or not (fk["norm_layers"] or fk["rotary_modules"] or fk["skipped"]):
+        return ""
+    took = [f"{fk['norm_layers']} norm layers"] if fk["norm_layers"] else []
+    took += ["rotary"] if fk["rotary_modules"] else []
+    kept = "; ".join(f"{k.rsplit('.', 1)[-1]}: {v}" for k, v in sorted(fk["skipped"].items()))
+    return (f"; fused kernels: {', '.join(took) or 'none'}"
+            + (f" (transformers' own kept for {kept})" if kept else ""))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -107,7 +120,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                f"{sh['graph_replays']} graph replays, {sh['deferred_tokens']} deferred"
                + (f", {sh['device_busy_s']:.2f} s on the device" if sh["device_busy_s"] else "")
                if sh["generate_steps"] else "no generation")
-        print(f"  rank {r}: {sh['steps']} steps, {gen}"
+        print(f"  rank {r}: {sh['steps']} steps, {gen}" + fused_line(sh["fused_kernels"])
               + (f"; CAPTURE FAILED (steps run eagerly): {sh['capture_error']}" if sh["capture_error"] else ""))
     tel = rt.telemetry_table()
     if tel:

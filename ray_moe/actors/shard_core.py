@@ -247,6 +247,7 @@ class ShardCore:
                 "graphs": len(self.executor.graphs) + (0 if self.generator is None else len(self.generator.graphs)),
                 "capture_error": self.executor.capture_error or (None if self.generator is None
                                                                  else self.generator.capture_error),
+                "fused_kernels": None if self.generator is None else self.generator.fused_kernels(),
             }
 
     # ================================================================ data path

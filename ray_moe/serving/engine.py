@@ -373,6 +373,13 @@ class GenerationExecutor:
             executor.count("fused_rotary_modules", len(host.rotary.modules))
         return executor
 
+    def fused_kernels(self) -> dict[str, Any]:
+        """Which of the model's layers take the fused kernels: norm layers (count), modeling modules whose
+        rotary embedding does, and what kept transformers' own forward and why (class or module -> reason)."""
+        host = self.host
+        return {"norm_layers": host.norms.modules, "rotary_modules": list(host.rotary.modules),
+                "skipped": {**host.norms.skipped, **host.rotary.skipped}}
+
     def info(self) -> dict[str, Any]:
         """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids."""
         host = self.host

@@ -243,7 +243,8 @@ def test_status_shard_lines_name_a_failed_capture():
                            "capture_error": "decode: RuntimeError: x"}, 0: {"counters": {}}})
     assert list(out) == ["0", "1"]
     assert out["1"] == {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4,
-                        "multi_step_requests": 2, "device_busy_s": 1.5, "capture_error": "decode: RuntimeError: x"}
+                        "multi_step_requests": 2, "device_busy_s": 1.5, "capture_error": "decode: RuntimeError: x",
+                        "fused_kernels": None}
     assert out["0"]["steps"] == 0 and out["0"]["capture_error"] is None
 
 
@@ -253,3 +254,17 @@ def test_serve_fused_kernels_flag_parses():
     base = ["serve", "--checkpoint", "/tmp/x", "--ranks", "2"]
     assert build_parser().parse_args(base).fused_kernels is True
     assert build_parser().parse_args(base + ["--no-fused-kernels"]).fused_kernels is False
+
+
+def test_fused_line_says_what_took_the_kernels_and_what_kept_its_own():
+    from ray_moe.cli import fused_line
+
+    assert fused_line(None) == ""
+    assert fused_line({"norm_layers": 0, "rotary_modules": [], "skipped": {}}) == ""  # CPU: nothing tried
+    full = {"norm_layers": 33, "rotary_modules": ["transformers.models.qwen3_moe.modeling_qwen3_moe"], "skipped": {}}
+    assert fused_line(full) == "; fused kernels: 33 norm layers, rotary"
+    part = {"norm_layers": 0, "rotary_modules": [],
+            "skipped": {"GemmaRMSNorm": "another formula: x", "transformers.models.x.modeling_x": "another signature"}}
+    line = fused_line(part)
+    assert line.startswith("; fused kernels: none (transformers' own kept for ")
+    assert "GemmaRMSNorm: another formula: x" in line and "modeling_x: another signature" in line

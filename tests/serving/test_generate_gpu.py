@@ -28,6 +28,10 @@ def test_cuda_generation_replays_whole_step_graphs(ray_session, tmp_path, family
         assert got == want
         status = rt.shard_status()[0]
         assert status["capture_error"] is None, status["capture_error"]
+        # the model's norm layers and rotary embedding took the fused kernels (and still token-equal)
+        fused = status["fused_kernels"]
+        assert fused["norm_layers"] >= 2 * model.config.num_hidden_layers and fused["rotary_modules"], fused
+        assert fused["skipped"] == {}, fused
         counters = status["counters"]
         assert counters.get("graphs_captured", 0) >= 2 and counters.get("graph_replays", 0) >= 5, counters
         # the same prompts again: the prefill step (a group of one captures it too) and the decode steps replay
