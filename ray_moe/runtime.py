@@ -57,6 +57,10 @@ from ray_moe.wire import experts_from_wire, tensor_to_wire, wire_to_tensor
 if TYPE_CHECKING:
     from ray_moe.serving.driver import GenerationEngine
 
+# the driver's background telemetry export (Prometheus + the shared snapshot) runs at most this often: an export
+# holds the driver's GIL for milliseconds, which every fourth step paid when it ran per load flush
+TELEMETRY_EXPORT_INTERVAL_S = 1.0
+
 
 class Runtime:
     """A ray-moe deployment seen from the driver."""
@@ -85,7 +89,9 @@ class Runtime:
         self.telemetry = Telemetry(f"driver-{uuid.uuid4().hex[:6]}")
         self.books = StepBooks(cfg.num_layers, cfg.num_experts, self.telemetry, release_id=cfg.name)
         self._exporter = None
-        self._publishing = False
+        self._publishing = False  # a background export is scheduled or running
+        self._published_at = float("-inf")  # when the last background export ended (monotonic)
+        self._publish_timer: threading.Timer | None = None
         self._engine = None  # the generation loop (serving)
 
     # ================================================================ lifecycle
@@ -202,6 +208,8 @@ class Runtime:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._publish_timer is not None:
+            self._publish_timer.cancel()  # a scheduled export would find the deployment gone
 
         if ray.is_initialized():
             launch.teardown(self.cfg.name, ray.get_runtime_context().namespace, coordinator=self.coordinator,
@@ -519,12 +527,15 @@ class Runtime:
             self._publish_soon()
 
     def _publish_soon(self) -> None:
-        """Telemetry export off the step path (a Prometheus export takes milliseconds): one at a time, a flush
-        while one runs is covered by it (it reads the books when it starts)."""
+        """Telemetry export off the step path (a Prometheus export takes milliseconds of the driver's GIL):
+        one at a time and at most one per ``TELEMETRY_EXPORT_INTERVAL_S``; a flush while one is scheduled or
+        running is covered by it (it reads the books when it starts), so the last steps are exported within
+        one interval. Readers in this driver (``telemetry_snapshot``) export first and never see stale books."""
         with self._lock:
             if self._publishing:
                 return
             self._publishing = True
+            delay = max(0.0, self._published_at + TELEMETRY_EXPORT_INTERVAL_S - time.monotonic())
 
         def job() -> None:
             try:
@@ -534,8 +545,12 @@ class Runtime:
             finally:
                 with self._lock:
                     self._publishing = False
+                    self._published_at = time.monotonic()
 
-        threading.Thread(target=job, name="ray-moe-telemetry", daemon=True).start()
+        timer = threading.Timer(delay, job)
+        timer.name, timer.daemon = "ray-moe-telemetry", True
+        self._publish_timer = timer
+        timer.start()
 
     def publish_telemetry(self) -> None:
         """Export this driver's telemetry to Prometheus (ray.util.metrics) and share it with ``ray-moe status``."""

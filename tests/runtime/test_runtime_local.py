@@ -174,3 +174,30 @@ def test_gloo_exchange_equals_reference(ray_session):
         assert rt.placement().generation == g1
     finally:
         rt.shutdown()
+
+
+def test_background_telemetry_export_is_rate_limited_with_a_trailing_export(rt, monkeypatch):
+    import time
+
+    import ray_moe.runtime as runtime_mod
+
+    calls = []
+    monkeypatch.setattr(runtime_mod, "TELEMETRY_EXPORT_INTERVAL_S", 0.3)
+    monkeypatch.setattr(rt, "publish_telemetry", lambda: calls.append(time.monotonic()))
+    deadline = time.monotonic() + 5
+    while rt._publishing and time.monotonic() < deadline:  # an export of earlier steps still scheduled
+        time.sleep(0.01)
+    rt._published_at = float("-inf")
+    t0 = time.monotonic()
+    for _ in range(20):  # a burst of load flushes: one export now, the rest covered by one trailing export
+        rt._publish_soon()
+    while len(calls) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(20):
+        rt._publish_soon()
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert len(calls) == 2, calls
+    assert calls[0] - t0 < 0.2  # the first one right away
+    assert calls[1] - calls[0] >= 0.29  # the trailing one an interval later, covering the second burst
