@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ray_moe.models import norms
 from ray_moe.testing.hf_models import FAMILIES, build_model
@@ -144,3 +146,20 @@ def test_cuda_fused_model_matches_its_own_norms(family):
     assert fused.skipped == {}
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 4), h=st.integers(1, 40), scale=st.floats(1e-3, 1e3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2 ** 16))
+def test_reference_matches_the_transformers_norm_for_any_width(rows, h, scale, dtype, seed):
+    """The oracle itself: within two ulps of transformers' own RMSNorm layer for any width, scale and dtype."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    layer = Qwen3MoeRMSNorm(h, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_((torch.rand(h, generator=g) + 0.5).to(dtype))
+    x = (torch.randn(rows, h, generator=g) * scale).to(dtype)
+    rtol = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 1e-5}[dtype]
+    with torch.no_grad():
+        torch.testing.assert_close(reference_rms_norm(x, layer.weight, 1e-6), layer(x), rtol=rtol, atol=1e-6)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ray_moe.models import rotary
 from ray_moe.testing.hf_models import FAMILIES, build_model
@@ -147,3 +149,20 @@ def test_cuda_fused_model_is_bit_identical(family):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         rotary.unfuse_rotary(model)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 4), t=st.integers(1, 5), half=st.integers(1, 8),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2 ** 16))
+def test_reference_is_transformers_rotary_for_any_shape(b, h, t, half, dtype, seed):
+    """The oracle itself: bit-identical to transformers' apply_rotary_pos_emb for any shape and dtype."""
+    from transformers.models.mixtral import modeling_mixtral as m
+
+    g = torch.Generator().manual_seed(seed)
+    d = 2 * half
+    q = (torch.randn(b, t, h, d, generator=g) * 4).to(dtype).transpose(1, 2)
+    ang = torch.randn(b, t, half, generator=g) * 20
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    original = getattr(m.apply_rotary_pos_emb, "__wrapped__", m.apply_rotary_pos_emb)
+    want, _ = original(q, q[:, :1], cos, sin)
+    torch.testing.assert_close(reference_rope(q, cos, sin), want, rtol=0, atol=0)
