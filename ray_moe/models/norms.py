@@ -16,9 +16,9 @@ writes it once, with the layer's arithmetic:
 for CUDA inputs of the weight's dtype with a contiguous last dim, and the layer's own forward otherwise. A
 class is recognised by checking, once per class on the model's device, that the kernel reproduces the
 class's own forward on random rows (to two units in the last place of the dtype); a class with another
-formula (``(1 + weight)``, a bias, a float32 weight over bf16 inputs) fails the check and keeps its forward.
-The layer's own forward stays the reference (tests compare on CUDA); on CPU or without Triton nothing is
-replaced. ``unfuse_rms_norms`` restores every replaced forward.
+formula (``(1 + weight)``, a bias) fails the check and keeps its forward, and inputs the kernel cannot take
+(another dtype than the weight's, a strided last dim) run the layer's own forward, call by call. The layer's
+own forward stays the reference (tests compare on CUDA); on CPU or without Triton nothing is replaced. ``unfuse_rms_norms`` restores every replaced forward.
 """
 
 from __future__ import annotations
