@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Mapping, Sequence
@@ -126,13 +126,23 @@ class TokenEvent:
 class Scheduler:
     """kv_blocks / block_size: every rank's cache; max_context: the model's positions; step_tokens: the
     prefill token budget of one rank in one step (decode tokens always run); decode_steps: the most decode
-    sub-steps of one step (multi-step decode; 1: one token per sequence per step)."""
+    sub-steps of one step (multi-step decode; 1: one token per sequence per step); keep_finished: finished
+    sequences kept for inspection (``status``), the oldest dropped first.
+
+    ``seqs`` holds the live (waiting and running) sequences only: a finished one moves to the bounded
+    ``finished`` record, so a long-running server's per-step work and memory do not grow with every request
+    it ever served; ``moved`` counts re-prefills (sequences of departed ranks) over the scheduler's life."""
 
     def __init__(self, ranks: Sequence[int], *, kv_blocks: int, block_size: int, max_context: int,
                  step_tokens: int = 2048, max_running: int = 256, eos_token_ids: Iterable[int] = (),
-                 decode_steps: int = 1) -> None:
+                 decode_steps: int = 1, keep_finished: int = 1024) -> None:
         if not 1 <= int(decode_steps) <= 64:
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
+        if int(keep_finished) < 0:
+            raise ValueError(f"keep_finished={keep_finished}: must be >= 0")
+        self.keep_finished = int(keep_finished)
+        self.finished: OrderedDict[str, SeqStatus] = OrderedDict()
+        self.moved = 0
         self.decode_steps = int(decode_steps)
         self.ranks = list(ranks)
         self.kv_blocks = int(kv_blocks)
@@ -176,8 +186,9 @@ class Scheduler:
                vocab_size: int | None = None) -> str:
         self.check(prompt, params, vocab_size)
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.seqs:
-            raise ValueError(f"request_id={rid!r} is already in use")
+        if rid in self.seqs or rid in self.finished or any(rid in names for names in self._to_free.values()):
+            # (a finished id stays refused while a step planned for it may still be committed)
+            raise ValueError(f"request_id={rid!r} is already in use (running, waiting or recently finished)")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.seqs[rid] = SeqStatus(rid, tuple(map(int, prompt)), params, seed)
         self._queue.append(rid)
@@ -189,7 +200,12 @@ class Scheduler:
             self._finish(s)
 
     def pending(self) -> int:
-        return sum(1 for s in self.seqs.values() if s.state is not SeqState.FINISHED)
+        """Requests not finished (waiting or running)."""
+        return len(self.seqs)
+
+    def status(self, rid: str) -> SeqStatus | None:
+        """A live sequence, or one of the last ``keep_finished`` finished ones; None when unknown."""
+        return self.seqs.get(rid) or self.finished.get(rid)
 
     # ------------------------------------------------------------------ membership
     def set_ranks(self, ranks: Sequence[int]) -> list[str]:
@@ -200,6 +216,7 @@ class Scheduler:
             if s.rank in gone and s.state is SeqState.RUNNING:
                 s.rank, s.cached, s.state = None, 0, SeqState.WAITING
                 s.moves += 1
+                self.moved += 1
                 moved.append(s.request_id)
         for rid in reversed(moved):
             self._queue.appendleft(rid)
@@ -220,8 +237,8 @@ class Scheduler:
                 loads[x.rank] += 1
         running = sum(loads.values())
         while self._queue and running < self.max_running:
-            s = self.seqs[self._queue[0]]
-            if s.state is SeqState.FINISHED:
+            s = self.seqs.get(self._queue[0])
+            if s is None:  # cancelled while waiting
                 self._queue.popleft()
                 continue
             need = self.blocks(s.reserve_tokens)
@@ -310,10 +327,18 @@ class Scheduler:
         return events
 
     def _finish(self, s: SeqStatus) -> None:
+        """Release its KV reservation (its rank drops the cache with the next step) and move it from the live
+        sequences to the bounded finished record (a step already planned for it finds it gone and skips it)."""
         if s.state is SeqState.RUNNING and s.rank in self._used:
             self._used[s.rank] -= self.blocks(s.reserve_tokens)
             self._to_free[s.rank].append(s.request_id)
         s.state = SeqState.FINISHED
+        self.seqs.pop(s.request_id, None)
+        if self.keep_finished:
+            self.finished[s.request_id] = s
+            self.finished.move_to_end(s.request_id)
+            while len(self.finished) > self.keep_finished:
+                self.finished.popitem(last=False)
 
 
 __all__ = ["Scheduler", "SeqStatus", "SeqState", "WorkItem", "StepPlan", "TokenEvent"]

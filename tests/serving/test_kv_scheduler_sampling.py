@@ -143,7 +143,7 @@ def test_lookahead_plan_defers_decode_tokens_and_stops_at_the_last_one():
     s.commit(p3, {a: 41})
     assert s.plan(ahead=p4).empty  # a's third and last token is in flight
     events = s.commit(p4, {a: 42})
-    assert [(e.token, e.finished) for e in events] == [(42, True)] and s.seqs[a].generated == [40, 41, 42]
+    assert [(e.token, e.finished) for e in events] == [(42, True)] and s.status(a).generated == [40, 41, 42]
 
 
 def test_lookahead_drops_the_token_after_an_end_of_sequence():
@@ -153,7 +153,7 @@ def test_lookahead_drops_the_token_after_an_end_of_sequence():
     p2 = s.plan(ahead=p1)
     assert [e.token for e in s.commit(p1, {a: 2})] == [2]  # end of sequence
     assert s.commit(p2, {a: 9}) == []  # the speculative step's token is dropped
-    assert s.seqs[a].generated == [2] and s.pending() == 0 and s._used[0] == 0
+    assert s.status(a).generated == [2] and s.pending() == 0 and s._used[0] == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -191,6 +191,7 @@ def test_pipelined_scheduler_serves_every_request_exactly_its_tokens(lens, new, 
         assert 1 <= len(toks) <= new and (len(toks) == new or toks[-1] == 99)
         assert all(t == n + j for j, t in enumerate(toks) if t != 99)  # each sampled for its own position
     assert all(v == 0 for v in s._used.values())
+    assert s.seqs == {} and sorted(s.finished) == sorted(rids)  # finished ones leave the live set
 
 
 def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise():
@@ -229,9 +230,9 @@ def test_multi_step_decode_plans_bounded_sub_steps_only_for_pure_decode():
         s.commit(p2, {a: (11,), b: (21, 22)})
     ev = s.commit(p2, {a: (11, 12), b: (21, 22)})
     assert [(e.token, e.finished) for e in ev] == [(11, False), (12, False), (21, False), (22, True)]
-    assert s.seqs[a].cached == 4 and s.seqs[b].state.value == "FINISHED"
+    assert s.seqs[a].cached == 4 and s.status(b).state.value == "FINISHED"
     ev = s.commit(p3, {a: (13, 2, 14, 15)})  # end of sequence at the second sub-step: the rest dropped
-    assert [e.token for e in ev] == [13, 2] and ev[-1].finished and s.seqs[a].generated == [10, 11, 12, 13, 2]
+    assert [e.token for e in ev] == [13, 2] and ev[-1].finished and s.status(a).generated == [10, 11, 12, 13, 2]
     assert s.pending() == 0 and s._used[0] == 0
     c = s.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
     s.commit(s.plan(), {c: 3})
@@ -240,3 +241,43 @@ def test_multi_step_decode_plans_bounded_sub_steps_only_for_pure_decode():
     assert s.plan().steps == 1
     with pytest.raises(ValueError, match="decode_steps=0"):
         Scheduler([0], kv_blocks=4, block_size=4, max_context=64, decode_steps=0)
+
+
+def test_finished_sequences_leave_the_live_set_and_their_record_is_bounded():
+    """A long-running server: per-step work and memory follow the live requests, not every request served."""
+    s = Scheduler([0, 1], kv_blocks=64, block_size=4, max_context=256, keep_finished=8)
+    served = 0
+    for _ in range(50):
+        rids = [s.submit([1, 2, 3], SamplingParams(max_new_tokens=2)) for _ in range(10)]
+        while s.pending():
+            plan = s.plan()
+            sampled = {it.seq_id: 5 for its in plan.items.values() for it in its if it.sample is not None}
+            served += sum(ev.finished for ev in s.commit(plan, sampled))
+        assert s.seqs == {} and len(s.finished) == 8
+    assert served == 500 and all(v == 0 for v in s._used.values())
+    assert s.status(rids[-1]).generated == [5, 5] and s.status(rids[-1]).state is SeqState.FINISHED
+    assert s.status(rids[0]) is None and s.status("req-0") is None  # the oldest records were dropped
+    with pytest.raises(ValueError, match="keep_finished=-1"):
+        Scheduler([0], kv_blocks=4, block_size=4, max_context=64, keep_finished=-1)
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_a_finished_request_id_is_refused_while_a_step_for_it_may_still_commit(keep):
+    s = Scheduler([0], kv_blocks=16, block_size=4, max_context=256, eos_token_ids=[2], keep_finished=keep)
+    s.submit([5, 6], SamplingParams(max_new_tokens=8), request_id="x")
+    p1 = s.plan()
+    p2 = s.plan(ahead=p1)  # a decode step for x, planned before x's end of sequence is known
+    assert [it.seq_id for it in p2.items[0]] == ["x"]
+    assert [e.finished for e in s.commit(p1, {"x": 2})] == [True]
+    with pytest.raises(ValueError, match="request_id='x' is already in use"):
+        s.submit([1], SamplingParams(max_new_tokens=1), request_id="x")
+    assert s.commit(p2, {"x": 9}) == []  # the old step's token goes nowhere
+    p3 = s.plan()  # carries x's free to its rank
+    assert p3.free[0] == ("x",)
+    s.commit(p3, {})
+    if keep:  # still in the finished record: refused by name until it ages out
+        with pytest.raises(ValueError, match="recently finished"):
+            s.submit([1], SamplingParams(max_new_tokens=1), request_id="x")
+    else:  # nothing in flight can name it any more: the id is free again
+        assert s.submit([1], SamplingParams(max_new_tokens=1), request_id="x") == "x"
+        assert s.status("x").state is SeqState.WAITING and s.status("x").generated == []
