@@ -11,8 +11,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>
 for what in "$@"; do
   case $what in
     tests)    run 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests -W ignore ;;
-    skinny)   run 120 python3 -m ray_moe.bench.skinny ;;
-    layer)    run 250 python3 -m ray_moe.bench.moe_layer --layers 4 --iters 30 ;;
-    generate) run 330 python3 -m ray_moe.bench.generate --layers 8 --prefill 4096 --batches 1 32 128 --new-tokens 17 --reps 3 ;;
+    skinny)   run 120 python3 -m ray_moe_bench.skinny ;;
+    layer)    run 250 python3 -m ray_moe_bench.moe_layer --layers 4 --iters 30 ;;
+    generate) run 330 python3 -m ray_moe_bench.generate --layers 8 --prefill 4096 --batches 1 32 128 --new-tokens 17 --reps 3 ;;
   esac
 done

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -43,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     import ray_moe
-    from ray_moe.env import read_env
-    from ray_moe.experts.source import weight_source
-    from ray_moe.testing.reference_model import reference_forward
+    from ray_moe.core.env import read_env
+    from ray_moe.model.source import weight_source
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the reference lives in the checkout
+    from ray_moe_dev.testing.reference_model import reference_forward
 
     env = read_env()
     ray.init(address=env.ray_address or "auto", namespace=env.namespace, log_to_driver=False)

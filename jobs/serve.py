@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from ray_moe.cli import main
+from ray_moe.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", *sys.argv[1:]]))

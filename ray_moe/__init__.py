@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ray_moe.config import RuntimeConfig
-from ray_moe.types import Phase
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.core.types import Phase
 
 __version__ = "0.1.0"
 

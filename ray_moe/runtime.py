@@ -28,16 +28,16 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_moe.actors.coordinator import coordinator_name
-from ray_moe.actors.expert_shard import shard_actor_class
-from ray_moe.actors.remote import call
-from ray_moe.actors.step import StepRequest, StepResult
-from ray_moe.config import RuntimeConfig
-from ray_moe.dispatch.exchange.mailbox import ExchangeAborted
-from ray_moe.dispatch.records import RouteBatch
-from ray_moe.env import EnvSettings, read_env
-from ray_moe.experts.source import weight_source
-from ray_moe.errors import (
+from ray_moe.ray.coordinator import coordinator_name
+from ray_moe.ray.shard_actor import shard_actor_class
+from ray_moe.ray.remote import call
+from ray_moe.shard.pipeline import StepRequest, StepResult
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.moe.exchange.mailbox import ExchangeAborted
+from ray_moe.core.routes import RouteBatch
+from ray_moe.core.env import EnvSettings, read_env
+from ray_moe.model.source import weight_source
+from ray_moe.core.errors import (
     ExchangeTimeoutError,
     RankDeadError,
     RequestError,
@@ -45,17 +45,18 @@ from ray_moe.errors import (
     StaleGenerationError,
     root_cause,
 )
-from ray_moe.experts.weights import parse_dtype
+from ray_moe.moe.experts.weights import parse_dtype
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import NodeInfo, ProcessGroupSpec, RankInfo, Topology
-from ray_moe.step_gate import StepGate
-from ray_moe.telemetry.books import RuntimeStats, StepBooks
-from ray_moe.telemetry.metrics import Telemetry, TelemetrySnapshot, merge_snapshots
-from ray_moe.types import ExchangeKind, Phase
-from ray_moe.wire import experts_from_wire, tensor_to_wire, wire_to_tensor
+from ray_moe.driver.gate import StepGate
+from ray_moe.driver.books import RuntimeStats, StepBooks
+from ray_moe.core.telemetry.metrics import Telemetry, TelemetrySnapshot, merge_snapshots
+from ray_moe.core.types import ExchangeKind, Phase
+from ray_moe.core.wire import tensor_to_wire, wire_to_tensor
+from ray_moe.moe.experts.weights import experts_from_wire
 
 if TYPE_CHECKING:
-    from ray_moe.serving.driver import GenerationEngine
+    from ray_moe.driver.loop import GenerationEngine
 
 # the driver's background telemetry export (Prometheus + the shared snapshot) runs at most this often: an export
 # holds the driver's GIL for milliseconds, which every fourth step paid when it ran per load flush
@@ -100,14 +101,14 @@ class Runtime:
               timeout_s: float = 60.0, detached: bool = False) -> "Runtime":
         """Create the coordinator, the placement group and one shard actor per rank; publish generation 0.
 
-        All or nothing (``ray_moe.actors.launch``): the config and the checkpoint are validated here in the
+        All or nothing (``ray_moe.ray.launch``): the config and the checkpoint are validated here in the
         driver before any actor starts (``ConfigError``); a failure after that removes every actor and
         placement group this start created, frees the coordinator name and raises ``DeploymentStartError``
         naming the stage and the root cause. ``timeout_s`` bounds the wait for resources (a placement group
         that cannot be placed raises ``ResourcesUnavailableError`` naming what is missing and who holds it)
         and for the shards to start. ``detached``: the actors and placement group outlive this driver (a
         new driver reattaches with ``Runtime.connect(name)``; stop it with ``shutdown``)."""
-        from ray_moe.actors import launch
+        from ray_moe.ray import launch
 
         cfg, source = launch.validate_start(cfg)  # checkpoint shapes and headers checked here, before any actor
         env = read_env()
@@ -203,7 +204,7 @@ class Runtime:
     def shutdown(self) -> None:
         """Stop every actor of the deployment and free its placement groups, its durable coordinator record
         and its name (waited for, bounded)."""
-        from ray_moe.actors import launch
+        from ray_moe.ray import launch
 
         if self._engine is not None:
             self._engine.close()
@@ -249,7 +250,7 @@ class Runtime:
     def moe_executor(self) -> "LayerExecutor":
         """An executor for transformers' ``ray_moe`` experts seam: every MoE block of a driver-side model
         runs its routed experts as one ``forward(..., layer=l)`` step of this deployment
-        (``ray_moe.models.seam.bind(model, rt.moe_executor())``)."""
+        (``ray_moe.model.seam.bind(model, rt.moe_executor())``)."""
         return LayerExecutor(self)
 
     def _layers(self, layer: int | None) -> tuple[int, ...] | None:
@@ -557,7 +558,7 @@ class Runtime:
         snap = self.telemetry.snapshot()
         try:
             if self._exporter is None:
-                from ray_moe.telemetry.prometheus import PrometheusExporter
+                from ray_moe.ray.prometheus import PrometheusExporter
 
                 self._exporter = PrometheusExporter()
             self._exporter.export(snap)
@@ -651,7 +652,7 @@ class Runtime:
         on CUDA where they reproduce transformers' own (``models.norms``, ``models.rotary``; False: its own)."""
         with self._lock:
             if self._engine is None:
-                from ray_moe.serving.driver import GenerationEngine
+                from ray_moe.driver.loop import GenerationEngine
 
                 if not self.cfg.checkpoint and random_model is None:
                     raise ValueError("checkpoint=None: generation needs a model folder "
@@ -696,7 +697,7 @@ class Runtime:
                 yield item
 
     def _submit_all(self, prompts, max_new_tokens, temperature, top_p, seed) -> list:
-        from ray_moe.serving.sampling import SamplingParams
+        from ray_moe.model.sampling import SamplingParams
 
         engine = self.serving()
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

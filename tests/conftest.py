@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from ray_moe.moe.decode.graphs import CapturedStep
+
 
 def pytest_collection_modifyitems(config, items):
     try:
@@ -35,3 +37,28 @@ def ray_session():
                  log_to_driver=False, namespace="ray-moe-tests")
     yield ray
     ray.shutdown()
+
+
+# ---- the static-shape (CUDA-graph) step paths on CPU
+class EagerCapture(CapturedStep):
+    """A captured step without CUDA: 'capture' keeps the body, 'replay' copies the staged inputs into the
+    captured buffers (same names and shapes, as a graph replay requires) and runs the body eagerly."""
+
+    def capture(self, body):
+        self.body = body
+
+    def replay(self, staged):
+        assert staged.keys() == self.inputs.keys()
+        for name, t in staged.items():
+            assert t.shape == self.inputs[name].shape, name
+            self.inputs[name].copy_(t)
+        return self.body(self.inputs)
+
+
+@pytest.fixture
+def eager_capture(monkeypatch):
+    """The static-shape (CUDA-graph) step paths on CPU: generation captures become ``EagerCapture``."""
+    import ray_moe.shard.generation as engine
+
+    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
+    return EagerCapture

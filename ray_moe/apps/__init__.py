@@ -7,6 +7,6 @@
     server.py           ``ray-moe serve``: OpenAI-compatible completions over Ray Serve
 
 Code here may use ``ray_moe.runtime``, the coordinator's remote methods (through ``ReleaseClient``) and the
-test oracles of ``ray_moe.testing``; the runtime, the actors and the pure packages (``placement``,
+test oracles of ``ray_moe_dev.testing``; the runtime, the actors and the pure packages (``placement``,
 ``dispatch``, ``phases``, ``release``, ...) never import it.
 """

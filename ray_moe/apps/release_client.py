@@ -23,12 +23,12 @@ from typing import Any
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from ray_moe.actors.remote import call
+from ray_moe.ray.remote import call
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.release.bundle import ReleaseBundle
 from ray_moe.release.gate import GateVerdict
 from ray_moe.release.lifecycle import ReleaseRecord, TransitionEvent
-from ray_moe.types import ReleaseState
+from ray_moe.core.types import ReleaseState
 
 
 class ShardFault(str, Enum):

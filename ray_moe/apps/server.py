@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ray_moe.errors import RayMoEError
+from ray_moe.core.errors import RayMoEError
 
 
 class CompletionRequest(BaseModel):
@@ -131,8 +131,8 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 ids = self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
             else:
                 ids = list(req.prompt)
-            from ray_moe.serving.driver import OverloadedError
-            from ray_moe.serving.sampling import SamplingParams
+            from ray_moe.driver.loop import OverloadedError
+            from ray_moe.model.sampling import SamplingParams
 
             params = SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     seed=req.seed)
@@ -214,8 +214,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     import ray
     from ray import serve
 
-    from ray_moe.config import RuntimeConfig
-    from ray_moe.env import read_env
+    from ray_moe.model.config import RuntimeConfig
+    from ray_moe.core.env import read_env
     from ray_moe.runtime import Runtime
 
     decode_steps = getattr(args, "decode_steps", None)

@@ -5,7 +5,7 @@
 solved at once: hierarchical policy when ``num_groups % num_nodes == 0``, else the global policy (one
 group on one node). The vectorised solver and its arithmetic contract are in
 :mod:`ray_moe.placement.eplb_solver`; the loop-form oracle it must match bit for bit is
-:mod:`ray_moe.testing.eplb_reference`.
+:mod:`ray_moe_dev.testing.eplb_reference`.
 
 Two options go beyond the source; both are OFF by default and change nothing when off:
 

@@ -11,7 +11,7 @@ solved at once; :func:`ray_moe.placement.eplb.rebalance_experts` is the entry po
 * ``replicate_experts`` runs one ``argmax`` step per redundant slot over all rows.
 
 The arithmetic contract (float32 loads, left-to-right group sums, stable descending sort, first
-index on ties) is written out in :mod:`ray_moe.testing.eplb_reference`, the loop-form oracle that
+index on ties) is written out in :mod:`ray_moe_dev.testing.eplb_reference`, the loop-form oracle that
 this module must match bit for bit. Against the public torch code itself, phy2log and logcnt agree
 on tie-free loads; log2phy can differ in the *order* of one expert's copies when a node has more than
 about 16 copies, because ``torch.sort`` is not stable there and copies of one expert always tie.

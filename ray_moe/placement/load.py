@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ray_moe.types import Phase
+from ray_moe.core.types import Phase
 
 __all__ = ["LoadMatrix", "LoadObservation", "LoadProvenance", "LoadWindow"]
 

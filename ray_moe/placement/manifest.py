@@ -17,7 +17,7 @@ from typing import Iterable
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
-from ray_moe.types import GenerationState, placement_version
+from ray_moe.core.types import GenerationState, placement_version
 
 
 class SlotSpec(BaseModel):

@@ -34,7 +34,7 @@ from typing import Final, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ray_moe.errors import AdmissionError
+from ray_moe.core.errors import AdmissionError
 from ray_moe.placement.layout import ParallelLayout, PhysicalUnit
 from ray_moe.placement.manifest import PlacementManifest, SlotSpec
 from ray_moe.placement.topology import Topology

@@ -34,9 +34,9 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Callable, Final, Mapping
 
-from ray_moe.errors import GenerationError, StaleGenerationError
+from ray_moe.core.errors import GenerationError, StaleGenerationError
 from ray_moe.placement.manifest import PlacementManifest
-from ray_moe.types import GenerationId, GenerationState, placement_version
+from ray_moe.core.types import GenerationId, GenerationState, placement_version
 
 __all__ = [
     "GenerationAction",

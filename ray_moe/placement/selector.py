@@ -10,9 +10,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ray_moe.dispatch.records import SemanticRoutes
+from ray_moe.core.routes import SemanticRoutes
 from ray_moe.placement.snapshot import PlacementSnapshot
-from ray_moe.types import ReplicaPolicy
+from ray_moe.core.types import ReplicaPolicy
 
 
 def _rank_within_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:

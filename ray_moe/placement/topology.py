@@ -12,7 +12,7 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_moe.types import RouteClass
+from ray_moe.core.types import RouteClass
 
 
 class RankInfo(BaseModel):

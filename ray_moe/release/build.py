@@ -3,7 +3,7 @@
 * the release coordinates of a placement generation (``ReleaseInputs`` -> ``ReleaseBundle``): checkpoint
   digest from the expert digests, placement digest, process-group generation, ABIs, dtype roles, phase
   backends from the config, the graph manifest digest and the upstream reports it binds;
-* the step schedule a release binds (``ray_moe.analysis.overlap_schedule``) and its validation: a schedule with a
+* the step schedule a release binds (``ray_moe.release.schedule``) and its validation: a schedule with a
   missing completion dependency is rejected and no release binds it (fault 9);
 * the load check that refuses a bundle whose process group or topology is not the live one (fault 2).
 
@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ray_moe.config import RuntimeConfig
-from ray_moe.analysis.overlap_schedule import buffer_lifetimes, moe_step_buffers, moe_step_tasks, schedule_overlapped, Task
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.release.schedule import buffer_lifetimes, moe_step_buffers, moe_step_tasks, schedule_overlapped, Task
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.release.bundle import (
     BackendManifest,

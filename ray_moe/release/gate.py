@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray_moe.release.bundle import BundleCheck
 from ray_moe.release.faults import FaultReport
 from ray_moe.release.rollback import RollbackReport
-from ray_moe.telemetry.metrics import MetricName, TelemetrySnapshot
-from ray_moe.telemetry.ratios import Ratio
+from ray_moe.core.telemetry.metrics import MetricName, TelemetrySnapshot
+from ray_moe.core.telemetry.ratios import Ratio
 
 
 class RatioCounts(BaseModel):

@@ -23,13 +23,19 @@ import threading
 from dataclasses import dataclass, replace
 from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, Protocol
 
 from ray_moe.release.bundle import ReleaseBundle
-from ray_moe.types import ReleaseState
+from ray_moe.core.types import ReleaseState
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ray_moe.release.gate import GateVerdict
+
+class Verdict(Protocol):
+    """What promotion reads of a gate verdict (``release.gate.GateVerdict`` is one): the release it judged
+    and whether every clause held."""
+
+    release_id: str
+    passed: bool
+
 
 S = ReleaseState
 
@@ -220,7 +226,7 @@ class ReleaseRegistry:
             self._records[bundle.release_id] = rec
             return rec
 
-    def _apply(self, release_id: str, dst: ReleaseState, reason: str, *, verdict: "GateVerdict | None" = None) -> ReleaseRecord:
+    def _apply(self, release_id: str, dst: ReleaseState, reason: str, *, verdict: "Verdict | None" = None) -> ReleaseRecord:
         """One guarded step, caller holds the lock.
 
         1. Look the edge up in the table (illegal -> error naming both states).
@@ -283,7 +289,7 @@ class ReleaseRegistry:
                 raise ValueError(f"release {release_id}: canary fraction needs state CANARY, got {rec.state.value}")
             self._canary_fraction = float(fraction)
 
-    def promote(self, release_id: str, verdict: "GateVerdict") -> str | None:
+    def promote(self, release_id: str, verdict: Verdict) -> str | None:
         """CANARY -> ACTIVE under a passing verdict; the previous ACTIVE release goes DRAINING.
 
         Returns the superseded release id (the caller drains it, then moves it to LOADED or RETIRED).

@@ -13,13 +13,13 @@ import torch
 
 import ray_moe
 from ray_moe.apps.release_client import ReleaseClient, ShardFault, StageKind, StageReport
-from ray_moe.errors import CountAgreementError, root_cause
-from ray_moe.experts.source import weight_source
+from ray_moe.core.errors import CountAgreementError, root_cause
+from ray_moe.model.source import weight_source
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.release.build import ReleaseInputs, build_release_bundle, check_step_schedule, step_tasks
 from ray_moe.release.lifecycle import ReleaseRecord, TransitionEvent
-from ray_moe.testing.reference import reference_moe
-from ray_moe.types import ReleaseState as S
+from ray_moe_dev.testing.reference import reference_moe
+from ray_moe.core.types import ReleaseState as S
 from tests.release.test_lifecycle import passing_verdict
 
 CFG = dict(num_ranks=3, num_experts=6, hidden_size=16, ffn_size=32, top_k=2, slots_per_rank=3, seed=3,

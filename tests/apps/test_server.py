@@ -19,7 +19,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from ray_moe.apps.server import run_server  # noqa: E402
-from ray_moe.testing.hf_models import save_char_tokenizer, tiny_model
+from ray_moe_dev.testing.hf_models import save_char_tokenizer, tiny_model
 
 KEY = "test-key-123"
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ray_moe.placement.eplb import EPLBResult, rebalance_experts, validate_result
 from ray_moe.placement.eplb_solver import balanced_packing, ideal_rank_loads, replicate_experts, slots_changed
-from ray_moe.testing.eplb_reference import (
+from ray_moe_dev.testing.eplb_reference import (
     balanced_packing_row,
     rebalance_experts_reference,
     replicate_experts_row,
@@ -303,7 +303,7 @@ class TestGlobalFallback:
                 rebalance_experts_reference(w, 48, 6, nodes, gpus)
 
     def test_runtime_config_accepts_groups_that_do_not_divide_experts(self):
-        from ray_moe.config import RuntimeConfig
+        from ray_moe.model.config import RuntimeConfig
 
         cfg = RuntimeConfig(num_ranks=8, num_experts=32, hidden_size=8, ffn_size=16, top_k=2, slots_per_rank=6,
                             num_groups=6)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from ray_moe.placement.load import LoadProvenance, LoadWindow
-from ray_moe.types import Phase
+from ray_moe.core.types import Phase
 
 CK = "checkpoint-0042"
 

@@ -18,8 +18,8 @@ from ray_moe.placement.topology import (
     Topology,
     check_group_in_topology,
 )
-from ray_moe.testing import fixtures as fx
-from ray_moe.types import GenerationState
+from ray_moe_dev.testing import fixtures as fx
+from ray_moe.core.types import GenerationState
 
 SIX_SLOT_TABLE = [  # 0x02B1: slot, logical expert, replica, rank, domain, checkpoint
     ("q0", 0, "e0-r0", 0, "node-0", "checkpoint-0042"),

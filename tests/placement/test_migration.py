@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.errors import AdmissionError
+from ray_moe.core.errors import AdmissionError
 from ray_moe.placement.layout import ParallelLayout
 from ray_moe.placement.manifest import PlacementManifest, manifest_from_assignment
 from ray_moe.placement.migration import (
@@ -20,7 +20,7 @@ from ray_moe.placement.migration import (
     plan_migration,
 )
 from ray_moe.placement.topology import Topology
-from ray_moe.testing.fixtures import CHECKPOINT, topology
+from ray_moe_dev.testing.fixtures import CHECKPOINT, topology
 
 EXPERT_BYTES = 36  # BF16 SwiGLU d=2, d_ff=3: 3*2*3 = 18 elements * 2 B (spec 0x08F)
 DIGESTS = {(0, e): f"expert-{e}-state-v42" for e in range(4)}

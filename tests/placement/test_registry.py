@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ray_moe.errors import GenerationError, StaleGenerationError
+from ray_moe.core.errors import GenerationError, StaleGenerationError
 from ray_moe.placement.registry import (
     TRANSITIONS,
     GenerationAction,
@@ -19,8 +19,8 @@ from ray_moe.placement.registry import (
     Lease,
     RegistryEventKind,
 )
-from ray_moe.testing.fixtures import six_slot_manifest
-from ray_moe.types import GenerationState as S
+from ray_moe_dev.testing.fixtures import six_slot_manifest
+from ray_moe.core.types import GenerationState as S
 
 A = GenerationAction
 

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.dispatch.records import RouteBatch, SemanticRoutes
+from ray_moe.core.routes import RouteBatch, SemanticRoutes
 from ray_moe.placement.manifest import manifest_from_assignment
 from ray_moe.placement.selector import (
     ExplicitSelector,
@@ -29,8 +29,8 @@ from ray_moe.placement.selector import (
 )
 from ray_moe.placement.snapshot import PlacementSnapshot
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
-from ray_moe.testing import fixtures as fx
-from ray_moe.types import ReplicaPolicy, RouteClass
+from ray_moe_dev.testing import fixtures as fx
+from ray_moe.core.types import ReplicaPolicy, RouteClass
 
 POLICIES = [p.value for p in ReplicaPolicy if p is not ReplicaPolicy.EXPLICIT]  # explicit needs an assignment
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ray_moe.config import RuntimeConfig
-from ray_moe.analysis.overlap_schedule import Task
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.release.schedule import Task
 from ray_moe.release.build import (
     UPSTREAM_REPORT_NAMES,
     ReleaseInputs,
@@ -23,7 +23,7 @@ from ray_moe.release.build import (
     process_group_generation,
     step_tasks,
 )
-from ray_moe.testing.fixtures import six_slot_manifest
+from ray_moe_dev.testing.fixtures import six_slot_manifest
 
 CFG = RuntimeConfig(num_ranks=4, num_experts=4, hidden_size=8, ffn_size=16, top_k=2, slots_per_rank=2)
 
@@ -100,7 +100,7 @@ def test_release_package_is_pure():
         "mods = [m.name for m in pkgutil.iter_modules(p.__path__, 'ray_moe.release.')]\n"
         "[importlib.import_module(m) for m in mods]\n"
         "bad = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.') or m.startswith(("
-        "'ray_moe.runtime', 'ray_moe.actors', 'ray_moe.testing', 'ray_moe.apps')))\n"
+        "'ray_moe.runtime', 'ray_moe.shard', 'ray_moe_dev.testing', 'ray_moe.apps')))\n"
         "print(len(mods), bad)\n"
     )
     root = str(Path(__file__).resolve().parents[2])  # this checkout's ray_moe, not an installed one

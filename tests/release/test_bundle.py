@@ -19,7 +19,7 @@ from ray_moe.release.bundle import (
     canonical_json,
     report_digest,
 )
-from ray_moe.testing.fixtures import six_slot_manifest
+from ray_moe_dev.testing.fixtures import six_slot_manifest
 
 NAME = "m66-placement-v19-canary-01"
 

@@ -19,8 +19,8 @@ from ray_moe.release.gate import (
     RatioCounts,
     gather_evidence,
 )
-from ray_moe.telemetry.metrics import MetricName, Telemetry
-from tests.telemetry.test_ratios import spec_cells
+from ray_moe.core.telemetry.metrics import MetricName, Telemetry
+from tests.core.telemetry.test_ratios import spec_cells
 
 REL = "m66-placement-v19-canary-01"
 
@@ -125,7 +125,7 @@ def test_bad_evidence_names_the_field():
 def test_gather_evidence_from_artifacts():
     from tests.release.test_bundle import spec_release, upstream_reports
     from tests.release.test_rollback import spec_rollback_report
-    from ray_moe.testing.fixtures import six_slot_manifest
+    from ray_moe_dev.testing.fixtures import six_slot_manifest
 
     bundle = spec_release()
     rid = bundle.release_id

@@ -16,8 +16,8 @@ from ray_moe.release.lifecycle import (
     ReleaseRegistry,
     check_edge,
 )
-from ray_moe.testing.fixtures import six_slot_manifest
-from ray_moe.types import ReleaseState as S
+from ray_moe_dev.testing.fixtures import six_slot_manifest
+from ray_moe.core.types import ReleaseState as S
 from tests.release.test_bundle import spec_release, synthetic_digest
 from tests.release.test_gate import spec_evidence
 

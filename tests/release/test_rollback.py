@@ -20,7 +20,7 @@ from ray_moe.release.rollback import (
     RollbackTarget,
     rollback,
 )
-from ray_moe.types import ReleaseState as S
+from ray_moe.core.types import ReleaseState as S
 from tests.release.test_bundle import spec_release
 from tests.release.test_lifecycle import bring_up, passing_verdict, prior_release
 

@@ -12,9 +12,9 @@ import ray
 import torch
 
 import ray_moe
-from ray_moe.actors.remote import call
+from ray_moe.ray.remote import call
 from ray_moe.apps.release_client import ReleaseClient
-from ray_moe.errors import (
+from ray_moe.core.errors import (
     ExpertUnavailableError,
     GenerationError,
     RayMoEError,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ray_moe
-from ray_moe.cli import main, shown_generations
+from ray_moe.apps.cli import main, shown_generations
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -236,7 +236,7 @@ def test_demo_smoke(ray_session, tmp_path, capsys):
 
 
 def test_status_shard_lines_name_a_failed_capture():
-    from ray_moe.cli import shard_lines
+    from ray_moe.apps.cli import shard_lines
 
     out = shard_lines({1: {"counters": {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4,
                                         "multi_step_requests": 2, "device_busy_us": 1_500_000},
@@ -249,7 +249,7 @@ def test_status_shard_lines_name_a_failed_capture():
 
 
 def test_serve_fused_kernels_flag_parses():
-    from ray_moe.cli import build_parser
+    from ray_moe.apps.cli import build_parser
 
     base = ["serve", "--checkpoint", "/tmp/x", "--ranks", "2"]
     assert build_parser().parse_args(base).fused_kernels is True
@@ -257,7 +257,7 @@ def test_serve_fused_kernels_flag_parses():
 
 
 def test_fused_line_says_what_took_the_kernels_and_what_kept_its_own():
-    from ray_moe.cli import fused_line
+    from ray_moe.apps.cli import fused_line
 
     assert fused_line(None) == ""
     assert fused_line({"norm_layers": 0, "rotary_modules": [], "skipped": {}}) == ""  # CPU: nothing tried

@@ -11,7 +11,7 @@ import pytest
 
 
 def _run(schedule: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "ray_moe.testing.cluster_check", schedule],
+    proc = subprocess.run([sys.executable, "-m", "ray_moe_dev.testing.cluster_check", schedule],
                           capture_output=True, text=True, timeout=240)
     line = [l for l in proc.stdout.splitlines() if l.startswith("CLUSTER_CHECK ")]
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,8 +8,8 @@ import torch
 
 import ray_moe
 from ray_moe.apps.release_client import ReleaseClient, ShardFault
-from ray_moe.experts.source import weight_source
-from ray_moe.testing.reference import reference_moe
+from ray_moe.model.source import weight_source
+from ray_moe_dev.testing.reference import reference_moe
 
 CFG = dict(num_ranks=4, num_experts=8, hidden_size=16, ffn_size=32, top_k=2, slots_per_rank=3, seed=5,
            decode_token_capacity=4, tagged_weights=True, name="decode-buckets")

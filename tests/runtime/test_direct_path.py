@@ -10,10 +10,10 @@ import torch
 
 import ray_moe
 from ray_moe.apps.release_client import ReleaseClient, ShardFault
-from ray_moe.errors import CountAgreementError, RouteValidationError
-from ray_moe.experts.source import weight_source
-from ray_moe.testing.reference import reference_moe
-from ray_moe.types import DispatchPath
+from ray_moe.core.errors import CountAgreementError, RouteValidationError
+from ray_moe.model.source import weight_source
+from ray_moe_dev.testing.reference import reference_moe
+from ray_moe.core.types import DispatchPath
 
 CFG = dict(num_ranks=3, num_experts=6, hidden_size=32, ffn_size=48, top_k=2, slots_per_rank=3, seed=5,
            decode_buckets=False)

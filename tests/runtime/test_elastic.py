@@ -16,9 +16,9 @@ import ray
 import torch
 
 import ray_moe
-from ray_moe.errors import AdmissionError, ExpertUnavailableError, root_cause
-from ray_moe.experts.source import weight_source
-from ray_moe.testing.reference import reference_moe
+from ray_moe.core.errors import AdmissionError, ExpertUnavailableError, root_cause
+from ray_moe.model.source import weight_source
+from ray_moe_dev.testing.reference import reference_moe
 
 BASE = dict(num_ranks=4, num_experts=8, hidden_size=16, ffn_size=32, top_k=2, slots_per_rank=3, seed=11,
             tagged_weights=True, exchange_timeout_s=20.0)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ray_moe
-from ray_moe.experts.source import weight_source
-from ray_moe.testing.reference import reference_moe
+from ray_moe.model.source import weight_source
+from ray_moe_dev.testing.reference import reference_moe
 
 BASE = dict(num_ranks=2, num_experts=8, hidden_size=256, ffn_size=128, top_k=2, slots_per_rank=5, seed=2,
             dtype="bfloat16")

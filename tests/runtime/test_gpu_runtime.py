@@ -27,11 +27,11 @@ import torch
 
 import ray_moe
 from ray_moe.apps.release_client import ReleaseClient
-from ray_moe.experts.source import weight_source
+from ray_moe.model.source import weight_source
 from ray_moe.runtime import Runtime
-from ray_moe.testing.reference import reference_moe
-from ray_moe.testing.reference_model import reference_forward
-from ray_moe.types import ExchangeKind
+from ray_moe_dev.testing.reference import reference_moe
+from ray_moe_dev.testing.reference_model import reference_forward
+from ray_moe.core.types import ExchangeKind
 
 pytestmark = pytest.mark.gpu
 
@@ -199,7 +199,7 @@ class TestTwoGpusBf16:
     def test_live_scale_copies_over_nccl_under_traffic(self, rt_bf16):
         import ray
 
-        from ray_moe.wire import experts_from_wire
+        from ray_moe.moe.experts.weights import experts_from_wire
 
         cfg = rt_bf16.cfg
         expert = 3  # one copy, on rank 0 (slots 0..4 = experts 0..4 on rank 0; 5, 6, 7, 0, 1 on rank 1)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import ray_moe
-from ray_moe.errors import RouteValidationError
-from ray_moe.experts.source import weight_source
-from ray_moe.testing.reference import reference_moe
-from ray_moe.testing.reference_model import reference_forward
+from ray_moe.core.errors import RouteValidationError
+from ray_moe.model.source import weight_source
+from ray_moe_dev.testing.reference import reference_moe
+from ray_moe_dev.testing.reference_model import reference_forward
 
 CFG = dict(num_ranks=4, num_experts=8, hidden_size=32, ffn_size=64, top_k=2, slots_per_rank=3, seed=3,
            name="test-local")

@@ -26,12 +26,12 @@ import torch
 from ray.util.placement_group import placement_group_table
 
 import ray_moe
-from ray_moe.actors import launch
-from ray_moe.actors.coordinator import DurableStore, coordinator_name
-from ray_moe.actors.expert_shard import ExpertShardActor
-from ray_moe.errors import ConfigError, DeploymentExistsError, DeploymentStartError, ResourcesUnavailableError
-from ray_moe.experts.source import weight_source
-from ray_moe.testing.reference import reference_moe
+from ray_moe.ray import launch
+from ray_moe.ray.coordinator import DurableStore, coordinator_name
+from ray_moe.ray.shard_actor import ExpertShardActor
+from ray_moe.core.errors import ConfigError, DeploymentExistsError, DeploymentStartError, ResourcesUnavailableError
+from ray_moe.model.source import weight_source
+from ray_moe_dev.testing.reference import reference_moe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def _check(rt, src, step: int) -> float:
 def _checkpoint_without(tmp_path, cfg, drop: str) -> str:
     from safetensors.torch import load_file, save_file
 
-    from ray_moe.experts.weights import save_checkpoint
+    from ray_moe.moe.experts.weights import save_checkpoint
 
     folder = str(tmp_path / "ckpt")
     save_checkpoint(weight_source(cfg), folder)
@@ -138,7 +138,7 @@ def test_failed_start_cleans_up_and_the_name_starts_again_promptly(ray_session, 
     # name: replaced, never reused
     from ray.util.placement_group import placement_group
 
-    from ray_moe.actors.coordinator import coordinator_class
+    from ray_moe.ray.coordinator import coordinator_class
 
     stale = coordinator_class().options(name=coordinator_name(name), namespace=ns, num_cpus=0).remote(
         cfg.model_dump_json(), ns)
@@ -286,7 +286,7 @@ def test_coordinator_restart_under_traffic_and_driver_reattach(ray_session):
         ctx = ray.get_runtime_context()
         child = subprocess.run(
             [sys.executable, "-c", "import ray_moe, tests.runtime.test_survive as t\n"
-             "from ray_moe.experts.source import weight_source\n"
+             "from ray_moe.model.source import weight_source\n"
              f"rt = ray_moe.Runtime.connect({name!r}, address={ctx.gcs_address!r})\n"
              "print(rt.placement().generation, t._check(rt, weight_source(rt.cfg), 1001))"],
             capture_output=True, text=True, timeout=180, cwd=REPO,

@@ -11,14 +11,14 @@ from ray_moe.apps.drill.context import DrillContext, DrillRelease
 from ray_moe.apps.drill.report import DrillError, RollbackSummary, TimelineEntry
 from ray_moe.apps.drill.traffic import TrafficStream
 from ray_moe.apps.release_client import ReleaseClient, ShardFault, StageKind
-from ray_moe.errors import root_cause
+from ray_moe.core.errors import root_cause
 from ray_moe.release.build import ReleaseInputs, build_release_bundle, load_refusals
 from ray_moe.release.bundle import ReleaseBundle
 from ray_moe.release.faults import FaultReport
 from ray_moe.release.gate import GateEvidence, RatioCounts
 from ray_moe.release.rollback import RollbackExecution, RollbackPlan, RollbackStep, RollbackTarget
-from ray_moe.telemetry.metrics import MetricName
-from ray_moe.types import Phase, ReleaseState
+from ray_moe.core.telemetry.metrics import MetricName
+from ray_moe.core.types import Phase, ReleaseState
 
 CRASH_COUNT = 1_000_000
 """An armed crash (or parity) fault that keeps firing until its generation's stop fence disarms it."""

@@ -22,8 +22,8 @@ import ray
 from ray_moe.apps.drill.progress import Progress
 from ray_moe.apps.drill.report import DrillError, DrillOptions, DrillReport, FaultAt, render_text
 from ray_moe.apps.drill.scenario import Drill
-from ray_moe.config import RuntimeConfig
-from ray_moe.env import read_env
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.core.env import read_env
 
 RESOURCE_POLL_S = 1.0
 

@@ -24,14 +24,14 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ray_moe.apps.drill.report import DrillError, ReleaseTraffic, TrafficSummary
-from ray_moe.config import RuntimeConfig
-from ray_moe.errors import CountAgreementError, RouteValidationError, StaleGenerationError, root_cause
-from ray_moe.experts.source import weight_source
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.core.errors import CountAgreementError, RouteValidationError, StaleGenerationError, root_cause
+from ray_moe.model.source import weight_source
 from ray_moe.release.build import process_group_generation
 from ray_moe.release.faults import SafeOutcome
-from ray_moe.telemetry.metrics import MetricName
-from ray_moe.testing.reference import reference_moe
-from ray_moe.types import Phase
+from ray_moe.core.telemetry.metrics import MetricName
+from ray_moe.moe.experts.reference import reference_moe
+from ray_moe.core.types import Phase
 
 
 @dataclass(frozen=True)

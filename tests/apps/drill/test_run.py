@@ -9,11 +9,11 @@ import re
 import pytest
 
 from ray_moe.apps.drill import DrillError, DrillOptions, FaultAt, Progress, drill_config, options_from_args
-from ray_moe.apps.drill.faults import drift_report, without_dependency
+from ray_moe.apps.drill.probes import drift_report, without_dependency
 from ray_moe.apps.drill.run import deployment_resources, wait_for_resources
 from ray_moe.apps.drill.traffic import classify_failure
-from ray_moe.cli import build_parser
-from ray_moe.errors import CountAgreementError, RouteValidationError, StaleGenerationError
+from ray_moe.apps.cli import build_parser
+from ray_moe.core.errors import CountAgreementError, RouteValidationError, StaleGenerationError
 from ray_moe.release.build import check_step_schedule, step_tasks
 from ray_moe.release.faults import SafeOutcome
 

@@ -1,0 +1,174 @@
+"""Tiny seeded transformers MoE models saved to a folder, for tests (nothing is downloaded).
+
+    model, folder = tiny_model("deepseek_v3", tmp_path / "ds3", layout="fused", sharded=True)
+
+Families (hidden 32, MoE ffn 48, 8 routed experts, top-2, vocab 128, 2-4 decoder layers); the layouts
+below are what ``save_pretrained`` writes (``layout="per_expert"``):
+
+    mixtral            2 layers, both MoE
+    qwen2_moe          2 layers, both MoE, a gated shared expert, norm_topk_prob=False (weights do not sum to 1)
+    qwen2_moe_step2    4 layers, decoder_sparse_step=2: MoE at decoder layers 1 and 3
+    qwen3_moe          3 layers, all MoE
+    qwen3_moe_dense0   3 layers, mlp_only_layers=[0]: MoE at decoder layers 1 and 2
+    deepseek_v2        3 layers, first_k_dense_replace=1, group_limited_greedy (4 groups, 2 picked), 1 shared
+    deepseek_v3        3 layers, first_k_dense_replace=1, sigmoid + correction bias, 4 groups / 2 picked,
+                       routed_scaling_factor 2.5, 1 shared expert
+    aria_text          2 layers, experts stored transposed (gate_up [E, d, 2f]); save_pretrained writes them
+                       fused as mlp.experts.fc1 / fc2; softmax over the top-k logits; 1 shared expert
+    granitemoe         2 layers; save_pretrained writes fused block_sparse_moe.input_linear / output_linear
+                       and the router as block_sparse_moe.router.layer
+    llama              a dense LlamaForCausalLM (no experts: for the unsupported-architecture error)
+
+Layouts: ``per_expert`` is ``save_pretrained`` (Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen and
+DeepSeek ``mlp.experts.{e}.gate_proj/up_proj/down_proj``; aria_text and granitemoe save fused tensors under
+renamed names, see above); ``fused`` is the live state dict (``<experts>.gate_up_proj`` [E, 2f, d],
+``<experts>.down_proj`` [E, d, f]; transposed for aria_text) plus config.json.
+``sharded=True`` writes several files and ``model.safetensors.index.json``.
+Weights use ``initializer_range=0.2`` so every MoE output is O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+HIDDEN, FFN, EXPERTS, TOP_K, VOCAB = 32, 48, 8, 2, 128
+
+#: decoder layer index of each MoE layer, per family
+MOE_LAYERS: dict[str, tuple[int, ...]] = {
+    "mixtral": (0, 1),
+    "qwen2_moe": (0, 1),
+    "qwen2_moe_step2": (1, 3),
+    "qwen3_moe": (0, 1, 2),
+    "qwen3_moe_dense0": (1, 2),
+    "deepseek_v2": (1, 2),
+    "deepseek_v3": (1, 2),
+    "aria_text": (0, 1),
+    "granitemoe": (0, 1),
+}
+FAMILIES = tuple(MOE_LAYERS)
+MODEL_TYPES = {"qwen2_moe_step2": "qwen2_moe", "qwen3_moe_dense0": "qwen3_moe"}
+
+
+def tiny_config(family: str) -> Any:
+    """The transformers config of a tiny model of ``family`` (see the module docstring)."""
+    import transformers as tf
+
+    common: dict[str, Any] = dict(hidden_size=HIDDEN, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False)
+    moe = dict(num_experts_per_tok=TOP_K)
+    deepseek = dict(intermediate_size=64, moe_intermediate_size=FFN, n_routed_experts=EXPERTS, num_hidden_layers=3,
+                    first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=1, kv_lora_rank=16,
+                    q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **moe,
+                    **{**common, "num_key_value_heads": 4})  # MLA: one KV head per query head
+    if family == "mixtral":
+        return tf.MixtralConfig(intermediate_size=FFN, num_local_experts=EXPERTS, num_hidden_layers=2, **moe, **common)
+    if family in ("qwen2_moe", "qwen2_moe_step2"):
+        layers, step = (2, 1) if family == "qwen2_moe" else (4, 2)
+        return tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=FFN, shared_expert_intermediate_size=FFN,
+                                 num_experts=EXPERTS, num_hidden_layers=layers, decoder_sparse_step=step,
+                                 norm_topk_prob=False, **moe, **common)
+    if family in ("qwen3_moe", "qwen3_moe_dense0"):
+        dense = [0] if family == "qwen3_moe_dense0" else []
+        return tf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=FFN, num_experts=EXPERTS,
+                                 num_hidden_layers=3, mlp_only_layers=dense, head_dim=8, norm_topk_prob=True,
+                                 **moe, **common)
+    if family == "deepseek_v2":
+        return tf.DeepseekV2Config(topk_method="group_limited_greedy", routed_scaling_factor=1.5, **deepseek)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(routed_scaling_factor=2.5, norm_topk_prob=True, **deepseek)
+    if family == "aria_text":
+        return tf.AriaTextConfig(intermediate_size=FFN, moe_num_experts=EXPERTS, moe_topk=TOP_K,
+                                 moe_num_shared_experts=1, num_hidden_layers=2, **common)
+    if family == "granitemoe":
+        return tf.GraniteMoeConfig(intermediate_size=FFN, num_local_experts=EXPERTS, num_hidden_layers=2, **moe,
+                                   **common)
+    if family == "llama":
+        return tf.LlamaConfig(intermediate_size=64, num_hidden_layers=2, **common)
+    raise ValueError(f"family={family!r} is not one of {FAMILIES + ('llama',)}")
+
+
+def build_model(family: str, *, seed: int = 0) -> Any:
+    """A seeded tiny model of ``family`` in eval mode, float32."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if family == "deepseek_v3":  # a non-zero correction bias, so the bias path is exercised
+        g = torch.Generator().manual_seed(seed + 1)
+        for mod in model.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.copy_(0.1 * torch.randn(mod.e_score_correction_bias.shape, generator=g))
+    return model
+
+
+def save_fused(model: Any, folder: str, *, sharded: bool = False) -> None:
+    """Write the live state dict (fused experts) and config.json; ``sharded``: 3 files and an index."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if not sharded:
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return
+    keys = sorted(state)
+    parts = 3
+    weight_map = {}
+    for i in range(parts):
+        fname = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        part = keys[i::parts]
+        save_file({k: state[k] for k in part}, os.path.join(folder, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": weight_map}, fh, indent=1)
+
+
+def tiny_model(family: str, folder: str | os.PathLike, *, layout: str = "per_expert", sharded: bool = False,
+               seed: int = 0) -> tuple[Any, str]:
+    """Build a seeded tiny model of ``family`` and save it to ``folder`` in ``layout``
+    (``per_expert``: save_pretrained; ``fused``: live state dict). Returns (model, folder)."""
+    folder = os.fspath(folder)
+    model = build_model(family, seed=seed)
+    if layout == "per_expert":
+        kw = {"max_shard_size": "20KB"} if sharded else {}
+        model.save_pretrained(folder, **kw)
+    elif layout == "fused":
+        save_fused(model, folder, sharded=sharded)
+    else:
+        raise ValueError(f"layout={layout!r} is not 'per_expert' or 'fused'")
+    return model, folder
+
+
+def live_experts(model: Any, moe_layer: int) -> Any:
+    """The experts module of MoE layer ``moe_layer`` of a live model."""
+    from ray_moe.model.seam import model_experts
+
+    return model_experts(model)[moe_layer][1]
+
+
+def live_expert_weights(model: Any, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_gate [f, d], w_up [f, d], w_down [d, f]) of one expert, straight from the model's parameters."""
+    mod = live_experts(model, moe_layer)
+    gu, dn = mod.gate_up_proj[expert].detach(), mod.down_proj[expert].detach()
+    if getattr(mod, "is_transposed", False):
+        gu, dn = gu.T, dn.T
+    f = gu.shape[0] // 2
+    return gu[:f], gu[f:], dn
+
+
+def save_char_tokenizer(folder: str | os.PathLike) -> None:
+    """A character-level tokenizer for the tiny models (printable ASCII -> ids 1..95, 0 unknown), written with
+    ``save_pretrained`` so ``AutoTokenizer.from_pretrained(folder)`` loads it offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(os.fspath(folder))

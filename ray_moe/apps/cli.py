@@ -1,0 +1,327 @@
+"""The ray-moe command.
+
+    ray-moe demo                              serve a small MoE on a local Ray instance, checked
+    ray-moe status    [--name N] [--all]      generations, refcounts, placement, timeline of a deployment
+    ray-moe scale     --expert E --replicas R live replica scaling; prints the new generation
+    ray-moe rebalance [--name N]              live EPLB rebalance from the load window
+    ray-moe serve --checkpoint DIR --ranks N  OpenAI-compatible completions (Ray Serve) over a deployment
+    ray-moe drill rollback [--json]           promote a candidate under traffic, inject a fault, roll back
+    ray-moe bench [NAME [args...]]            list the benchmarks, or run one (python -m ray_moe_bench.NAME)
+
+status, scale and rebalance join a running Ray cluster (--address, else RAY_ADDRESS, else the cluster
+`ray start` left on this machine) and find the deployment by its named coordinator. On a cluster with
+Ray token authentication, export RAY_AUTH_MODE=token first (`ray get-auth-token` on the head node prints
+the token; Ray reads it from RAY_AUTH_TOKEN or ~/.ray/auth_token).
+
+Errors print one line. Exit codes: 0 ok, 1 failure (no cluster, authentication refused, a failed
+operation), 2 bad input (an unknown deployment, expert, benchmark, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+RETIRED_SHOWN = 3  # ray-moe status lists the last few RETIRED generations (--all: every generation)
+
+
+class BadInput(ValueError):
+    """A command-line value names nothing that exists (exit code 2)."""
+
+
+def _connect(args: argparse.Namespace):
+    from ray_moe.ray.connection import join_cluster
+
+    join_cluster(args.address)  # one-line errors for a missing cluster or a refused token, fast
+    from ray_moe.runtime import Runtime
+
+    return Runtime.connect(args.name, address=args.address)
+
+
+def shown_generations(gens: dict[int, str], *, show_all: bool = False,
+                      retired: int = RETIRED_SHOWN) -> tuple[dict[int, str], int]:
+    """The generations ``status`` lists: every one that is not RETIRED (ACTIVE, DRAINING, staged) and the
+    last ``retired`` RETIRED ones, oldest first; ``show_all`` lists all. Returns (shown, hidden count)."""
+    if show_all:
+        return dict(sorted(gens.items())), 0
+    old = sorted(g for g, s in gens.items() if s == "RETIRED")
+    keep = set(old[-retired:] if retired > 0 else [])
+    shown = {g: s for g, s in sorted(gens.items()) if s != "RETIRED" or g in keep}
+    return shown, len(gens) - len(shown)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ray_moe.apps.demo import run_demo
+
+    return run_demo(args)
+
+
+def shard_lines(status: dict[int, dict]) -> dict[str, dict]:
+    """Per rank: steps served, generation steps, captured-graph replays, deferred decode inputs, multi-step
+    decode calls, the device time its generation steps took (CUDA; 0 on CPU), a failed CUDA-graph capture
+    (its steps then run eagerly: slower, still exact), and the fused kernels its model took (CUDA: norm
+    layers, rotary; what kept transformers' own and why; None without a model)."""
+    keys = ("steps", "generate_steps", "graph_replays", "deferred_tokens", "multi_step_requests")
+    return {str(r): {**{k: int(st.get("counters", {}).get(k, 0)) for k in keys},
+                     "device_busy_s": st.get("counters", {}).get("device_busy_us", 0) / 1e6,
+                     "capture_error": st.get("capture_error"), "fused_kernels": st.get("fused_kernels")}
+            for r, st in sorted(status.items())}
+
+
+def fused_line(fk: dict | None) -> str:
+    """``; fused kernels: 33 norm layers, rotary`` (and what kept transformers' own), or "" when none were tried."""
+    if not fk or not (fk["norm_layers"] or fk["rotary_modules"] or fk["skipped"]):
+        return ""
+    took = [f"{fk['norm_layers']} norm layers"] if fk["norm_layers"] else []
+    took += ["rotary"] if fk["rotary_modules"] else []
+    kept = "; ".join(f"{k.rsplit('.', 1)[-1]}: {v}" for k, v in sorted(fk["skipped"].items()))
+    return (f"; fused kernels: {', '.join(took) or 'none'}"
+            + (f" (transformers' own kept for {kept})" if kept else ""))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    rt = _connect(args)
+    man = rt.placement()
+    gens, hidden = shown_generations(rt.generations(), show_all=args.all)
+    refs = rt.refcounts()
+    body = {
+        "deployment": args.name,
+        "active_generation": man.generation,
+        "generations": {str(g): {"state": s, "refcount": refs.get(g)} for g, s in gens.items()},
+        "generations_hidden": hidden,
+        "replica_counts": {str(l): man.replica_counts(l) for l in range(man.num_layers)},
+        "slots_per_rank": {str(r): len(man.rank_slots(r)) for r in range(man.num_ranks)},
+        "replica_floors": rt.floors(),
+        "telemetry": rt.telemetry_snapshot(),
+        "timeline": rt.timeline()[-args.tail:],
+        "shards": shard_lines(rt.shard_status()),
+    }
+    if args.json:
+        print(json.dumps(body, indent=2, default=str))
+        return 0
+    print(f"deployment {args.name!r}: active generation {man.generation} ({man.placement_version}), "
+          f"checkpoint {man.checkpoint_version}")
+    print("generation  state     refcount")
+    for g, s in sorted(gens.items()):
+        print(f"{g:>10}  {s:<8}  {refs.get(g, '-')}")
+    if hidden:
+        print(f"({hidden} older RETIRED generation(s) not shown; --all lists every generation)")
+    print(f"replicas per expert (layer 0): {man.replica_counts(0)}")
+    floors = body["replica_floors"]
+    print("replica floors (set by scale, kept by rebalance): " + (", ".join(
+        f"expert {f['expert']} layer {f['layer']} >= {f['replicas']}" for f in floors) if floors else "none"))
+    print("shards (steps served; generation: steps, captured-graph replays, decode inputs deferred to the rank):")
+    for r, sh in body["shards"].items():
+        gen = (f"generation {sh['generate_steps']} steps ({sh['multi_step_requests']} multi-step calls), "
+               f"{sh['graph_replays']} graph replays, {sh['deferred_tokens']} deferred"
+               + (f", {sh['device_busy_s']:.2f} s on the device" if sh["device_busy_s"] else "")
+               if sh["generate_steps"] else "no generation")
+        print(f"  rank {r}: {sh['steps']} steps, {gen}" + fused_line(sh["fused_kernels"])
+              + (f"; CAPTURE FAILED (steps run eagerly): {sh['capture_error']}" if sh["capture_error"] else ""))
+    tel = rt.telemetry_table()
+    if tel:
+        print(tel)
+    print("recent control events:")
+    for e in body["timeline"]:
+        print(f"  #{e['seq']:<4} {e['event']:<12} gen={e['generation']}  {e['detail']}")
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    rt = _connect(args)
+    g = rt.scale(expert=args.expert, replicas=args.replicas, layer=args.layer)
+    print(json.dumps({"new_generation": g, "replica_counts": rt.placement().replica_counts(args.layer or 0)}))
+    return 0
+
+
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    rt = _connect(args)
+    g = rt.rebalance(migration_aware=not args.no_migration_aware)
+    print(json.dumps({"new_generation": g, "replica_counts": rt.placement().replica_counts(0)}))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ray_moe.apps.server import run_server
+    from ray_moe.ray.connection import join_cluster
+
+    if args.address != "local":
+        join_cluster(args.address)  # one-line errors for a missing cluster or a refused token
+    return run_server(args)
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    from ray_moe.apps.drill import run_drill_cli
+
+    return run_drill_cli(args)
+
+
+def bench_package():
+    """The benchmarks (``ray_moe_bench``, in the repository's ``bench/`` folder beside ``bench/results/``): not
+    part of the installed package. Found on the import path, or beside this package in a checkout (``pip
+    install -e .``), whose ``bench/`` and ``dev/`` folders are then put on the path; else BadInput says how to
+    get them."""
+    try:
+        return importlib.import_module("ray_moe_bench")
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parents[2]
+    if (root / "bench" / "ray_moe_bench" / "__init__.py").is_file():
+        for folder in (root / "bench", root / "dev"):
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+        return importlib.import_module("ray_moe_bench")
+    raise BadInput("the benchmarks ship with the repository, not with the installed package: clone it and "
+                   "install from the checkout (git clone <ray-moe repository> && cd ray-moe && pip install -e .), "
+                   "then run ray-moe bench there")
+
+
+def bench_listing() -> str:
+    try:
+        benches = bench_package().available()
+    except BadInput as exc:
+        return str(exc)
+    width = max(map(len, benches), default=0)
+    lines = ["benchmarks (ray-moe bench NAME --help for a benchmark's options):"]
+    lines += [f"  {name:<{width}}  {doc}" for name, doc in benches.items()]
+    lines += ["", "Each writes its result JSON to --out DIR (default: $RAY_MOE_RESULTS_DIR, else ./ray-moe-results)."]
+    return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench is None:
+        print(bench_listing())
+        return 0
+    names = bench_package().available()
+    if args.bench not in names:
+        raise BadInput(f"bench={args.bench!r} is not a benchmark; choose one of: {', '.join(names)}")
+    module = importlib.import_module(f"ray_moe_bench.{args.bench}")
+    argv0 = sys.argv[0] if sys.argv else "ray-moe"
+    sys.argv = [f"ray-moe bench {args.bench}", *args.rest]  # the benchmark's usage line names the command
+    try:
+        module.main(list(args.rest))
+    finally:
+        sys.argv = [argv0]
+    return 0
+
+
+def exit_code(exc: BaseException) -> int:
+    """2 for bad input (a ValueError behind any wrappers, not a connection failure), 1 for other failures."""
+    from ray_moe.core.errors import root_cause
+
+    cause = root_cause(exc)
+    return 2 if isinstance(cause, ValueError) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ray_moe.apps.demo import add_arguments as demo_args
+
+    p = argparse.ArgumentParser(prog="ray-moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--traceback", action="store_true", help="on an error, print the full traceback too")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="serve a small MoE on a local Ray instance and check it")
+    demo_args(d)
+    d.set_defaults(fn=cmd_demo)
+
+    def conn(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--name", default="default", help="deployment name (its coordinator is named after it)")
+        q.add_argument("--address", default=None,
+                       help="Ray cluster address HOST:PORT (default: RAY_ADDRESS, else this machine's cluster)")
+
+    s = sub.add_parser("status", help="state of a running deployment")
+    conn(s)
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--tail", type=int, default=12, help="control events to show (default 12)")
+    s.add_argument("--all", action="store_true",
+                   help=f"list every generation (default: ACTIVE, DRAINING and the last {RETIRED_SHOWN} RETIRED)")
+    s.set_defaults(fn=cmd_status)
+
+    sc = sub.add_parser("scale", help="set one logical expert's replica count, live")
+    conn(sc)
+    sc.add_argument("--expert", type=int, required=True, help="logical expert id")
+    sc.add_argument("--replicas", type=int, required=True, help="copies it should have (at most one per rank)")
+    sc.add_argument("--layer", type=int, default=None, help="MoE layer (default: every layer)")
+    sc.set_defaults(fn=cmd_scale)
+
+    rb = sub.add_parser("rebalance", help="EPLB rebalance from the load window, live")
+    conn(rb)
+    rb.add_argument("--no-migration-aware", action="store_true",
+                    help="solve EPLB from scratch instead of keeping slots that need not move")
+    rb.set_defaults(fn=cmd_rebalance)
+
+    sv = sub.add_parser("serve", help="serve a checkpoint: OpenAI-compatible completions over Ray Serve",
+                        description="Start (or join) Ray, start a deployment from a Hugging Face folder and serve "
+                                    "POST /v1/completions, GET /v1/models and GET /health until Ctrl-C.")
+    sv.add_argument("--checkpoint", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    sv.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (one shard actor each)")
+    sv.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="default: bfloat16 on cuda, float32 on cpu")
+    sv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or RAY_MOE_API_KEY)")
+    sv.add_argument("--name", default="serve", help="deployment name (ray-moe status/scale/rebalance --name)")
+    sv.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
+    sv.add_argument("--address", default=None, help="Ray address; 'local' starts a local instance "
+                    "(default: RAY_ADDRESS, else a local instance)")
+    sv.add_argument("--kv-tokens", type=int, default=8192, help="KV cache tokens per rank")
+    sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    sv.add_argument("--step-tokens", type=int, default=2048, help="prefill tokens per rank per step")
+    sv.add_argument("--max-running", type=int, default=256, help="sequences in flight over every rank")
+    sv.add_argument("--decode-steps", type=int, default=None,
+                    help="multi-step decode: decode tokens per sequence per step when every sequence is decoding "
+                         "and none waits (1: one token per step; default 4 on cuda, 1 on cpu)")
+    sv.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                    help="keep transformers' own RMSNorm and rotary embedding on cuda (default: the fused kernels, "
+                         "each taken only where it reproduces transformers' own)")
+    sv.add_argument("--max-queued", type=int, default=1024,
+                    help="requests in flight before new ones get 503 (overload)")
+    sv.set_defaults(fn=cmd_serve)
+
+    dr = sub.add_parser("drill", help="operational drills")
+    drs = dr.add_subparsers(dest="drill", required=True)
+    rbk = drs.add_parser("rollback", help="promote a candidate under traffic, inject a fault, roll back")
+    rbk.add_argument("--json", action="store_true", help="machine-readable output")
+    rbk.add_argument("--fault-at", choices=["canary", "active"], default="active")
+    rbk.add_argument("--ranks", type=int, default=4)
+    rbk.add_argument("--steps", type=int, default=24)
+    rbk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    rbk.add_argument("--all-faults", action="store_true", help="inject each data-path fault on every rank (the ten-fault sweep always runs: FaultsOK gates promotion)")
+    rbk.add_argument("--address", default=None, help="Ray address; 'local' starts a fresh local instance even when "
+                     "RAY_ADDRESS is set (default: RAY_ADDRESS, else a local instance)")
+    rbk.set_defaults(fn=cmd_drill)
+
+    b = sub.add_parser("bench", help="list the benchmarks, or run one", usage="ray-moe bench [NAME [args ...]]",
+                       description="Without NAME, list the benchmarks; with NAME, run one (its options follow NAME).",
+                       epilog=bench_listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("bench", nargs="?", metavar="NAME", help="benchmark to run")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments (NAME --help lists them)")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; an error prints one line (the root cause, no Ray banner) and returns 1 or 2."""
+    from ray_moe.core.errors import error_line
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and an exit code
+        if args.traceback:
+            traceback.print_exc()
+        print(f"ray-moe {args.command}: error: {error_line(exc)}", file=sys.stderr)
+        return exit_code(exc)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

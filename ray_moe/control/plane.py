@@ -1,0 +1,662 @@
+"""ControlPlane: the coordinator's logic, over an abstract fleet of shards (no Ray here).
+
+The coordinator actor is a thin shell around one ControlPlane and a ``RayFleet``; tests can run the
+same logic over ``LocalFleet`` (ShardCores in this process). The control path never sits on the
+per-token data path:
+
+    load window -> candidate manifest (EPLB / scale) -> migration plan (admission) -> reserve
+    -> materialise (copy / load) -> verify digests -> publish -> drain -> retire
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ray_moe.control.recovery import RETIRED_KEPT, PendingOp, PlaneState
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.core.errors import AdmissionError, ExpertUnavailableError, GenerationError, RankDeadError
+from ray_moe.placement.floors import ReplicaFloors
+from ray_moe.placement.initial import spread_assignment
+from ray_moe.placement.load import LoadWindow
+from ray_moe.placement.manifest import PlacementManifest, manifest_from_assignment
+from ray_moe.placement.migration import MigrationActionKind, MigrationPlan, plan_migration
+from ray_moe.placement.registry import GenerationRegistry
+from ray_moe.placement.topology import ProcessGroupSpec, Topology
+from ray_moe.core.types import GenerationState, Phase
+
+Key = tuple[int, int]  # (layer, logical expert)
+
+
+class Fleet(ABC):
+    """The shards a control plane drives. ``call`` runs one method on several ranks concurrently."""
+
+    @abstractmethod
+    def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
+        """Run ``method(*args[rank])`` on every listed rank; results by rank (first error re-raised)."""
+
+    @abstractmethod
+    def copy_experts(self, dst: int, src: int, keys: Sequence[Key]) -> dict[Key, str]:
+        """Copy weights of ``keys`` from rank ``src`` to rank ``dst``; digests of what arrived."""
+
+    def ranks(self) -> list[int]:
+        raise NotImplementedError
+
+
+class LocalFleet(Fleet):
+    """ShardCores in this process (tests, single-process tools)."""
+
+    def __init__(self, cores: Mapping[int, Any]) -> None:
+        self.cores = dict(cores)
+
+    def ranks(self) -> list[int]:
+        return sorted(self.cores)
+
+    def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
+        return {r: getattr(self.cores[r], method)(*a) for r, a in args.items()}
+
+    def copy_experts(self, dst: int, src: int, keys: Sequence[Key]) -> dict[Key, str]:
+        return self.cores[dst].import_experts(self.cores[src].export_experts(list(keys)))
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One control-path event (logged, and returned by ``ray-moe status``)."""
+
+    seq: int
+    t: float
+    event: str
+    generation: int | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    """What one published change did."""
+
+    old_generation: int
+    new_generation: int
+    reason: str
+    plan: MigrationPlan | None
+    copies: int
+    loads: int
+    drained_s: float
+    retired: bool
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+class ControlPlane:
+    """Owns the generation registry, digests, the load window and the control timeline."""
+
+    def __init__(self, cfg: RuntimeConfig, fleet: Fleet, topology: Topology, group: ProcessGroupSpec,
+                 *, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.topology = topology
+        self.group = group
+        self.registry = GenerationRegistry()
+        self.load = LoadWindow(cfg.num_layers, cfg.num_experts, cfg.load_window)
+        self.digests: dict[Key, str] = {}
+        self.checkpoint_version = f"checkpoint-{cfg.checkpoint or f'seed{cfg.seed}'}"
+        self.expert_bytes = 0
+        self.dead_ranks: set[int] = set()
+        self.retired_with_refcount: list[tuple[int, int]] = []  # (generation, refcount at retirement)
+        self._clock = clock
+        self._timeline: deque[TimelineEvent] = deque(maxlen=10_000)  # bounded: the control path runs for days
+        self._seq = 0
+        self._lock = threading.RLock()  # one control operation at a time
+        self._tl_lock = threading.Lock()
+        self._next_generation = 0
+        # replica floors set by a manual ``scale``: EPLB keeps at least this many copies of (layer, expert)
+        self.floors = ReplicaFloors(cfg.num_layers, cfg.num_experts)
+        # durability (see recovery.py): ``on_change`` is called after every change of the plane's own state
+        # (the coordinator actor writes its durable record there); ``op`` is the multi-shard operation in
+        # flight, recorded before the first shard is touched
+        self.on_change: Callable[[], None] | None = None
+        self.op: PendingOp | None = None
+        self.retired_before: list[int] = []  # generations retired before a restart (ids only)
+        self.retire_pending: set[int] = set()  # superseded generations an operation will retire once drained
+        self.rebuild_report: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- durability
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _begin(self, kind: str, generation: int | None, detail: str = "") -> None:
+        self.op = PendingOp(kind=kind, generation=generation, detail=detail)
+        self._changed()
+
+    def _end(self) -> None:
+        self.op = None
+        self._changed()
+
+    def durable_state(self) -> PlaneState:
+        """The plane's own state that no shard holds (written on every change; see recovery.py)."""
+        retired = set(self.retired_before)
+        for g in self.registry.generations():
+            if self.registry.state(g) == GenerationState.RETIRED:
+                retired.add(g)
+        return PlaneState(next_generation=self._next_generation, retired=sorted(retired)[-RETIRED_KEPT:],
+                          floors=self.floors.triples(),
+                          dead_ranks=sorted(set(self.dead_ranks)), expert_bytes=self.expert_bytes, op=self.op,
+                          retire_pending=sorted(set(self.retire_pending)))
+
+    def generation_states(self) -> dict[int, str]:
+        """Every generation's state, those retired before a restart included."""
+        out = {g: GenerationState.RETIRED.value for g in self.retired_before}
+        reg = self.registry
+        out.update({g: reg.state(g).value for g in reg.generations()})
+        return dict(sorted(out.items()))
+
+    # ---------------------------------------------------------------- timeline
+    def log(self, event: str, generation: int | None = None, detail: str = "") -> None:
+        with self._tl_lock:
+            self._timeline.append(TimelineEvent(self._seq, self._clock(), event, generation, detail))
+            self._seq += 1
+
+    def timeline(self) -> list[TimelineEvent]:
+        with self._tl_lock:
+            return list(self._timeline)
+
+    # ---------------------------------------------------------------- queries
+    def active_generation(self) -> int | None:
+        return self.registry.active()
+
+    def manifest(self, generation: int | None = None) -> PlacementManifest:
+        g = self.registry.active() if generation is None else generation
+        if g is None:
+            raise GenerationError("no ACTIVE generation")
+        return self.registry.manifest(g)
+
+    def live_ranks(self) -> list[int]:
+        """Members of the current process group not known to be dead."""
+        return [r for r in self.group.peer_order if r not in self.dead_ranks]
+
+    def _call_live(self, method: str, per_rank: Callable[[int], tuple]) -> dict[int, Any]:
+        """``fleet.call`` on the live ranks; a rank found dead is recorded and skipped (control-path reads)."""
+        for _ in range(8):
+            try:
+                return self.fleet.call(method, {r: per_rank(r) for r in self.live_ranks()})
+            except RankDeadError as exc:
+                self.dead_ranks.update(exc.ranks)
+                self.log("rank-dead", None, f"{method}: ranks {list(exc.ranks)} unreachable")
+                self._changed()
+        raise RankDeadError(f"{method}: ranks keep dying", ranks=tuple(self.dead_ranks))
+
+    def refcounts(self) -> dict[int, int]:
+        """Exact pins per live generation: coordinator leases + in-flight handles on every shard."""
+        out = {}
+        for g in self.registry.generations():
+            st = self.registry.state(g)
+            if st == GenerationState.RETIRED:
+                continue
+            shard = self._call_live("refcount", lambda r: (g,))
+            out[g] = self.registry.refcount(g) + sum(shard.values())
+        return out
+
+    # ---------------------------------------------------------------- replica floors
+    def set_floor(self, expert: int, replicas: int, layer: int | None = None) -> None:
+        """A manual scale: (layer, expert) keeps at least ``replicas`` copies through EPLB rebalances until
+        a later scale lowers it (``replicas`` 1 removes the floor)."""
+        self.floors.set(expert, replicas, layer)
+        self._changed()
+
+    def floor_list(self) -> list[dict[str, int]]:
+        return self.floors.as_list()
+
+    def effective_floors(self, num_slots: int) -> tuple[dict[Key, int], list[str]]:
+        return self.floors.effective(num_slots)
+
+    def _floor_matrix(self, num_slots: int) -> np.ndarray | None:
+        m, notes = self.floors.matrix(num_slots)
+        if notes:
+            self.log("floor-clipped", None, "; ".join(notes))
+        return m
+
+    def scale(self, expert: int, replicas: int, layer: int | None = None, *, drain_timeout_s: float = 60.0) -> ApplyReport:
+        """Give ``expert`` exactly ``replicas`` copies (live) and record that count as its replica floor."""
+        with self._lock:
+            new = self.propose_scale(expert, replicas, layer)
+            rep = self.apply(new, reason=f"scale expert {expert} to {replicas} replicas", drain_timeout_s=drain_timeout_s)
+            self.set_floor(expert, replicas, layer)
+            return rep
+
+    # ---------------------------------------------------------------- building manifests
+    def _new_manifest(self, phy2log: Sequence[Sequence[int]], slot_rank: Sequence[Sequence[int]]) -> PlacementManifest:
+        self._next_generation += 1
+        self._changed()  # the id is spent even if the change never publishes
+        digests = {(l, e): d for (l, e), d in self.digests.items()}
+        return manifest_from_assignment(
+            generation=self._next_generation - 1,
+            phy2log=phy2log, slot_rank=slot_rank, num_experts=self.cfg.num_experts, topology=self.topology,
+            process_group_id=self.group.group_id, checkpoint_version=self.checkpoint_version, digests=digests,
+        )
+
+    def deploy_initial(self) -> int:
+        """Generation 0: spread placement, each rank loads only its experts, digests agreed, published."""
+        with self._lock:
+            cfg = self.cfg
+            ranks = self.live_ranks()
+            phy2log, slot_rank = spread_assignment(cfg.num_layers, cfg.num_experts, len(ranks), cfg.slots_per_rank, ranks)
+            need: dict[int, set[Key]] = defaultdict(set)
+            for l in range(cfg.num_layers):
+                for e, u in zip(phy2log[l], slot_rank[l]):
+                    need[u].add((l, e))
+            t0 = self._clock()
+            self._begin("deploy", 0)
+            got = self.fleet.call("load_experts", {u: (sorted(keys),) for u, keys in need.items()})
+            for u, digs in got.items():
+                for key, d in digs.items():
+                    key = (int(key[0]), int(key[1]))
+                    prev = self.digests.setdefault(key, d)
+                    if prev != d:
+                        raise ValueError(
+                            f"parameter_digest: rank {u} loaded (layer, expert) {key} with digest {d[:12]} but another "
+                            f"replica has {prev[:12]}: mixed checkpoint state"
+                        )
+            self.log("load", 0, f"{sum(len(k) for k in need.values())} expert copies loaded in {self._clock() - t0:.2f}s")
+            manifest = self._new_manifest(phy2log, slot_rank)
+            self._publish_first(manifest)
+            self._end()
+            return manifest.generation
+
+    def _publish_first(self, manifest: PlacementManifest) -> None:
+        self.registry.register(manifest)
+        self.fleet.call("prepare_generation", {r: (manifest, self.group) for r in self.live_ranks()})
+        self.log("verify", manifest.generation, "all slot digests verified")
+        self.fleet.call("publish", {r: (manifest.generation,) for r in self.live_ranks()})
+        self.registry.publish(manifest.generation)
+        self.log("publish", manifest.generation, f"{len(manifest.slots)} slots active")
+
+    def set_expert_bytes(self, nbytes: int) -> None:
+        self.expert_bytes = int(nbytes)
+        self._changed()
+
+    def record_load(self, counts: Any, *, phase: str, generation: int) -> None:
+        self.load.record(np.asarray(counts, dtype=np.int64), phase=phase, generation=generation,
+                         checkpoint=self.checkpoint_version)
+
+    # ---------------------------------------------------------------- candidate placements
+    def propose_scale(self, expert: int, replicas: int, layer: int | None = None) -> PlacementManifest:
+        """The active placement with ``expert`` at ``replicas`` copies (in ``layer`` or every layer).
+
+        New copies go to live ranks not yet hosting the expert, fewest slots first; removed copies come
+        from the ranks with the most slots. Every other slot keeps its rank.
+        """
+        cfg = self.cfg
+        if not 0 <= expert < cfg.num_experts:
+            raise ValueError(f"expert={expert} is out of range [0, {cfg.num_experts})")
+        if replicas < 1:
+            raise ValueError(f"replicas={replicas} must be >= 1 (every logical expert keeps a slot)")
+        if layer is not None and not 0 <= layer < cfg.num_layers:
+            raise ValueError(f"layer={layer} is out of range [0, {cfg.num_layers})")
+        live = self.live_ranks()
+        if replicas > len(live):
+            raise ValueError(f"replicas={replicas} exceeds the {len(live)} live ranks (one copy per rank)")
+        cur = self.manifest()
+        phy2log, slot_rank = [], []
+        for l in range(cfg.num_layers):
+            slots = cur.layer_slots(l)
+            p2l = [s.logical_expert_id for s in slots]
+            rk = [s.destination_rank for s in slots]
+            if layer is None or l == layer:
+                hosts = [rk[i] for i, e in enumerate(p2l) if e == expert]
+                per_rank = Counter(rk)
+                while len(hosts) < replicas:
+                    cand = [u for u in live if u not in hosts]
+                    u = min(cand, key=lambda r: (per_rank[r], r))
+                    p2l.append(expert)
+                    rk.append(u)
+                    hosts.append(u)
+                    per_rank[u] += 1
+                while len(hosts) > replicas:
+                    u = max(hosts, key=lambda r: (per_rank[r], r))
+                    i = max(i for i, (e, r) in enumerate(zip(p2l, rk)) if e == expert and r == u)
+                    del p2l[i], rk[i]
+                    hosts.remove(u)
+                    per_rank[u] -= 1
+            phy2log.append(p2l)
+            slot_rank.append(rk)
+        return self._new_manifest(phy2log, slot_rank)
+
+    def propose_rebalance(self, *, migration_aware: bool = True, tolerance: float = 0.05,
+                          avoid_same_gpu_duplicates: bool = True) -> PlacementManifest:
+        """EPLB on the load window; slots per rank stay ``cfg.slots_per_rank``."""
+        from ray_moe.placement.eplb import rebalance_experts
+
+        cfg = self.cfg
+        if len(self.load) == 0:
+            raise ValueError("load window: no observation yet; serve some steps before rebalancing")
+        weight = self.load.snapshot().weight.astype(np.float64)
+        live = self.live_ranks()
+        gpus = len(live)
+        nodes = len({self.topology.node_of(r) for r in live})
+        per_node = Counter(self.topology.node_of(r) for r in live)
+        if len(set(per_node.values())) != 1:
+            nodes = 1
+        q = cfg.slots_per_rank * gpus
+        groups = cfg.num_groups
+        current = None
+        cur = self.manifest()
+        if migration_aware and all(cur.num_slots(l) == q for l in range(cfg.num_layers)):
+            order = {r: i for i, r in enumerate(live)}
+            cur_ok = True
+            rows = []
+            for l in range(cfg.num_layers):
+                by_rank: dict[int, list[int]] = defaultdict(list)
+                for s in cur.layer_slots(l):
+                    if s.destination_rank not in order:
+                        cur_ok = False
+                    by_rank[s.destination_rank].append(s.logical_expert_id)
+                row = []
+                for r in live:
+                    row.extend(by_rank.get(r, []))
+                rows.append(row)
+                cur_ok = cur_ok and all(len(by_rank.get(r, [])) == cfg.slots_per_rank for r in live)
+            current = np.asarray(rows, dtype=np.int64) if cur_ok else None
+        res = rebalance_experts(weight, q, groups, nodes, gpus,
+                                avoid_same_gpu_duplicates=avoid_same_gpu_duplicates,
+                                current_phy2log=current, migration_tolerance=tolerance if current is not None else 0.0,
+                                min_replicas=self._floor_matrix(q))
+        phy2log = res.phy2log.tolist()
+        spg = q // gpus
+        slot_rank = [[live[i // spg] for i in range(q)] for _ in range(cfg.num_layers)]
+        return self._new_manifest(phy2log, slot_rank)
+
+    def propose_without(self, dead: Sequence[int]) -> PlacementManifest:
+        """The active placement minus the slots of ``dead`` ranks; an expert left with no copy gets one on the
+        live rank with the fewest slots (rebuilt from a survivor or the checkpoint)."""
+        cur = self.manifest()
+        live = [r for r in self.live_ranks() if r not in set(dead)]
+        if not live:
+            raise ExpertUnavailableError("no live rank left", expert=0)
+        phy2log, slot_rank = [], []
+        for l in range(self.cfg.num_layers):
+            p2l, rk = [], []
+            for s in cur.layer_slots(l):
+                if s.destination_rank in live:
+                    p2l.append(s.logical_expert_id)
+                    rk.append(s.destination_rank)
+            per_rank = Counter(rk)
+            for e in range(self.cfg.num_experts):
+                if e not in p2l:
+                    u = min(live, key=lambda r: (per_rank[r], r))
+                    p2l.append(e)
+                    rk.append(u)
+                    per_rank[u] += 1
+            phy2log.append(p2l)
+            slot_rank.append(rk)
+        return self._new_manifest(phy2log, slot_rank)
+
+    # ---------------------------------------------------------------- apply
+    def apply(self, new: PlacementManifest, *, reason: str, drain_timeout_s: float = 60.0,
+              sources_alive: Callable[[int], bool] | None = None) -> ApplyReport:
+        """Reserve, materialise, verify, publish, drain, retire (spec 0x08G). Traffic keeps flowing."""
+        with self._lock:
+            staged = self.stage(new, reason=reason, sources_alive=sources_alive)
+            old_g = staged.old_generation
+            timings = dict(staged.timings_s)
+            self.retire_pending.add(old_g)  # a restart before the retire below finishes it (recovery.py)
+            self._changed()
+            # 5. publish: every shard first, then the registry (drivers refresh from it)
+            t = self._clock()
+            try:
+                self._publish(new.generation)
+            except Exception:
+                self.retire_pending.discard(old_g)  # still ACTIVE: nothing to retire
+                raise
+            timings["publish"] = self._clock() - t
+            self.log("publish", new.generation, f"active; generation {old_g} DRAINING")
+            # 6. drain + 7. retire
+            t = self._clock()
+            retired = self.drain_and_retire(old_g, timeout_s=drain_timeout_s)
+            self._retire_leftovers(new.generation)
+            timings["drain_retire"] = self._clock() - t
+            return ApplyReport(old_g, new.generation, reason, staged.plan, staged.copies, staged.loads,
+                               timings["drain_retire"], retired, timings)
+
+    def _publish(self, generation: int) -> None:
+        self._begin("publish", generation)
+        self._call_live("publish", lambda r: (generation,))
+        if self.registry.state(generation) == GenerationState.DRAINING:
+            self.registry.reactivate(generation)
+        else:
+            self.registry.publish(generation)
+        self._end()
+
+    def promote(self, generation: int, *, retire_prior: bool = True, drain_timeout_s: float = 60.0) -> int:
+        """A staged candidate becomes ACTIVE; the prior goes DRAINING (and is retired once drained unless
+        ``retire_prior`` is False, which keeps it loaded as the rollback fallback). Returns the prior id."""
+        with self._lock:
+            prior = self.registry.active()
+            if retire_prior and prior is not None:
+                self.retire_pending.add(prior)
+                self._changed()
+            self._publish(generation)
+            self.log("publish", generation, f"candidate promoted; generation {prior} DRAINING")
+            if retire_prior and prior is not None:
+                self.drain_and_retire(prior, timeout_s=drain_timeout_s)
+            return prior
+
+    def stop_dispatch(self, generation: int) -> None:
+        """Stop fence: no new step pins ``generation`` (a candidate is revoked; an ACTIVE one drains)."""
+        with self._lock:
+            self._begin("stop_dispatch", generation)
+            self._call_live("stop_dispatch", lambda r: (generation,))
+            if self.registry.state(generation) == GenerationState.ACTIVE:
+                self.registry.mark_draining(generation)
+            self._end()
+            self.log("stop-dispatch", generation, "no new dispatch may pin it")
+
+    def activate(self, generation: int) -> None:
+        """Make a loaded generation (ACTIVE, DRAINING) take new dispatch again (rollback's second step)."""
+        with self._lock:
+            if self.registry.state(generation) != GenerationState.ACTIVE:
+                self._publish(generation)
+            self.log("activate", generation, "takes new dispatch")
+
+    def release_graphs(self, generation: int) -> int:
+        freed = sum(self._call_live("release_graphs", lambda r: (generation,)).values())
+        self.log("release-graphs", generation, f"{freed} captured graphs freed")
+        return freed
+
+    def shard_refcount(self, generation: int) -> int:
+        shard = self._call_live("refcount", lambda r: (generation,))
+        try:
+            own = self.registry.refcount(generation)
+        except Exception:  # noqa: BLE001
+            own = 0
+        return own + sum(shard.values())
+
+    def stage(self, new: PlacementManifest, *, reason: str,
+              sources_alive: Callable[[int], bool] | None = None, serve_candidate: bool = False) -> ApplyReport:
+        """Steps 1-4 of publication (plan with admission, reserve, materialise, verify): the candidate is
+        PENDING and verified on every shard ("LOADED"); with ``serve_candidate`` it may serve steps that
+        name it (shadow, canary)."""
+        with self._lock:
+            timings: dict[str, float] = {}
+            old_g = self.registry.active()
+            if old_g is None:
+                raise GenerationError("no ACTIVE generation to migrate from")
+            old = self.registry.manifest(old_g)
+            # 1. plan + admission: refused plans change nothing
+            t = self._clock()
+            budget = None
+            if self.cfg.memory_budget_bytes is not None:
+                budget = {r: self.cfg.memory_budget_bytes for r in self.live_ranks()}
+            plan = plan_migration(old, new, self.topology, expert_bytes=max(1, self.expert_bytes),
+                                  rank_budget_bytes=budget)
+            timings["plan"] = self._clock() - t
+            self.log("plan", new.generation, f"{reason}: {_ledger_line(plan)}")
+            if self.rebuild_report is not None:
+                self._sweep_orphans()
+            # 2. reserve: register PENDING (nothing else moves until materialisation)
+            self._begin("stage", new.generation, reason)
+            self.registry.register(new)
+            self.log("reserve", new.generation, f"{plan.ledger.reserved_bytes} B reserved for non-retained copies")
+            staged: dict[int, set[Key]] = defaultdict(set)
+            copies = loads = 0
+            try:
+                # 3. materialise: network copies actor to actor, checkpoint loads where no source lives
+                t = self._clock()
+                by_pair: dict[tuple[int, int], set[Key]] = defaultdict(set)
+                by_load: dict[int, set[Key]] = defaultdict(set)
+                for a in plan.target_actions():
+                    key = (a.layer, a.expert)
+                    if a.action in (MigrationActionKind.SAME_NODE_COPY, MigrationActionKind.CROSS_NODE_COPY):
+                        src = a.source_rank
+                        if src in self.dead_ranks or (sources_alive is not None and not sources_alive(src)):
+                            by_load[a.target_rank].add(key)
+                        else:
+                            by_pair[(a.target_rank, src)].add(key)
+                    elif a.action == MigrationActionKind.CHECKPOINT_LOAD:
+                        by_load[a.target_rank].add(key)
+                for (dst, src), keys in sorted(by_pair.items()):
+                    digs = self.fleet.copy_experts(dst, src, sorted(keys))
+                    staged[dst].update(keys)
+                    copies += len(keys)
+                    self._check_digests(dst, digs)
+                if by_load:
+                    got = self.fleet.call("load_experts", {u: (sorted(k),) for u, k in by_load.items()})
+                    for u, digs in got.items():
+                        staged[u].update(by_load[u])
+                        loads += len(by_load[u])
+                        self._check_digests(u, digs)
+                timings["materialize"] = self._clock() - t
+                self.log("materialize", new.generation, f"{copies} expert copies moved, {loads} loaded from checkpoint")
+                # 4. verify every target slot's digest on its rank (prepare fails on any mismatch)
+                t = self._clock()
+                self.fleet.call("prepare_generation", {r: (new, self.group) for r in self.live_ranks()})
+                timings["verify"] = self._clock() - t
+                self.log("verify", new.generation, "all slot digests verified")
+            except BaseException as exc:
+                try:
+                    self.fleet.call("drop_experts", {u: (sorted(k),) for u, k in staged.items() if u in self.live_ranks()})
+                except RankDeadError as dead:
+                    self.dead_ranks.update(dead.ranks)
+                try:
+                    self.registry.abandon(new.generation)
+                except Exception:  # noqa: BLE001
+                    pass
+                self.log("abort", new.generation, f"{type(exc).__name__}: {exc}")
+                self._end()
+                raise
+            if serve_candidate:
+                self._call_live("allow_candidate", lambda r: (new.generation,))
+                self.log("candidate", new.generation, "serves steps that name it (shadow / canary)")
+            self._end()
+            return ApplyReport(old_g, new.generation, reason, plan, copies, loads, 0.0, False, timings)
+
+    def _sweep_orphans(self) -> None:
+        """After a restart: a prepare sent by the dead incarnation may land on a shard after the rebuild read
+        it. A PENDING, non-candidate generation this registry does not know is such an orphan: abandon it."""
+        known = set(self.registry.generations())
+        for r, snap in self._call_live("registry_snapshot", lambda r: ()).items():
+            for g, info in snap["generations"].items():
+                if int(g) not in known and info["state"] == GenerationState.PENDING.value and not info["candidate"]:
+                    self.fleet.call("retire", {r: (int(g),)})
+                    self.log("orphan-abandoned", int(g), f"rank {r}: PENDING generation unknown to the coordinator")
+
+    def drain_and_retire(self, generation: int, *, timeout_s: float = 60.0) -> bool:
+        """Wait until no lease or in-flight handle pins ``generation``, then retire it everywhere."""
+        try:
+            done = self._drain_and_retire(generation, timeout_s)
+        except Exception:
+            self.retire_pending.discard(generation)
+            raise
+        if done and generation in self.retire_pending:  # not drained in time: kept, retried by a later change
+            self.retire_pending.discard(generation)
+            self._changed()
+        return done
+
+    def _retire_leftovers(self, active: int | None) -> None:
+        """Retire superseded generations whose drain timed out earlier (or before a restart) once nothing pins
+        them any more; a generation still pinned is left for the next change (no waiting here)."""
+        for g in sorted(set(self.retire_pending)):
+            try:
+                state = self.registry.state(g)
+            except GenerationError:
+                state = None
+            if g == active or state != GenerationState.DRAINING:
+                self.retire_pending.discard(g)
+                continue
+            if self.shard_refcount(g) == 0:
+                self.drain_and_retire(g, timeout_s=0.0)
+
+    def _drain_and_retire(self, generation: int, timeout_s: float) -> bool:
+        deadline = self._clock() + timeout_s
+        while True:
+            shard = self._call_live("refcount", lambda r: (generation,))
+            total = self.registry.refcount(generation) + sum(shard.values())
+            if total == 0:
+                break
+            if self._clock() > deadline:
+                self.log("drain-timeout", generation, f"refcount still {total} after {timeout_s:.0f}s; not retired")
+                return False
+            time.sleep(0.002)
+        self.log("drained", generation, "refcount 0 on coordinator and every shard")
+        self._begin("retire", generation)
+        done = self._call_live("retire", lambda r: (generation,))
+        if not all(done.values()):
+            self._end()
+            self.log("retire-refused", generation, f"shards still pinned: {[r for r, ok in done.items() if not ok]}")
+            return False
+        self.retired_with_refcount.append((generation, total))
+        self.registry.retire(generation)
+        self._end()
+        self.log("retire", generation, "metadata and unreferenced copies freed")
+        return True
+
+    def _check_digests(self, rank: int, digests: Mapping[Any, str]) -> None:
+        for key, d in digests.items():
+            key = (int(key[0]), int(key[1]))
+            want = self.digests.get(key)
+            if want is not None and want != d:
+                raise ValueError(
+                    f"parameter_digest: copy of (layer, expert) {key} on rank {rank} has digest {d[:12]}, "
+                    f"expected {want[:12]}; not published"
+                )
+
+    # ---------------------------------------------------------------- failures
+    def remove_ranks(self, dead: Sequence[int], new_group: ProcessGroupSpec) -> ApplyReport:
+        """Publish a generation without ``dead`` ranks on the rebuilt group ``new_group``.
+
+        Experts whose only copies lived on dead ranks are re-materialised from the checkpoint (every rank
+        can read it); if there is none, ``ExpertUnavailableError`` names the expert and nothing changes.
+        """
+        with self._lock:
+            self.dead_ranks.update(int(r) for r in dead)
+            cur = self.manifest()
+            live = [r for r in new_group.peer_order]
+            for l in range(self.cfg.num_layers):
+                for e in range(self.cfg.num_experts):
+                    if not any(s.destination_rank in live for s in cur.replicas(e, l)) and not self._has_checkpoint():
+                        raise ExpertUnavailableError(
+                            f"logical expert {e} of layer {l} has no surviving replica (its copies were on ranks "
+                            f"{sorted(s.destination_rank for s in cur.replicas(e, l))}) and no checkpoint to rebuild from",
+                            expert=e, layer=l,
+                        )
+            self.group = new_group
+            self._changed()
+            new = self.propose_without(dead)
+            self.log("rank-lost", None, f"ranks {sorted(dead)} removed; group epoch {new_group.epoch}")
+            return self.apply(new, reason=f"lost ranks {sorted(dead)}", sources_alive=lambda r: r in live)
+
+    def _has_checkpoint(self) -> bool:
+        """Seeded weights and a safetensors folder are both checkpoints every rank can read; a deployment can
+        declare that it may not rebuild from them (e.g. weights fine-tuned in place)."""
+        return self.cfg.rebuild_from_checkpoint
+
+
+def _ledger_line(plan: MigrationPlan) -> str:
+    lg = plan.ledger
+    return (f"retain {lg.retained_copies}, same-GPU {lg.same_gpu_copies}, same-node {lg.same_node_copies}, "
+            f"cross-node {lg.cross_node_copies}, load {lg.checkpoint_loads}, retire {lg.retired_copies}; "
+            f"network {lg.network_bytes} B, peak {lg.peak_bytes} B (analytical)")

@@ -1,0 +1,327 @@
+# ======================================================================================================
+#  THE GENERATION LOOP ON THE DRIVER
+#
+#   submit(prompt) ──> Scheduler queue ──> loop thread, between steps: admit / free / plan
+#     ──> ONE actor call per rank per step: GenStepRequest (token ids + positions) ──> GenStepResult (ids)
+#         (a step of decode items only, nothing waiting: up to decode_steps sub-steps in that one call)
+#     ──> commit: tokens to each request's stream; finished requests release their KV blocks
+#   a stale generation replans the same step on the active one; a dead rank is regrouped away and its
+#   sequences are re-prefilled on the survivors; membership changes (add / remove rank) are picked up
+#   between steps.
+# ======================================================================================================
+"""Continuous-batching generation over a running deployment (``Runtime.generate`` / ``generate_stream``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import ray
+
+from ray_moe.core.errors import RayMoEError, root_cause
+from ray_moe.shard.generation import GenStepRequest
+from ray_moe.model.sampling import SamplingParams
+from ray_moe.driver.scheduler import Scheduler, StepPlan
+from ray_moe.core.types import Phase
+
+if TYPE_CHECKING:
+    from ray_moe.runtime import Runtime
+
+_DONE = object()
+DEFAULT_DECODE_STEPS_CUDA = 4  # multi-step decode on CUDA unless told otherwise (measured: bench.generate)
+
+
+@dataclass
+class RequestHandle:
+    """One submitted request: its new tokens arrive on ``events`` (a token int, then ``_DONE`` or an error);
+    ``on_event`` (optional) is called from the loop thread with each token, then None (end) or the error."""
+
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    on_event: Callable[[Any], None] | None = None
+    events: "queue.Queue" = field(default_factory=queue.Queue)
+    tokens: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, item: Any) -> None:
+        if isinstance(item, int):
+            self.tokens.append(item)
+        elif item is not _DONE:
+            self.error = item
+        self.events.put(item)
+        if self.on_event is not None:
+            self.on_event(None if item is _DONE else item)
+        if not isinstance(item, int):
+            self.done.set()
+
+    def stream(self, timeout_s: float | None = None) -> Iterator[int]:
+        while True:
+            item = self.events.get(timeout=timeout_s)
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def result(self, timeout_s: float | None = None) -> list[int]:
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"request {self.request_id!r}: no result within {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.tokens)
+
+
+class GenerationEngine:
+    """The driver's generation loop over a Runtime's shards (one thread; requests join between steps).
+
+    kv_tokens: KV cache tokens per rank; block_size: tokens per cache block; step_tokens: prefill tokens per
+    rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
+    ``submit`` refuses new ones (overload); decode_steps: decode sub-steps one step may run when every
+    sequence is decoding and none waits (multi-step decode: one actor call per rank for that many tokens
+    per sequence; 1 turns it off). Default: 4 on CUDA, where it keeps the device fed while the host round
+    trip runs; 1 on CPU (no device to keep fed: every step's load reaches the rebalancer's window and
+    requests join at every step; the CPU demo takes about the same time either way). fused_kernels: the model's
+    RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
+    keeps transformers' own)."""
+
+    def __init__(self, rt: "Runtime", *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
+                 max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
+                 decode_steps: int | None = None, fused_kernels: bool = True) -> None:
+        if decode_steps is None:
+            decode_steps = DEFAULT_DECODE_STEPS_CUDA if rt.cfg.device == "cuda" else 1
+        if not 1 <= int(decode_steps) <= 64:  # before any shard loads the model
+            raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
+        self.rt = rt
+        self.random_model = random_model
+        self.fused_kernels = bool(fused_kernels)
+        self.kv_tokens, self.block_size = int(kv_tokens), int(block_size)
+        self.max_queued = int(max_queued)
+        self._loaded: set[int] = set()
+        info = self._load(list(rt.group.peer_order))
+        self.vocab_size = int(info["vocab_size"])
+        self.max_context = int(info["max_context"])
+        self.scheduler = Scheduler(list(rt.group.peer_order), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
+                                   max_context=self.max_context, step_tokens=step_tokens, max_running=max_running,
+                                   eos_token_ids=info.get("eos_token_ids", ()), decode_steps=decode_steps)
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+        self.steps = 0
+        self.overlapped = 0  # steps launched while the previous one was still in flight
+        self._last_done = 0.0  # when the last step's results were collected (perf_counter)
+        self.failed: BaseException | None = None
+        # where a step's time goes, last steps only (ms): plan, launch (the actor calls sent), wait (blocked
+        # for the results; with pipelining the next step is already on its way), shard (the slowest shard's
+        # own step), queued (its wait on the shard before the step began: launch order, step thread, pin),
+        # account (statistics), commit (tokens out), device (the slowest rank's device time of the step) and
+        # idle (the longest a rank's device sat idle before the step started: the host did not keep it fed),
+        # transport (the step's round trip from its actor calls sent to its results here, minus the slowest
+        # actor call on its shard: Ray's dispatch, (de)serialisation and transfer both ways)
+        self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in (
+            "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport")}
+        self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+               on_event: Callable[[Any], None] | None = None) -> RequestHandle:
+        """Queue one request (validated now: a request that can never fit raises here, the others run on)."""
+        with self._lock:
+            if self.failed is not None:
+                raise RayMoEError(f"the generation loop stopped: {self.failed}")
+            if self.scheduler.pending() >= self.max_queued:
+                raise OverloadedError(f"{self.scheduler.pending()} requests in flight (max_queued={self.max_queued})")
+            rid = self.scheduler.submit(list(prompt), params, request_id=request_id, vocab_size=self.vocab_size)
+            handle = RequestHandle(rid, len(prompt), params.max_new_tokens, on_event)
+            self._handles[rid] = handle
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self.scheduler.cancel(request_id)
+            h = self._handles.pop(request_id, None)
+        if h is not None:
+            h.emit(_DONE)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the loop
+    def _load(self, ranks: list[int]) -> dict:
+        todo = [r for r in ranks if r not in self._loaded]
+        infos = ray.get([self.rt.shards[r].load_model.remote(kv_tokens=self.kv_tokens, block_size=self.block_size,
+                                                               random_model=self.random_model,
+                                                               fused_kernels=self.fused_kernels)
+                         for r in todo]) if todo else []
+        self._loaded.update(todo)
+        return infos[0] if infos else {}
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and self.scheduler.pending() == 0:
+                    self._wake.wait(timeout=1.0)
+                if self._stop:
+                    return
+            try:
+                self._run()
+            except BaseException as exc:  # noqa: BLE001 - every waiting request learns why
+                cause = root_cause(exc)
+                with self._lock:
+                    self.failed = cause
+                    handles = list(self._handles.values())
+                    self._handles.clear()
+                for h in handles:
+                    h.emit(cause)
+                return
+
+    def _run(self) -> None:
+        """Steps back to back while there is work, pipelined: step n+1 is planned and launched before step n's
+        tokens are collected (a decode item that needs one of them is deferred: its rank feeds the token it
+        sampled), so the Ray round trip and the driver's own work overlap the shards' step. Nothing is left in
+        flight when this returns: it drains when another thread waits for the step lock (elastic operations
+        quiesce between steps), when the loop stops, and on a failure (the failed step is recovered alone)."""
+        rt = self.rt
+        with rt._step_lock:
+            members = list(rt.group.peer_order)
+            if members != self.scheduler.ranks:
+                self._load(members)
+                with self._lock:
+                    self.scheduler.set_ranks(members)
+            flying: _Launched | None = None
+            while True:
+                nxt = None
+                if not (self._stop or rt._step_lock.contended or list(rt.group.peer_order) != members):
+                    nxt = self._launch(flying)
+                if flying is None:
+                    if nxt is None:
+                        time.sleep(0.001)  # nothing runnable yet (requests wait for KV blocks)
+                        return
+                    flying = nxt
+                    continue
+                if not self._collect(flying, nxt):
+                    return  # recovered alone: the next step is planned from the committed state
+                flying = nxt
+                if flying is None:
+                    return
+
+    def _launch(self, flying: "_Launched | None") -> "_Launched | None":
+        """Plan the next step (after ``flying``, if any) and send every rank its share; None: nothing to run."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        with self._lock:
+            plan = self.scheduler.plan(ahead=None if flying is None else flying.plan)
+        if plan.empty:
+            return None  # frees ride along with the next step that runs
+        ranks, gen, step_id = rt._next_step()
+        reqs = _requests(plan, ranks, step_id, gen, None if flying is None else flying.step_id)
+        t1 = time.perf_counter()
+        refs = rt._launch_step(reqs, "generate_step")
+        sent = time.perf_counter()
+        self.overlapped += flying is not None
+        self.timings["plan"].append((t1 - t0) * 1e3)
+        self.timings["launch"].append((sent - t1) * 1e3)
+        return _Launched(plan, ranks, step_id, reqs, refs, t0, sent)
+
+    def _collect(self, step: "_Launched", nxt: "_Launched | None") -> bool:
+        """Wait for ``step``'s results and commit them. On a failure the next step (already launched) is
+        drained and its outcome dropped, then ``step`` is recovered and re-run alone (stale generation:
+        replanned on the active one; dead rank: regrouped, its sequences re-prefilled on survivors).
+        Returns False when that happened (``nxt`` must not be collected)."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        ranks, recovered = step.ranks, False
+        try:
+            results = rt._gather_step(step.step_id, step.reqs, step.refs)
+        except BaseException as exc:  # noqa: BLE001 - classified by the runtime (re-raised when fatal)
+            if nxt is not None:
+                try:
+                    rt._gather_step(nxt.step_id, nxt.reqs, nxt.refs)
+                except BaseException:  # noqa: BLE001 - its outcome is dropped either way
+                    pass
+            rt._recover(root_cause(exc))
+            ranks, results = rt._submit(lambda rs, sid, gen: _requests(step.plan, rs, sid, gen), "generate_step")
+            recovered = True
+        t1 = time.perf_counter()
+        if ranks != step.ranks:  # a rank died: the step ran on the survivors; the dead rank's sequences go
+            with self._lock:  # back to the queue and are re-prefilled on a survivor
+                self.scheduler.set_ranks(ranks)
+        plan = step.plan
+        tokens = sum(it.num_tokens for items in plan.items.values() for it in items) * plan.steps
+        # the step's wall time: from its launch, or from the previous step's results when it was launched
+        # behind that one (its queueing there is the previous step's time)
+        rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
+                    (t1 - max(step.t0, self._last_done)) * 1e3)
+        self._last_done = t1
+        t2 = time.perf_counter()
+        sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
+        with self._lock:
+            events = self.scheduler.commit(plan, sampled)
+            self.steps += 1
+            for ev in events:
+                h = self._handles.get(ev.request_id)
+                if h is None:
+                    continue
+                h.emit(ev.token)
+                if ev.finished:
+                    del self._handles[ev.request_id]
+                    h.emit(_DONE)
+        t3 = time.perf_counter()
+        for key, ms in (("wait", t1 - t0), ("account", t2 - t1), ("commit", t3 - t2),
+                        ("shard", max((r.elapsed_s for r in results.values()), default=0.0)),
+                        ("queued", max((r.queued_s for r in results.values()), default=0.0)),
+                        ("device", max((r.device_s for r in results.values()), default=0.0)),
+                        ("idle", max((r.idle_s for r in results.values()), default=0.0)),
+                        ("transport", None if recovered else
+                         t1 - step.sent - max((r.actor_s for r in results.values()), default=0.0))):
+            if ms is not None:  # (a recovered step's round trip includes its failure and re-run)
+                self.timings[key].append(ms * 1e3)
+        return not recovered
+
+    def timing_summary(self, last: int | None = None) -> dict[str, float]:
+        """Median milliseconds per step of each part (the last ``last`` steps)."""
+        out = {}
+        for k, xs in self.timings.items():
+            v = sorted(list(xs)[-last:] if last else xs)
+            if v:
+                out[k] = v[len(v) // 2]
+        return out
+
+
+def _requests(plan: StepPlan, ranks: list[int], step_id: str, generation: int,
+              after: str | None = None) -> dict[int, GenStepRequest]:
+    """Every rank's share of ``plan`` (a rank without work joins with an empty batch)."""
+    units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
+    return {r: GenStepRequest(step_id, generation, plan.items.get(r, ()), plan.free.get(r, ()), units, after,
+                              plan.steps) for r in ranks}
+
+
+@dataclass(frozen=True, eq=False)
+class _Launched:
+    """A step sent to the ranks and not collected yet."""
+
+    plan: StepPlan
+    ranks: list[int]
+    step_id: str
+    reqs: dict[int, GenStepRequest]
+    refs: dict[int, Any]
+    t0: float
+    sent: float = 0.0
+
+
+class OverloadedError(RayMoEError):
+    """Too many requests in flight: retry later (HTTP 503)."""
+
+
+__all__ = ["GenerationEngine", "RequestHandle", "OverloadedError"]

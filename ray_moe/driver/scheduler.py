@@ -1,0 +1,344 @@
+"""Continuous batching on the driver (pure: no Ray).
+
+Requests join a FIFO queue; between steps they are admitted to the rank with the most free KV blocks (a
+request reserves blocks for its prompt plus ``max_new_tokens`` when admitted, so an admitted request always
+runs to completion and nothing is preempted); every step gives each rank the next chunk of each of its
+sequences: a prefill chunk (up to the step's token budget) or one decode token. A step of decode tokens only,
+with no request waiting, runs ``decode_steps`` decode sub-steps in one call (multi-step decode: the rank feeds
+each sampled token back as the next input; bounded by the fewest tokens any of its sequences still needs, so
+no sequence runs past its reservation; tokens after an end-of-sequence are dropped). A request that can never fit
+a rank's KV budget or the model's context is refused at submission with an error naming the numbers; the
+others are unaffected. Sequences of a rank that leaves (removed or killed) go back to the queue head with
+what they generated so far and are re-prefilled elsewhere.
+
+    sched = Scheduler(ranks=[0, 1], kv_blocks=256, block_size=16, max_context=4096)
+    rid = sched.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
+    plan = sched.plan()                      # StepPlan: per-rank work items
+    events = sched.commit(plan, sampled)     # sampled: {seq_id: token, or plan.steps tokens}
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ray_moe.model.kv import KVBudgetError
+from ray_moe.model.sampling import SampleSpec, SamplingParams
+
+
+class SeqState(str, Enum):
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+
+
+@dataclass
+class SeqStatus:
+    """One request's sequence as the driver tracks it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    generated: list[int] = field(default_factory=list)
+    rank: int | None = None
+    cached: int = 0  # tokens of prompt + generated already written to the rank's KV cache
+    state: SeqState = SeqState.WAITING
+    moves: int = 0  # times the sequence was re-prefilled on another rank
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.generated]
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def token_slice(self, a: int, b: int) -> tuple[int, ...]:
+        """tokens[a:b] without building the whole list (a decode step needs one token)."""
+        p = len(self.prompt)
+        if a >= p:
+            return tuple(self.generated[a - p:b - p])
+        return (*self.prompt[a:b], *self.generated[:max(0, b - p)])
+
+    @property
+    def reserve_tokens(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One sequence's share of one step on its rank: ``tokens`` at positions ``start..``; the next token is
+    sampled when ``sample`` (the chunk reaches the end of what is known). ``decode``: a one-token step of a
+    sequence that already has a cache (the decode phase, spec 0x05E). ``deferred``: a decode step planned
+    while the step that samples its input token is still in flight; ``tokens`` is empty and the rank feeds
+    the token it sampled for this sequence at position ``start`` (the driver never waits for it)."""
+
+    seq_id: str
+    tokens: tuple[int, ...]
+    start: int
+    sample: SampleSpec | None
+    decode: bool
+    deferred: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 if self.deferred else len(self.tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every rank's work in one step; ``free``: sequences each rank must drop from its cache first.
+    ``steps``: decode sub-steps (> 1 only when every item is a decode item): each item's rank feeds the token
+    it samples at position p back as the input at p and samples p + 1, ``steps`` tokens per item in all."""
+
+    step: int
+    items: dict[int, tuple[WorkItem, ...]]
+    free: dict[int, tuple[str, ...]]
+    steps: int = 1
+
+    @property
+    def has_decode(self) -> bool:
+        return any(i.decode for items in self.items.values() for i in items)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(not i.decode for items in self.items.values() for i in items)
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.items.values())
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token: int
+    finished: bool
+
+
+class Scheduler:
+    """kv_blocks / block_size: every rank's cache; max_context: the model's positions; step_tokens: the
+    prefill token budget of one rank in one step (decode tokens always run); decode_steps: the most decode
+    sub-steps of one step (multi-step decode; 1: one token per sequence per step); keep_finished: finished
+    sequences kept for inspection (``status``), the oldest dropped first.
+
+    ``seqs`` holds the live (waiting and running) sequences only: a finished one moves to the bounded
+    ``finished`` record, so a long-running server's per-step work and memory do not grow with every request
+    it ever served; ``moved`` counts re-prefills (sequences of departed ranks) over the scheduler's life."""
+
+    def __init__(self, ranks: Sequence[int], *, kv_blocks: int, block_size: int, max_context: int,
+                 step_tokens: int = 2048, max_running: int = 256, eos_token_ids: Iterable[int] = (),
+                 decode_steps: int = 1, keep_finished: int = 1024) -> None:
+        if not 1 <= int(decode_steps) <= 64:
+            raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
+        if int(keep_finished) < 0:
+            raise ValueError(f"keep_finished={keep_finished}: must be >= 0")
+        self.keep_finished = int(keep_finished)
+        self.finished: OrderedDict[str, SeqStatus] = OrderedDict()
+        self.moved = 0
+        self.decode_steps = int(decode_steps)
+        self.ranks = list(ranks)
+        self.kv_blocks = int(kv_blocks)
+        self.block_size = int(block_size)
+        self.max_context = int(max_context)
+        self.step_tokens = int(step_tokens)
+        self.max_running = int(max_running)
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.seqs: dict[str, SeqStatus] = {}
+        self._queue: deque[str] = deque()
+        self._used: dict[int, int] = {r: 0 for r in self.ranks}  # blocks reserved per rank
+        self._to_free: dict[int, list[str]] = {r: [] for r in self.ranks}
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def blocks(self, tokens: int) -> int:
+        return -(-int(tokens) // self.block_size)
+
+    def check(self, prompt: Sequence[int], params: SamplingParams, vocab_size: int | None = None) -> None:
+        """Refuse a request that can never run, naming the field and the limit (nothing changes)."""
+        if not prompt:
+            raise ValueError("prompt: empty (at least one token id)")
+        if vocab_size is not None:
+            ids = np.asarray(prompt)
+            if ids.dtype.kind not in "iu":
+                ids = np.asarray([int(t) for t in prompt], dtype=np.int64)
+            bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+            if bad.size:
+                raise ValueError(f"prompt: token id {int(ids[bad[0]])} is out of range [0, {vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt: {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
+                             f"the model's context of {self.max_context} positions")
+        if self.blocks(total) > self.kv_blocks:
+            raise KVBudgetError(f"prompt: {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} tokens "
+                                f"need {self.blocks(total)} KV blocks of {self.block_size}; a rank's budget is "
+                                f"{self.kv_blocks} blocks ({self.kv_blocks * self.block_size} tokens)")
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+               vocab_size: int | None = None) -> str:
+        self.check(prompt, params, vocab_size)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.seqs or rid in self.finished or any(rid in names for names in self._to_free.values()):
+            # (a finished id stays refused while a step planned for it may still be committed)
+            raise ValueError(f"request_id={rid!r} is already in use (running, waiting or recently finished)")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        self.seqs[rid] = SeqStatus(rid, tuple(map(int, prompt)), params, seed)
+        self._queue.append(rid)
+        return rid
+
+    def cancel(self, rid: str) -> None:
+        s = self.seqs.get(rid)
+        if s is not None and s.state is not SeqState.FINISHED:
+            self._finish(s)
+
+    def pending(self) -> int:
+        """Requests not finished (waiting or running)."""
+        return len(self.seqs)
+
+    def status(self, rid: str) -> SeqStatus | None:
+        """A live sequence, or one of the last ``keep_finished`` finished ones; None when unknown."""
+        return self.seqs.get(rid) or self.finished.get(rid)
+
+    # ------------------------------------------------------------------ membership
+    def set_ranks(self, ranks: Sequence[int]) -> list[str]:
+        """New group membership: sequences of ranks that left go back to the queue head (re-prefill)."""
+        gone = [r for r in self.ranks if r not in ranks]
+        moved = []
+        for s in self.seqs.values():
+            if s.rank in gone and s.state is SeqState.RUNNING:
+                s.rank, s.cached, s.state = None, 0, SeqState.WAITING
+                s.moves += 1
+                self.moved += 1
+                moved.append(s.request_id)
+        for rid in reversed(moved):
+            self._queue.appendleft(rid)
+        self.ranks = list(ranks)
+        self._used = {r: self._used.get(r, 0) for r in self.ranks}
+        for r in gone:
+            self._used.pop(r, None)
+        self._to_free = {r: self._to_free.get(r, []) for r in self.ranks}  # departed ranks took their caches
+        return moved
+
+    # ------------------------------------------------------------------ steps
+    def _admit(self) -> None:
+        if not self._queue:
+            return
+        loads = {r: 0 for r in self.ranks}
+        for x in self.seqs.values():
+            if x.state is SeqState.RUNNING and x.rank in loads:
+                loads[x.rank] += 1
+        running = sum(loads.values())
+        while self._queue and running < self.max_running:
+            s = self.seqs.get(self._queue[0])
+            if s is None:  # cancelled while waiting
+                self._queue.popleft()
+                continue
+            need = self.blocks(s.reserve_tokens)
+            fits = [r for r in self.ranks if self.kv_blocks - self._used[r] >= need]
+            if not fits:
+                return  # FIFO: the head waits for blocks to free up
+            r = min(fits, key=lambda u: (loads[u], self._used[u], u))
+            self._queue.popleft()
+            self._used[r] += need
+            s.rank, s.cached, s.state = r, 0, SeqState.RUNNING
+            loads[r] += 1
+            running += 1
+
+    def plan(self, ahead: StepPlan | None = None) -> StepPlan:
+        """The next step. ``ahead``: a step launched but not committed yet; this plan follows it (its chunks
+        count as cached; a sequence it samples continues with a ``deferred`` decode item, unless that sample
+        is its last token). Without ``ahead`` the plan follows the committed state."""
+        self._admit()
+        flying = {it.seq_id: (r, it) for r, its in ahead.items.items() for it in its} if ahead is not None else {}
+        items: dict[int, list[WorkItem]] = {r: [] for r in self.ranks}
+        budget = {r: self.step_tokens for r in self.ranks}
+        running = [s for s in self.seqs.values() if s.state is SeqState.RUNNING]
+        steps = self.decode_steps if not self._queue else 1  # a waiting request joins at the next step
+        all_decode = True
+        # decode tokens first (one each), then prefill chunks within the budget, oldest first
+        for s in sorted(running, key=lambda x: (x.cached == 0 and x.request_id not in flying, x.request_id)):
+            cached, total, deferred = s.cached, s.length, False
+            rank_it = flying.get(s.request_id)
+            sampling = 0  # tokens of this sequence being sampled by the step in flight
+            if rank_it is not None and rank_it[0] == s.rank:
+                it = rank_it[1]
+                sampling = ahead.steps if it.sample is not None else 0
+                cached = it.start + it.num_tokens + (ahead.steps - 1)
+                if it.sample is not None:  # its next tokens are being sampled right now, on its rank
+                    if len(s.generated) + sampling >= s.params.max_new_tokens:
+                        continue  # those samples reach its last token
+                    total, deferred = total + sampling, True
+            left = total - cached
+            decode = left == 1 and cached > 0
+            n = 1 if decode else min(left, max(0, budget[s.rank]))
+            if n <= 0:
+                continue
+            budget[s.rank] -= 0 if decode else n
+            all_decode = all_decode and decode
+            steps = min(steps, s.params.max_new_tokens - len(s.generated) - sampling)
+            end = cached + n
+            spec = None
+            if end == total:
+                p = s.params
+                spec = SampleSpec(p.temperature, p.top_p, s.seed, end)
+            tokens = () if deferred else s.token_slice(cached, end)
+            items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred))
+        free = {r: tuple(v) for r, v in self._to_free.items()}
+        steps = max(1, steps) if all_decode else 1
+        return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free, steps)
+
+    def commit(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]]) -> list[TokenEvent]:
+        """Apply a successful step: caches advanced, sampled tokens appended, finished sequences freed.
+        sampled: {sequence id: its token}, or for a plan of ``steps`` > 1 the ``steps`` tokens in position
+        order (those after its last token, an end of sequence or a stop token are dropped)."""
+        for r, names in plan.free.items():
+            done = set(names)
+            self._to_free[r] = [x for x in self._to_free.get(r, []) if x not in done]
+        events = []
+        for r, items in plan.items.items():
+            for it in items:
+                s = self.seqs.get(it.seq_id)
+                if s is None or s.state is not SeqState.RUNNING or s.rank != r:
+                    continue
+                s.cached = it.start + it.num_tokens + (plan.steps - 1)
+                if it.sample is None:
+                    continue
+                got = sampled[it.seq_id]
+                toks = (got,) if isinstance(got, (int, np.integer)) else tuple(got)
+                if len(toks) != plan.steps:
+                    raise ValueError(f"sampled[{it.seq_id!r}]: {len(toks)} tokens for a step of {plan.steps} "
+                                     f"decode sub-steps")
+                for tok in map(int, toks):
+                    s.generated.append(tok)
+                    finished = (len(s.generated) >= s.params.max_new_tokens or tok in self.eos
+                                or tok in s.params.stop_token_ids)
+                    events.append(TokenEvent(s.request_id, tok, finished))
+                    if finished:
+                        self._finish(s)
+                        break
+        return events
+
+    def _finish(self, s: SeqStatus) -> None:
+        """Release its KV reservation (its rank drops the cache with the next step) and move it from the live
+        sequences to the bounded finished record (a step already planned for it finds it gone and skips it)."""
+        if s.state is SeqState.RUNNING and s.rank in self._used:
+            self._used[s.rank] -= self.blocks(s.reserve_tokens)
+            self._to_free[s.rank].append(s.request_id)
+        s.state = SeqState.FINISHED
+        self.seqs.pop(s.request_id, None)
+        if self.keep_finished:
+            self.finished[s.request_id] = s
+            self.finished.move_to_end(s.request_id)
+            while len(self.finished) > self.keep_finished:
+                self.finished.popitem(last=False)
+
+
+__all__ = ["Scheduler", "SeqStatus", "SeqState", "WorkItem", "StepPlan", "TokenEvent"]

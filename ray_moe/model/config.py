@@ -1,0 +1,177 @@
+"""RuntimeConfig: everything a deployment is built from, validated before any actor starts (and read from a
+Hugging Face checkpoint folder: ``RuntimeConfig.from_pretrained``)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ray_moe.core.errors import ConfigError
+
+from ray_moe.core.types import DispatchPath, ExchangeKind, ExchangeSchedule, PayloadFormat, ReplicaPolicy, RunnerKind
+
+if TYPE_CHECKING:
+    from ray_moe.model.spec import ModelSpec
+
+
+class RuntimeConfig(BaseModel):
+    """Shape and policy of one ray-moe deployment.
+
+    ``slots_per_rank * num_ranks`` physical slots hold the ``num_experts`` logical experts of each layer;
+    the surplus are replicas. ``device="cpu"`` runs the same code path with CPU tensors and the Ray
+    object-store exchange; ``device="cuda"`` pins one GPU per rank and exchanges through NCCL (CuPy).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_ranks: int = Field(ge=1, description="expert-parallel ranks (one ExpertShardActor each)")
+    num_experts: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    ffn_size: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    slots_per_rank: int = Field(ge=1)
+    num_layers: int = Field(default=1, ge=1)
+    device: str = Field(default="cpu", pattern="^(cpu|cuda)$")
+    dtype: str = Field(default="float32", pattern="^(float32|bfloat16|float16)$")
+    seed: int = 0
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="deployment name")
+    runner: RunnerKind = RunnerKind.GROUPED
+    exchange: ExchangeKind | None = Field(default=None, description="None: NCCL on cuda, object store on cpu")
+    exchange_schedule: ExchangeSchedule = Field(default=ExchangeSchedule.FLAT,
+                                                description="flat all-to-all-v or hierarchical through node relays")
+    replica_policy: ReplicaPolicy = ReplicaPolicy.ROUND_ROBIN
+    payload_format: PayloadFormat = PayloadFormat.NATIVE
+    dispatch_path: DispatchPath = Field(default=DispatchPath.AUTO,
+                                        description="engine | direct | auto (direct on NCCL with native payload)")
+    residual: bool = Field(default=False, description="h <- h + MoE(h) between layers (else h <- MoE(h))")
+    router_skew: float = Field(default=0.0, ge=0.0, description="Zipf exponent of a router bias (0 = none)")
+    norm_topk: bool = True
+    tagged_weights: bool = Field(default=False, description="expert e's output is (e+1) x a shared function")
+    checkpoint: str | None = Field(default=None, description="a Hugging Face model folder (config.json + safetensors, "
+                                                             "per-expert or fused experts), or a Mixtral-named folder")
+    placement_strategy: str = Field(default="PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
+    actor_cpus: float = Field(default=0.5, gt=0)
+    exchange_timeout_s: float = Field(default=60.0, gt=0)
+    load_window: int = Field(default=64, ge=1)
+    num_groups: int = Field(default=1, ge=1, description=(
+        "expert groups for hierarchical EPLB. Not checked against num_experts here: the node count is "
+        "known only at rebalance time, and the solver uses the groups (and requires them to divide "
+        "num_experts) only when num_groups is a multiple of it; otherwise it falls back to the global policy"))
+    memory_budget_bytes: int | None = Field(default=None, ge=1, description="per-rank weight budget")
+    decode_token_capacity: int = Field(default=32, ge=1, description="C_T: decode tokens per rank in the bucket")
+    decode_slot_capacity: int | None = Field(default=None, ge=1, description="C_q per slot (None: 2x even share)")
+    decode_buckets: bool = Field(default=True, description="decode steps use the fixed-capacity bucket path")
+    cuda_graphs: bool = Field(default=True, description="capture and replay decode buckets as CUDA graphs")
+    rebuild_from_checkpoint: bool = Field(
+        default=True, description="when a rank dies, rebuild experts with no surviving copy from the checkpoint")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RuntimeConfig":
+        q = self.slots_per_rank * self.num_ranks
+        if q < self.num_experts:
+            raise ValueError(
+                f"slots_per_rank={self.slots_per_rank} x num_ranks={self.num_ranks} = {q} slots cannot hold "
+                f"num_experts={self.num_experts}"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.dispatch_path is DispatchPath.DIRECT and (
+                self.payload_format is not PayloadFormat.NATIVE or self.exchange_schedule is not ExchangeSchedule.FLAT):
+            raise ValueError(
+                f"dispatch_path=direct moves native rows over the flat schedule; payload_format="
+                f"{self.payload_format.value} / exchange_schedule={self.exchange_schedule.value} need "
+                f"dispatch_path=engine (or auto)")
+        return self
+
+    @classmethod
+    def from_pretrained(cls, folder: str, *, num_ranks: int, device: str = "cpu", dtype: str = "float32",
+                        **overrides) -> "RuntimeConfig":
+        """Shapes, MoE layers, experts and top-k from a Hugging Face folder's config.json (every expert tensor
+        checked from the safetensors headers, in this process); ``slots_per_rank`` defaults to every expert
+        plus about a quarter more for replicas. Any field can be overridden."""
+        return config_from_pretrained(folder, num_ranks=num_ranks, device=device, dtype=dtype, **overrides)
+
+    @property
+    def resolved_dispatch_path(self) -> DispatchPath:
+        """ENGINE or DIRECT (AUTO resolved against the exchange, payload format and schedule)."""
+        if self.dispatch_path is not DispatchPath.AUTO:
+            return self.dispatch_path
+        direct = (self.exchange_kind is ExchangeKind.NCCL and self.payload_format is PayloadFormat.NATIVE
+                  and self.exchange_schedule is ExchangeSchedule.FLAT)
+        return DispatchPath.DIRECT if direct else DispatchPath.ENGINE
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots_per_rank * self.num_ranks
+
+    @property
+    def exchange_kind(self) -> ExchangeKind:
+        if self.exchange is not None:
+            return self.exchange
+        return ExchangeKind.NCCL if self.device == "cuda" else ExchangeKind.OBJECT_STORE
+
+def default_slots_per_rank(num_experts: int, num_ranks: int) -> int:
+    """Slots per rank when the caller gives none: every expert once, spread evenly, plus about a quarter
+    more for replicas (at least one per rank):
+
+        base = ceil(E / P);  slots_per_rank = base + max(1, ceil(base / 4))
+
+    e.g. E=8, P=4 -> 2 + 1 = 3 (12 slots, 4 replicas); E=256, P=8 -> 32 + 8 = 40 (320 slots, 64 replicas).
+    """
+    if num_experts < 1 or num_ranks < 1:
+        raise ConfigError(f"num_experts={num_experts} / num_ranks={num_ranks} must be >= 1")
+    base = math.ceil(num_experts / num_ranks)
+    return base + max(1, math.ceil(base / 4))
+
+
+def config_from_pretrained(folder: str, *, num_ranks: int, device: str = "cpu", dtype: str = "float32",
+                           spec: "ModelSpec | None" = None, validate: bool = True, **overrides: Any) -> RuntimeConfig:
+    """RuntimeConfig of a checkpoint folder.
+
+    num_experts, hidden_size, ffn_size (the MoE intermediate size), top_k and num_layers (= number of MoE
+    layers) come from the folder's ModelSpec, ``checkpoint=folder``; ``slots_per_rank`` defaults to
+    ``default_slots_per_rank``. ``overrides`` (any RuntimeConfig field) win. ``validate=True`` also checks
+    every expert tensor of the checkpoint from the file headers (no tensor data read), so a broken folder
+    fails here, in the driver, before any actor starts. Every problem raises ConfigError naming the field,
+    file or tensor.
+    """
+    folder = os.fspath(folder)
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ConfigError(f"num_ranks={num_ranks!r}: must be an integer >= 1")
+    from ray_moe.model.spec import build_spec  # transformers: loaded only for a folder
+
+    spec = spec if spec is not None else build_spec(folder)
+    if validate:
+        from ray_moe.model.checkpoint import CheckpointIndex
+
+        CheckpointIndex(folder, spec).validate()
+    if spec.top_k is None:
+        raise ConfigError(f"checkpoint={folder!r}: the config has no num_experts_per_tok; pass top_k=")
+    fields: dict[str, Any] = {
+        "num_ranks": num_ranks,
+        "num_experts": spec.num_experts,
+        "hidden_size": spec.hidden_size,
+        "ffn_size": spec.ffn_size,
+        "top_k": spec.top_k,
+        "num_layers": spec.num_moe_layers,
+        "device": device,
+        "dtype": dtype,
+        "checkpoint": folder,
+    }
+    fields["slots_per_rank"] = default_slots_per_rank(spec.num_experts, num_ranks)
+    fields.update(overrides)
+    unknown = sorted(set(fields) - set(RuntimeConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}={fields[unknown[0]]!r}: not a RuntimeConfig field")
+    try:
+        return RuntimeConfig(**fields)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")  # model checks name their fields
+            parts.append(f"{loc}={fields[loc]!r}: {msg}" if loc in fields else f"{loc}: {msg}" if loc else msg)
+        raise ConfigError(f"RuntimeConfig from {folder!r}: " + "; ".join(parts)) from exc

@@ -1,0 +1,211 @@
+"""One rank's replica of a model's non-expert modules, built with transformers' own classes (pure: no Ray).
+
+Data-parallel attention, expert-parallel MoE: each rank holds embeddings, attention (with a paged KV cache),
+norms, routers, shared experts, dense MLPs and the LM head, and runs them for its own sequences; the routed
+experts of every MoE block run through the ``ray_moe`` experts implementation, bound here to the shard's
+per-step executor (dispatch -> this rank's slots -> combine across ranks). The experts modules hold no
+weights (``bind(..., drop_weights=True)``): a rank allocates only its own expert slots, in the shard core.
+
+    host = ModelHost.from_checkpoint(folder, device="cpu", dtype=torch.float32, kv_tokens=4096)
+    logits = host.forward(chunks, token_ids, executor)     # [S, V] float32: one row per sequence
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+
+from ray_moe.core.errors import ConfigError
+from ray_moe.model.norms import FusedNorms, fuse_rms_norms
+from ray_moe.model.rotary import FusedRotary, fuse_rotary
+from ray_moe.model.kv import PagedKVCache, SeqChunk, StepLayout
+
+
+def _safetensors_files(folder: str) -> dict[str, str]:
+    """checkpoint tensor name -> file, from the index when present."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            return {k: os.path.join(folder, f) for k, f in json.load(fh)["weight_map"].items()}
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            path = os.path.join(folder, name)
+            with safe_open(path, framework="pt") as fh:
+                out.update({k: path for k in fh.keys()})
+    return out
+
+
+class ModelHost:
+    """The non-expert modules of one model on one rank, a paged KV cache, and the step forward.
+
+    The experts seam calls ``moe_forward``, which hands the layer to the step's executor (set per step)."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, kv_tokens: int,
+                 block_size: int = 16) -> None:
+        from ray_moe.model.seam import bind, register
+
+        self.model = model
+        self.config = model.config
+        self.device = device
+        self.dtype = dtype
+        register()
+        self.moe_layers = len(bind(model, self, drop_weights=True))
+        self.kv = PagedKVCache(max(1, -(-kv_tokens // block_size)), block_size, device=device, dtype=dtype)
+        self._executor: Any = None
+        self.vocab_size = int(self.config.vocab_size)
+        self.norms = FusedNorms()  # fuse_kernels: which norm layers take the fused kernel
+        self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def skeleton(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+        """The transformers model on the meta device (no memory), eager attention over packed sequences."""
+        from transformers import AutoModelForCausalLM
+
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval()
+
+    @classmethod
+    def from_checkpoint(cls, folder: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                        kv_tokens: int = 4096, block_size: int = 16) -> "ModelHost":
+        """Every non-expert tensor read from ``folder`` (names mapped with transformers' own renamings)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        host = cls(cls.skeleton(config, dtype), device=torch.device(device), dtype=dtype, kv_tokens=kv_tokens,
+                   block_size=block_size)
+        host._materialize()
+        host._load(folder)
+        if os.path.exists(os.path.join(folder, "generation_config.json")):
+            from transformers import GenerationConfig
+
+            host.model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+        return host
+
+    @classmethod
+    def random(cls, config: Any, *, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+               kv_tokens: int = 4096, block_size: int = 16) -> "ModelHost":
+        """Seeded random non-expert weights for a config (benchmarks of checkpoint-sized shapes)."""
+        host = cls(cls.skeleton(config, dtype), device=torch.device(device), dtype=dtype, kv_tokens=kv_tokens,
+                   block_size=block_size)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            host._materialize()  # transformers' own initialisation, seeded
+        return host
+
+    def _materialize(self) -> None:
+        """Allocate every (non-expert) tensor on the device and run transformers' own initialisation, which
+        also recomputes the non-persistent buffers (rotary frequencies) the meta skeleton left empty."""
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            self.model.initialize_weights()
+        self.model.tie_weights()
+
+    def _load(self, folder: str) -> None:
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [w for w in get_model_conversion_mapping(self.model) if isinstance(w, WeightRenaming)]
+        params = self.model.state_dict(keep_vars=True)  # parameters and persistent buffers (correction bias)
+        wanted = {n for n, p in params.items() if p.numel()}
+        files = _safetensors_files(folder)
+        loaded: set[str] = set()
+        by_file: dict[str, list[tuple[str, str]]] = {}
+        for key, path in files.items():
+            name, _ = rename_source_key(key, renamings, [])
+            if name in wanted:
+                by_file.setdefault(path, []).append((key, name))
+        with torch.no_grad():
+            for path, pairs in by_file.items():
+                try:
+                    with safe_open(path, framework="pt") as fh:
+                        for key, name in pairs:
+                            t = fh.get_tensor(key)
+                            if tuple(t.shape) != tuple(params[name].shape):
+                                raise ConfigError(f"checkpoint {path!r}: tensor {key!r} has shape {list(t.shape)} but "
+                                                  f"the model's {name!r} is {list(params[name].shape)}")
+                            params[name].copy_(t.to(params[name].dtype))
+                            loaded.add(name)
+                except ConfigError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a truncated or unreadable file: name it
+                    raise ConfigError(f"checkpoint file {path!r} cannot be read: {exc}") from None
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        missing = sorted(wanted - loaded - ({"lm_head.weight"} if tied else set()))
+        if missing:
+            raise ConfigError(f"checkpoint {folder!r} has no tensor for the model's {missing[:3]}"
+                              f"{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)")
+        if tied:
+            self.model.tie_weights()
+
+    def eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence ids (``generation_config`` first, as ``generate`` uses them)."""
+        gc = getattr(self.model, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def fuse_kernels(self) -> None:
+        """The model's RMSNorm layers and rotary embedding take fused kernels where those reproduce
+        transformers' own (CUDA with Triton; checked per class / modeling module on this device and dtype:
+        ``models.norms``, ``models.rotary``); elsewhere nothing changes."""
+        if self.device.type == "cuda":
+            self.norms = fuse_rms_norms(self.model)
+            self.rotary = fuse_rotary(self.model, self.device, self.dtype)
+
+    # ------------------------------------------------------------------ the seam
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        if self._executor is None:
+            raise RuntimeError("ModelHost: a MoE layer ran outside a step")
+        return self._executor.moe_forward(layer, hidden, topk_ids, topk_weights)
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
+        """chunks: the step's sequences in packed order; token_ids: [N] int64 their new tokens (packed).
+        Returns [S, V] float32 logits at each sequence's last new token. Positions must be reserved."""
+        return self.forward_layout(self.kv.plan(chunks, self.dtype), token_ids, executor)
+
+    @torch.no_grad()
+    def forward_layout(self, layout: StepLayout, token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
+        """The model over one planned layout (``layout.last`` None: logits of every row; a batched layout,
+        ``read_index`` [B, K]: the model runs on B sequences of one token). No host sync: a padded layout
+        with static shapes runs inside a CUDA graph capture as well."""
+        self._executor = executor
+        self.kv.layout = layout
+        try:
+            if layout.read_index.dim() == 2:  # a batched decode step: [B, 1] tokens, one sequence per row
+                out = self.model(input_ids=token_ids.to(self.device)[:, None], position_ids=layout.positions[:, None],
+                                 attention_mask=layout.mask, cache=self.kv, use_cache=True, logits_to_keep=1)
+                return out.logits[:, -1].float()
+            out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=layout.positions[None],
+                             attention_mask=layout.mask, cache=self.kv, use_cache=True,
+                             logits_to_keep=0 if layout.last is None else layout.last)
+            return out.logits[0].float()
+        finally:
+            self._executor = None
+            self.kv.layout = None
+
+    def idle(self, executor: Any, hidden_size: int, top_k: int) -> None:
+        """A rank with no sequence this step still joins every MoE layer's collectives, with empty batches."""
+        h = torch.zeros(0, hidden_size, dtype=self.dtype, device=self.device)
+        ids = torch.zeros(0, top_k, dtype=torch.int64, device=self.device)
+        w = torch.zeros(0, top_k, dtype=torch.float32, device=self.device)
+        for layer in range(self.moe_layers):
+            executor.moe_forward(layer, h, ids, w)
+
+
+__all__ = ["ModelHost"]

@@ -1,0 +1,314 @@
+"""A paged KV cache that transformers' attention layers write and read through their ``cache.update`` seam.
+
+One cache per rank, one block pool for every sequence on it. A sequence owns a list of fixed-size blocks;
+token position ``p`` of a sequence lives in cache slot ``block[p // B] * B + p % B``. A step packs the new
+tokens of every sequence into one ``[1, N]`` batch (prefill chunks and decode tokens side by side); each
+attention layer calls ``cache.update(a [1, H_a, N, D_a], b [1, H_b, N, D_b], layer_idx, kwargs=...)``, which
+writes the new tokens at their slots and returns every sequence's whole context ``[1, H, K, D]`` in packed
+order; a block-diagonal causal mask ``[1, 1, N, K]`` (``StepLayout.mask``) keeps sequences apart. The two
+tensors are whatever the layer caches (keys and values; DeepSeek's MLA caches its compressed latent and rotary
+key), allocated at the first update with the shapes that arrive. No attention kernel is written here:
+transformers' own eager / SDPA attention runs on the gathered context.
+
+Writes are positional, so a step that is rerun (a stale generation, an overflowed bucket) rewrites the same
+slots with the same values: sequence bookkeeping only changes through ``reserve`` and ``free``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ray_moe.core.errors import RayMoEError
+
+
+class KVBudgetError(RayMoEError, ValueError):
+    """A sequence needs more cache blocks than the rank's budget has (named sequence, tokens, budget)."""
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """The new tokens of one sequence in one step: positions ``start .. start + len(tokens) - 1``."""
+
+    seq_id: str
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, eq=False)
+class StepLayout:
+    """Where one step's tokens go and what they read (all int64 on the cache's device).
+
+    write_index: [N] cache slot of each new token (packed order)
+    read_index:  [K] cache slots of every sequence's context (positions 0 .. end), sequence after sequence;
+                 or [B, K] for a batched decode step (one row per sequence, ``plan_batched``)
+    positions:   [N] position of each new token in its sequence (rotary embeddings)
+    mask:        [1, 1, N, K] additive float mask (0 attend, dtype min elsewhere): block-diagonal causal; None
+                 for one sequence from position 0 (transformers builds its causal mask)
+    last:        [S] packed index of each sequence's last new token (where its next token is sampled), or
+                 None: every row is one sequence's only new token (a decode step)
+    """
+
+    write_index: torch.Tensor
+    read_index: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    last: torch.Tensor | None
+
+
+class PagedKVCache:
+    """Per-rank paged cache: ``num_blocks`` blocks of ``block_size`` token slots, shared by every layer's
+    two tensors. ``update`` is the transformers ``Cache.update`` seam (duck-typed: the model only calls
+    ``update`` with a 4D mask given)."""
+
+    is_compileable = False
+
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be >= 1")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() gives the lowest id
+        self._blocks: dict[str, list[int]] = {}
+        self._slot_arr: dict[str, np.ndarray] = {}  # [held blocks * B] slot of each reserved position
+        self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layout: StepLayout | None = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-int(tokens) // self.block_size)
+
+    def held(self, seq_id: str) -> int:
+        """Blocks held by ``seq_id``."""
+        return len(self._blocks.get(seq_id, ()))
+
+    def can_reserve(self, seq_id: str, end: int) -> bool:
+        return self.blocks_for(end) - self.held(seq_id) <= len(self._free)
+
+    def reserve(self, seq_id: str, end: int) -> None:
+        """Make positions ``0 .. end - 1`` of ``seq_id`` addressable (idempotent; never shrinks)."""
+        need = self.blocks_for(end) - self.held(seq_id)
+        if need <= 0:
+            return
+        if need > len(self._free):
+            raise KVBudgetError(f"sequence {seq_id!r}: {end} tokens need {self.blocks_for(end)} cache blocks of "
+                                f"{self.block_size}; {len(self._free)} free of {self.num_blocks} on this rank")
+        blocks = self._blocks.setdefault(seq_id, [])
+        for _ in range(need):
+            blocks.append(self._free.pop())
+        b = np.asarray(blocks, dtype=np.int64)  # slot of every reserved position, kept per sequence
+        self._slot_arr[seq_id] = (b[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+
+    def free(self, seq_id: str) -> None:
+        for b in self._blocks.pop(seq_id, ()):
+            self._free.append(b)
+        self._slot_arr.pop(seq_id, None)
+        self._free.sort(reverse=True)
+
+    def sequences(self) -> list[str]:
+        return sorted(self._blocks)
+
+    def slots(self, seq_id: str, start: int, stop: int) -> np.ndarray:
+        """[stop - start] int64 cache slots of positions ``start .. stop - 1`` (host array)."""
+        arr = self._slot_arr.get(seq_id)
+        if stop > start and (arr is None or arr.size < stop):
+            raise KVBudgetError(f"sequence {seq_id!r}: position {stop - 1} was never reserved")
+        return np.zeros(0, dtype=np.int64) if stop <= start else arr[start:stop]
+
+    # ------------------------------------------------------------------ one step
+    @property
+    def trash_slot(self) -> int:
+        """A slot no sequence owns: padding tokens of a captured step write and read it."""
+        return self.capacity_tokens
+
+    def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype) -> StepLayout:
+        """The layout of one step (reserve every chunk's positions first): index vectors built on the host
+        (numpy, no per-token Python), uploaded once; the mask is built on the device."""
+        v = self._host_plan(chunks)
+        dev = self.device
+        up = {k: torch.from_numpy(x).to(dev) for k, x in v.items()}
+        # one sequence from its first position: the plain causal case, left to transformers' own mask (SDPA
+        # then runs its causal kernels instead of a dense additive mask)
+        plain = len(chunks) == 1 and chunks[0].start == 0
+        layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"],
+                            mask=None if plain else _mask(up["q_seq"], up["q_pos"], up["k_seq"], up["k_pos"], mask_dtype),
+                            last=up["last"])
+        self.layout = layout
+        return layout
+
+    def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
+                    last_rows: int | None = None, plain: bool = False,
+                    extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+        """A step padded to ``rows`` tokens and ``keys`` context slots: the static shapes of a captured step.
+        Padding tokens write the trash slot and attend only to key 0 (their outputs are never read; their
+        routes are masked); padding keys read the trash slot and are masked.
+        Returns device tensors: write_index [rows], read_index [keys], positions [rows], row_valid [rows] bool,
+        and mask [1, 1, rows, keys] (absent when ``plain``: one sequence from position 0, keys == rows,
+        transformers' causal mask; padding rows then come after every real one). ``last_rows``: also
+        ``last`` [last_rows], the packed row of each sequence's last new token (padding entries row 0);
+        None: one token per sequence, every row is sampled (a decode step). ``extra``: more int64 host vectors
+        to upload with the plan (one host-to-device copy for all of them)."""
+        v = self._host_plan(chunks)
+        n, k = v["write"].size, v["read"].size
+        if n > rows or k > keys or (last_rows is not None and len(chunks) > last_rows):
+            raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}: the step has {n} tokens, {k} "
+                             f"context slots and {len(chunks)} sequences")
+        if plain and not (len(chunks) == 1 and chunks[0].start == 0 and rows == keys):
+            raise ValueError("plain: one sequence from position 0 with keys == rows")
+
+        def pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
+            out = np.full(size, fill, dtype=np.int64)
+            out[: x.size] = x
+            return out
+
+        host = {"write_index": pad(v["write"], rows, self.trash_slot), "read_index": pad(v["read"], keys, self.trash_slot),
+                "positions": pad(v["q_pos"], rows, 0)}
+        if last_rows is not None:
+            host["last"] = pad(v["last"], last_rows, 0)
+        if not plain:
+            # padding queries are sequence -1, padding keys sequence -2: they match nothing (the padding
+            # queries get key 0 below); real queries never see a padding key
+            host.update(q_seq=pad(v["q_seq"], rows, -1), k_seq=pad(v["k_seq"], keys, -2), k_pos=pad(v["k_pos"], keys, 0))
+        else:  # padding rows continue the sequence's positions (a causal mask keeps them after the real ones)
+            host["positions"] = np.arange(rows, dtype=np.int64)
+        host.update(extra or {})
+        dev = self.device
+        up = _upload(host, dev)
+        row_valid = torch.arange(rows, device=dev) < n
+        out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
+               "row_valid": row_valid, **{k: up[k] for k in extra or {}}}
+        if last_rows is not None:
+            out["last"] = up["last"]
+        if not plain:
+            allowed = _allowed(up["q_seq"], up["positions"], up["k_seq"], up["k_pos"])
+            allowed[:, 0] |= ~row_valid  # a padding query attends key 0 only (no empty softmax row)
+            out["mask"] = _additive(allowed, mask_dtype)[None, None]
+        return out
+
+    def plan_batched(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
+                     extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+        """A decode step as a batch: one row per sequence (its one new token), each row reading its own
+        context padded to ``keys`` slots, so attention runs per sequence (no cross-sequence mask over the
+        packed context; grouped-query attention without repeating keys). Padding rows and keys read and write
+        the trash slot; a padding row attends to its key 0 only. Returns device tensors: write_index [rows],
+        read_index [rows, keys], positions [rows], mask [rows, 1, 1, keys], row_valid [rows], and ``extra``."""
+        n = len(chunks)
+        if n > rows or any(c.num_tokens != 1 for c in chunks):
+            raise ValueError(f"rows={rows}: a batched decode step takes one token of each of at most {rows} "
+                             f"sequences, got {[c.num_tokens for c in chunks]}")
+        ends = [c.start + 1 for c in chunks]
+        if ends and max(ends) > keys:
+            raise ValueError(f"keys={keys}: a sequence of this step has {max(ends)} context slots")
+        read = np.full((rows, keys), self.trash_slot, dtype=np.int64)
+        write = np.full(rows, self.trash_slot, dtype=np.int64)
+        pos = np.zeros(rows, dtype=np.int64)
+        lens = np.ones(rows, dtype=np.int64)
+        for i, c in enumerate(chunks):
+            slots = self.slots(c.seq_id, 0, c.start + 1)
+            read[i, : slots.size] = slots
+            write[i], pos[i], lens[i] = slots[-1], c.start, c.start + 1
+        host = {"write_index": write, "read_index": read.reshape(-1), "positions": pos, "lens": lens, **(extra or {})}
+        up = _upload(host, self.device)
+        allowed = torch.arange(keys, device=self.device)[None, :] < up["lens"][:, None]
+        return {"write_index": up["write_index"], "read_index": up["read_index"].view(rows, keys),
+                "positions": up["positions"], "mask": _additive(allowed, mask_dtype)[:, None, None, :],
+                "row_valid": torch.arange(rows, device=self.device) < n, **{k: up[k] for k in extra or {}}}
+
+    def _host_plan(self, chunks: Sequence[SeqChunk]) -> dict[str, np.ndarray]:
+        """Host index vectors of a step: write [N], read [K], q_seq/q_pos [N], k_seq/k_pos [K], last [S]."""
+        if not chunks:
+            z = np.zeros(0, dtype=np.int64)
+            return {"write": z, "read": z, "q_seq": z, "q_pos": z, "k_seq": z, "k_pos": z, "last": z}
+        starts = np.asarray([c.start for c in chunks], dtype=np.int64)
+        lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+        ends = starts + lens
+        writes = [self.slots(c.seq_id, c.start, c.start + c.num_tokens) for c in chunks]
+        reads = [self.slots(c.seq_id, 0, c.start + c.num_tokens) for c in chunks]
+        seq = np.arange(len(chunks), dtype=np.int64)
+        q_off = np.cumsum(lens) - lens
+        k_off = np.cumsum(ends) - ends
+        n, k = int(lens.sum()), int(ends.sum())
+        q_seq = np.repeat(seq, lens)
+        k_seq = np.repeat(seq, ends)
+        return {"write": np.concatenate(writes), "read": np.concatenate(reads), "q_seq": q_seq,
+                "q_pos": np.arange(n, dtype=np.int64) - q_off[q_seq] + starts[q_seq], "k_seq": k_seq,
+                "k_pos": np.arange(k, dtype=np.int64) - k_off[k_seq], "last": np.cumsum(lens) - 1}
+
+    def update(self, a: torch.Tensor, b: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' seam: a [1, H_a, N, D_a], b [1, H_b, N, D_b] new tokens -> the packed contexts
+        [1, H_a, K, D_a], [1, H_b, K, D_b] (this step's tokens included)."""
+        lay = self.layout
+        if lay is None:
+            raise RuntimeError("PagedKVCache.update outside a planned step")
+        store = self._store.get(layer_idx)
+        if store is None:
+            store = tuple(torch.zeros(self.capacity_tokens + 1, x.shape[1], x.shape[3], dtype=x.dtype,
+                                      device=self.device) for x in (a, b))  # + the trash slot
+            self._store[layer_idx] = store
+        out = []
+        ri = lay.read_index
+        rows = (1, *ri.shape) if ri.dim() == 1 else tuple(ri.shape)  # packed [1, K] or batched [B, K]
+        for x, buf in zip((a, b), store):
+            # [B, H, n, D] new tokens -> [B * n, H, D] in packed (batched: row) order
+            buf.index_copy_(0, lay.write_index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
+            out.append(buf.index_select(0, ri.reshape(-1)).view(*rows, *buf.shape[1:]).transpose(1, 2))
+        return out[0], out[1]
+
+    # transformers asks a cache for the mask geometry when no 4D mask is given (the plain causal case above:
+    # one sequence from position 0, so the keys are exactly this step's queries)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    def bytes_per_token(self) -> int:
+        return sum(t.shape[1] * t.shape[2] * t.element_size() for s in self._store.values() for t in s)
+
+
+def _upload(host: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Int64 host vectors -> device tensors through ONE copy (pinned and non-blocking on CUDA)."""
+    sizes = [x.size for x in host.values()]
+    flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in host.values()]) if host else np.zeros(0, np.int64)
+    buf = torch.from_numpy(flat)
+    if device.type == "cuda":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = buf.to(device)
+    return dict(zip(host, torch.split(buf, sizes)))
+
+
+def _allowed(q_seq: torch.Tensor, q_pos: torch.Tensor, k_seq: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[N, K] bool: query (sequence, position) sees key (sequence, position) of its own sequence, not later."""
+    return (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask of ``allowed``'s shape: 0 where allowed, the dtype's minimum elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _mask(q_seq, q_pos, k_seq, k_pos, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, N, K] additive mask built on the device (``_allowed`` pairs)."""
+    return _additive(_allowed(q_seq, q_pos, k_seq, k_pos), dtype)[None, None]
+
+
+__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError"]

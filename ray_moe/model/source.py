@@ -1,0 +1,87 @@
+"""HFWeightSource: a ``WeightSource`` over a Hugging Face safetensors checkpoint folder.
+
+Layer ``l`` is the l-th MoE layer of the model (``spec.moe_layers[l]`` is its decoder layer). Each rank
+builds its own source and reads only the experts it hosts (``expert(l, e)`` reads only that expert's
+bytes, whether the checkpoint stores experts one by one or stacked). ``weight_source(cfg)`` builds the
+source a deployment's config names (a checkpoint folder, or seeded random weights).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ray_moe.core.errors import ConfigError
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.moe.experts.weights import ExpertWeights, SeededWeightSource, WeightSource, parse_dtype
+from ray_moe.model.checkpoint import CheckpointIndex
+from ray_moe.model.spec import ModelSpec
+
+
+class HFWeightSource(WeightSource):
+    """Expert weights and routers of a checkpoint folder.
+
+    folder: with ``config.json`` (any transformers MoE family ray-moe accepts, see ``build_spec``) or
+    without one (legacy per-expert folders; shapes come from the tensors). ``spec``: a ModelSpec already
+    built (e.g. by the driver) to skip rebuilding it. ``dtype``: cast every expert tensor to it (None:
+    the checkpoint's dtype). ``index``: an existing CheckpointIndex to reuse.
+
+    expert(l, e) -> ExpertWeights(w_gate [f, d], w_up [f, d], w_down [d, f]); router(l) -> [E, d] float32.
+    """
+
+    def __init__(self, folder: str | None = None, *, dtype: torch.dtype | None = None, spec: ModelSpec | None = None,
+                 index: CheckpointIndex | None = None) -> None:
+        if index is None:
+            if folder is None:
+                raise ValueError("HFWeightSource needs a folder or an index")
+            index = CheckpointIndex(os.fspath(folder), spec)
+        self.index = index
+        self.spec = index.spec
+        self.folder = index.folder
+        self.dtype = dtype
+        self.num_experts = self.spec.num_experts
+        self.num_layers = self.spec.num_moe_layers
+        self.hidden_size = self.spec.hidden_size
+        self.ffn_size = self.spec.ffn_size
+
+    @property
+    def top_k(self) -> int | None:
+        return self.spec.top_k
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        return self.index.read_expert(layer, expert, self.dtype)
+
+    def router(self, layer: int) -> torch.Tensor:
+        return self.index.read_router(layer)
+
+    def validate(self) -> dict[str, Any]:
+        """Header-only check of every expert tensor (see ``CheckpointIndex.validate``)."""
+        return self.index.validate()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "hf", "dtype": str(self.dtype) if self.dtype is not None else None, **self.index.describe()}
+
+def weight_source(cfg: RuntimeConfig, *, validate: bool = False) -> WeightSource:
+    """``cfg.checkpoint`` set: an ``HFWeightSource`` over that folder (a Hugging Face folder with
+    config.json, or a legacy per-expert folder without one); else seeded random weights.
+
+    The config's shape fields must match the checkpoint's (ConfigError names the field); ``num_layers``
+    counts MoE layers. ``validate``: also check every expert tensor of every MoE layer from the safetensors
+    headers (no tensor data read; ConfigError names the tensor and the file) — the driver does, once."""
+    dtype = parse_dtype(cfg.dtype)
+    if cfg.checkpoint:
+        src = HFWeightSource(cfg.checkpoint, dtype=dtype)
+        for name, want, got in (("num_experts", cfg.num_experts, src.num_experts),
+                                ("num_layers", cfg.num_layers, src.num_layers),
+                                ("hidden_size", cfg.hidden_size, src.hidden_size),
+                                ("ffn_size", cfg.ffn_size, src.ffn_size)):
+            if want != got:
+                what = " MoE layers" if name == "num_layers" else ""
+                raise ConfigError(f"{name}={want} but checkpoint {cfg.checkpoint!r} has {got}{what}")
+        if validate:
+            src.validate()
+        return src
+    return SeededWeightSource(num_layers=cfg.num_layers, num_experts=cfg.num_experts, hidden_size=cfg.hidden_size,
+                              ffn_size=cfg.ffn_size, seed=cfg.seed, dtype=dtype, tagged=cfg.tagged_weights)

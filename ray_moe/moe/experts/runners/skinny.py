@@ -1,0 +1,120 @@
+"""Expert SwiGLU for few rows per expert (decode): Triton kernels that stream each active expert's weights once.
+
+At decode sizes an expert receives a handful of rows, so the expert layer is a weight read: the grouped
+GEMM (``torch._grouped_mm``) streams the active experts' weights at about half of HBM bandwidth there. These
+two kernels are shaped for it (expert-major rows, device-side offsets, no host sync, CUDA-graph capturable):
+
+  1. gate/up: one program per (expert, column block of f), looping over the expert's rows in blocks of
+     BLOCK_M: rows [BLOCK_M, d] times the gate and up tiles [d, BLOCK_N], both accumulated in FP32;
+     silu(gate) * up stored once (no [N, f] gate / up temporaries); an expert with no rows reads no weight.
+  2. down:    one program per (expert, column block of d): [BLOCK_M, f] row blocks x the w_down^T tile.
+
+x: [N, d] expert-major rows (bf16 / fp16), offsets: [Q] int32 inclusive prefix of rows per local slot
+(rows past offsets[-1] are padding: never read, their outputs left unwritten), w_gate / w_up: [Q, f, d],
+w_down: [Q, d, f] (the SlotWeights layouts) -> y: [N, d]. The grouped runner's result is the reference
+(tests compare on CUDA); on CPU or without Triton ``available`` is False and the runner keeps grouped_mm.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_M = 16  # rows per program (the smallest tl.dot tile)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - any import failure means: no Triton here
+        return None
+
+    @triton.jit
+    def _gate_up(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, D, F, stride_we,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.program_id(0)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        end = tl.load(offs_ptr + e).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        wbase = e.to(tl.int64) * stride_we
+        for m0 in range(start, end, BLOCK_M):  # decode: one block; later blocks re-read the tiles from L2
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                x = tl.load(x_ptr + rows[:, None] * D + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
+                w_off = wbase + cols[None, :].to(tl.int64) * D + (k0 + ks)[:, None]
+                acc_g += tl.dot(x, tl.load(wg_ptr + w_off))
+                acc_u += tl.dot(x, tl.load(wu_ptr + w_off))
+            a = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(a_ptr + rows[:, None] * F + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=rmask[:, None])
+
+    @triton.jit
+    def _down(a_ptr, wd_ptr, offs_ptr, y_ptr, D, F, stride_we,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.program_id(0)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        end = tl.load(offs_ptr + e).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        wbase = e.to(tl.int64) * stride_we
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, F, BLOCK_K):
+                a = tl.load(a_ptr + rows[:, None] * F + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
+                acc += tl.dot(a, tl.load(wd_ptr + wbase + cols[None, :].to(tl.int64) * F + (k0 + ks)[:, None]))
+            tl.store(y_ptr + rows[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
+
+    return _gate_up, _down
+
+
+def _block(n: int, prefer: int) -> int | None:
+    """The largest power-of-two tile <= prefer (>= 16) dividing n, or None."""
+    b = prefer
+    while b >= 16:
+        if n % b == 0:
+            return b
+        b //= 2
+    return None
+
+
+def available(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether the kernels take these operands: CUDA, bf16 / fp16, contiguous [Q, f, d] / [Q, d, f] weights,
+    d and f multiples of 16 (the tiles divide them), Triton importable."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or _kernels() is None:
+        return False
+    if not (x.is_contiguous() and w_gate.is_contiguous() and w_down.is_contiguous()):
+        return False
+    f, d = int(w_gate.shape[1]), int(w_gate.shape[2])
+    return (_block(d, 128) is not None and _block(f, 128) is not None and _block(d, 64) is not None
+            and _block(f, 64) is not None and w_gate.dtype == x.dtype)
+
+
+def skinny_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  w_down: torch.Tensor) -> torch.Tensor:
+    """y [N, d] = per slot q: (silu(x_q W_g[q]^T) * x_q W_u[q]^T) W_d[q]^T over its rows (``offsets``)."""
+    gate_up, down = _kernels()
+    n, d = int(x.shape[0]), int(x.shape[1])
+    q, f = int(w_gate.shape[0]), int(w_gate.shape[1])
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if n == 0 or q == 0:
+        return y
+    a = torch.empty((n, f), dtype=x.dtype, device=x.device)
+    # tiles measured on H200 (python -m ray_moe_bench.skinny; bench/results/skinny-h200x1.json): 64 output columns, 128-deep K steps
+    bn, bk = _block(f, 64), _block(d, 128)
+    gate_up[(q, f // bn)](x, w_gate, w_up, offsets, a, d, f, f * d, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+                          num_warps=4, num_stages=4)
+    bn, bk = _block(d, 64), _block(f, 128)
+    down[(q, d // bn)](a, w_down, offsets, y, d, f, d * f, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+                       num_warps=4, num_stages=4)
+    return y
+
+
+__all__ = ["skinny_swiglu", "available", "BLOCK_M"]

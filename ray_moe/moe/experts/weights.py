@@ -1,0 +1,261 @@
+"""SwiGLU expert weights: seeded initialisation, a writer of legacy Mixtral-named safetensors folders,
+digests, and the stacked per-rank layout the runners consume. Pure torch (no Ray).
+
+Checkpoints are read by ``ray_moe.model`` (``CheckpointIndex`` / ``HFWeightSource``: Mixtral, Qwen-MoE,
+DeepSeek and legacy folders, per-expert or fused layouts). ``experts_to_wire`` / ``experts_from_wire`` carry
+weights between actors as NumPy payloads.
+
+One expert computes ``E(x) = (silu(x Wg^T) * (x Wu^T)) Wd^T`` with nn.Linear layout
+``w_gate [f, d]``, ``w_up [f, d]``, ``w_down [d, f]``. Mixtral checkpoint names map
+``w1 -> w_gate``, ``w3 -> w_up``, ``w2 -> w_down``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ray_moe.core.wire import pack, unpack
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+MIXTRAL_EXPERT_KEY = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}.weight"
+MIXTRAL_ROUTER_KEY = "model.layers.{layer}.block_sparse_moe.gate.weight"
+_MIXTRAL_NAMES = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype={name!r} is not one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """One logical expert of one layer.
+
+    w_gate: [f, d]   w_up: [f, d]   w_down: [d, f]
+    """
+
+    layer: int
+    expert: int
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
+
+    def digest(self) -> str:
+        """Parameter-state digest: SHA-256 over (layer, expert, dtype, shapes) and a position-weighted
+        block checksum of every tensor's bytes, reduced where the tensor lives (one pass over device
+        memory, not a host copy). Identical on CPU and CUDA for the same bytes; any changed, swapped or
+        shifted 32-bit word changes it."""
+        h = hashlib.sha256()
+        h.update(f"L{self.layer}E{self.expert}:{self.w_gate.dtype}".encode())
+        for t in (self.w_gate, self.w_up, self.w_down):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(block_checksum(t).numpy().tobytes())
+        return h.hexdigest()
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "ExpertWeights":
+        kw: dict[str, Any] = {"device": device}
+        if dtype is not None:
+            kw["dtype"] = dtype
+        return ExpertWeights(self.layer, self.expert, self.w_gate.to(**kw), self.w_up.to(**kw), self.w_down.to(**kw))
+
+
+_BLOCK = 4096
+_MIX_A = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constants (as signed int64)
+_MIX_B = 0xC2B2AE3D27D4EB4F - (1 << 64)
+
+
+def block_checksum(t: torch.Tensor) -> torch.Tensor:
+    """[ceil(nbytes / 16 KiB)] int64 on the CPU: per 4096-word block, sum_i word_i * (i * A + 1), then
+    mixed with the block index; int64 arithmetic wraps, so the result is exact and order-free."""
+    b = t.detach().contiguous().view(torch.uint8).reshape(-1)
+    pad = (-b.numel()) % 4
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    words = b.view(torch.int32).to(torch.int64)
+    nb = -(-words.numel() // _BLOCK)
+    if words.numel() < nb * _BLOCK:
+        words = torch.cat([words, words.new_zeros(nb * _BLOCK - words.numel())])
+    pos = torch.arange(_BLOCK, dtype=torch.int64, device=words.device) * _MIX_A + 1
+    sums = (words.view(nb, _BLOCK) * pos).sum(1)
+    idx = torch.arange(nb, dtype=torch.int64, device=words.device) * _MIX_B + 7
+    return (sums * idx + sums).cpu()
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """One expert on rows ``x`` [n, d] -> [n, d] (no gate applied)."""
+    return (torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+
+@dataclass(eq=False)
+class SlotWeights:
+    """Weights of the physical slots of one rank for one layer, stacked in local slot order.
+
+    w_gate: [Q_local, f, d]   w_up: [Q_local, f, d]   w_down: [Q_local, d, f]
+    experts: logical expert per local slot; digests: parameter digest per local slot.
+    ``cache`` holds runner-specific derived layouts (fused or transposed copies), built once.
+    """
+
+    layer: int
+    slot_ids: tuple[int, ...]
+    experts: tuple[int, ...]
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    digests: tuple[str, ...] = ()
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.w_gate.shape[2])
+
+    @property
+    def ffn_size(self) -> int:
+        return int(self.w_gate.shape[1])
+
+    @staticmethod
+    def stack(layer: int, slot_ids: Sequence[int], experts: Sequence[ExpertWeights], digests: Sequence[str] = ()) -> "SlotWeights":
+        if len(slot_ids) != len(experts):
+            raise ValueError(f"slot_ids: {len(slot_ids)} slots but {len(experts)} expert weights")
+        if not experts:
+            raise ValueError("experts: a rank with no slot has no SlotWeights")
+        return SlotWeights(
+            layer=layer,
+            slot_ids=tuple(int(s) for s in slot_ids),
+            experts=tuple(w.expert for w in experts),
+            w_gate=torch.stack([w.w_gate for w in experts]),
+            w_up=torch.stack([w.w_up for w in experts]),
+            w_down=torch.stack([w.w_down for w in experts]),
+            digests=tuple(digests),
+        )
+
+    def expert_weights(self, local: int) -> ExpertWeights:
+        return ExpertWeights(self.layer, self.experts[local], self.w_gate[local], self.w_up[local], self.w_down[local])
+
+
+class WeightSource(ABC):
+    """Where expert weights come from. Each rank loads only the experts it hosts."""
+
+    hidden_size: int
+    ffn_size: int
+    num_experts: int
+    num_layers: int
+
+    @abstractmethod
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        """Weights of one logical expert."""
+
+    @abstractmethod
+    def router(self, layer: int) -> torch.Tensor:
+        """Router weight [E, d] float32 of one layer."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__}
+
+
+class SeededWeightSource(WeightSource):
+    """Deterministic random weights: expert (layer, e) depends only on (seed, layer, e).
+
+    With ``tagged=True`` the down projection of expert e is scaled by ``(e + 1)``: every expert shares
+    one base function and its output magnitude encodes its own id, so a misplaced slot is visible in the
+    output (used by migration tests).
+    """
+
+    def __init__(self, *, num_layers: int, num_experts: int, hidden_size: int, ffn_size: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, tagged: bool = False) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_size = ffn_size
+        self.seed = seed
+        self.dtype = dtype
+        self.tagged = tagged
+
+    def _gen(self, *key: int) -> torch.Generator:
+        h = hashlib.sha256(":".join(str(k) for k in (self.seed, *key)).encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert={expert} is out of range [0, {self.num_experts})")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range [0, {self.num_layers})")
+        d, f = self.hidden_size, self.ffn_size
+        g = self._gen(layer, -1 if self.tagged else expert)
+        wg = torch.randn(f, d, generator=g) / d**0.5
+        wu = torch.randn(f, d, generator=g) / d**0.5
+        wd = torch.randn(d, f, generator=g) / f**0.5
+        if self.tagged:
+            wd = wd * float(expert + 1)
+        return ExpertWeights(layer, expert, wg.to(self.dtype), wu.to(self.dtype), wd.to(self.dtype))
+
+    def router(self, layer: int) -> torch.Tensor:
+        g = self._gen(layer, 10**6)
+        return torch.randn(self.num_experts, self.hidden_size, generator=g) / self.hidden_size**0.5
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "seeded", "seed": self.seed, "tagged": self.tagged, "dtype": str(self.dtype)}
+
+
+def save_checkpoint(source: WeightSource, folder: str, *, shards: int = 1) -> list[str]:
+    """Write every expert and router of ``source`` as a Mixtral-style safetensors folder."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(source.num_layers):
+        tensors[MIXTRAL_ROUTER_KEY.format(layer=layer)] = source.router(layer).contiguous()
+        for e in range(source.num_experts):
+            w = source.expert(layer, e)
+            for ours, theirs in _MIXTRAL_NAMES.items():
+                tensors[MIXTRAL_EXPERT_KEY.format(layer=layer, expert=e, name=theirs)] = getattr(w, ours).contiguous()
+    keys = sorted(tensors)
+    files = []
+    weight_map = {}
+    for i in range(shards):
+        part = keys[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(folder, fname))
+        files.append(fname)
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": weight_map}, fh, indent=1)
+    return files
+
+
+_WEIGHT_NAMES = ("w_gate", "w_up", "w_down")
+
+
+def experts_to_wire(weights: Mapping[tuple[int, int], ExpertWeights]) -> dict[str, Any]:
+    """(layer, expert) -> ExpertWeights as NumPy payloads (zero-copy through the object store)."""
+    return {f"{l}:{e}": pack({n: getattr(w, n) for n in _WEIGHT_NAMES}) for (l, e), w in weights.items()}
+
+
+def experts_from_wire(payload: Mapping[str, Any]) -> dict[tuple[int, int], ExpertWeights]:
+    out = {}
+    for key, body in payload.items():
+        l, e = (int(x) for x in key.split(":"))
+        t = unpack(body)
+        out[(l, e)] = ExpertWeights(l, e, t["w_gate"].clone(), t["w_up"].clone(), t["w_down"].clone())
+    return out

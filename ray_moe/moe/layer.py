@@ -1,0 +1,218 @@
+# ======================================================================================================
+#  ONE STEP'S MOE LAYERS ON ONE RANK (pure: no Ray)
+#
+#   for each MoE layer l (called by the expert-only loop, or by a transformers model through the
+#   ``ray_moe`` experts seam):
+#       dispatch (the step's dispatcher) ──> expert runner (the only SwiGLU) ──> combine ──> [T, d]
+#   statistics and handle checks stay on the device until ``finish`` reads them all with one host copy.
+# ======================================================================================================
+"""The per-step MoE executor: ``moe_forward(layer, hidden, topk_ids, topk_weights)`` for every layer of one
+step on one rank, under one pinned generation and one dispatcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher
+from ray_moe.moe.dispatch.records import DispatchOutput
+from ray_moe.core.routes import RouteBatch
+from ray_moe.moe.experts.runners.base import ExpertRunner
+from ray_moe.moe.experts.weights import SlotWeights
+from ray_moe.placement.snapshot import PlacementSnapshot
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What one rank saw in one layer of one step.
+
+    expert_counts: [E] int64 accepted routes per logical expert from this origin (semantic ledger)
+    rank_routes:   [P] int64 routes this origin sent to each global rank
+    slot_rows:     {global slot id: rows executed here}
+    path:          the dispatch mode that served the layer ("engine" | "direct" | "bucket" | "bucket-graph")
+    """
+
+    layer: int
+    accepted: int
+    remote: int
+    inter_node: int
+    expert_counts: np.ndarray
+    rank_routes: np.ndarray
+    slot_rows: dict[int, int]
+    path: str = "engine"
+    fallback_reason: str | None = None
+
+    def __reduce__(self):
+        """A compact wire form (every step returns one per layer): arrays as raw int64 bytes, the slot rows
+        as two of them; pickling numpy arrays one by one cost ~18 us each."""
+        ids = np.fromiter(self.slot_rows.keys(), dtype=np.int64, count=len(self.slot_rows))
+        rows = np.fromiter(self.slot_rows.values(), dtype=np.int64, count=len(self.slot_rows))
+        return (_layer_stats_from_wire, (self.layer, self.accepted, self.remote, self.inter_node,
+                                         _int64_bytes(self.expert_counts), _int64_bytes(self.rank_routes),
+                                         ids.tobytes(), rows.tobytes(), self.path, self.fallback_reason))
+
+
+def _int64_bytes(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, dtype=np.int64).tobytes()
+
+
+def _layer_stats_from_wire(layer, accepted, remote, inter_node, counts, rank_routes, ids, rows, path, reason):
+    arr = lambda b: np.frombuffer(b, dtype=np.int64).copy()  # noqa: E731 - writable, like the sender's
+    return LayerStats(layer, accepted, remote, inter_node, arr(counts), arr(rank_routes),
+                      dict(zip(np.frombuffer(ids, dtype=np.int64).tolist(), np.frombuffer(rows, dtype=np.int64).tolist())),
+                      path, reason)
+
+
+def merge_layer_stats(stats: Sequence[LayerStats]) -> tuple[LayerStats, ...]:
+    """One LayerStats per layer (first-seen order): the counts of every entry of that layer summed (the
+    sub-steps of a multi-step decode request); the path and fallback reason of its first entry."""
+    by_layer: dict[int, list[LayerStats]] = {}
+    for ls in stats:
+        by_layer.setdefault(ls.layer, []).append(ls)
+    out = []
+    for layer, group in by_layer.items():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        rows: dict[int, int] = {}
+        for ls in group:
+            for k, v in ls.slot_rows.items():
+                rows[k] = rows.get(k, 0) + v
+        first = group[0]
+        out.append(LayerStats(layer, sum(ls.accepted for ls in group), sum(ls.remote for ls in group),
+                              sum(ls.inter_node for ls in group), np.sum([ls.expert_counts for ls in group], axis=0),
+                              np.sum([ls.rank_routes for ls in group], axis=0), rows, first.path,
+                              first.fallback_reason))
+    return tuple(out)
+
+
+def layer_stats(layer: int, sent_slots: np.ndarray, slot_rows: Sequence[int], snapshot: PlacementSnapshot,
+                rank: int, path: str, fallback_reason: str | None) -> LayerStats:
+    """LayerStats from the routes this rank sent per physical slot ([Q] int64) and the rows it executed
+    per local slot ([Q_local]): every other count is a sum over the snapshot's maps."""
+    sent = np.asarray(sent_slots, dtype=np.int64)
+    rank_routes = np.bincount(snapshot.slot_rank.numpy(), weights=sent, minlength=snapshot.num_ranks).astype(np.int64)
+    node = snapshot.rank_node.numpy()
+    counts = np.bincount(snapshot.phy2log.numpy(), weights=sent, minlength=snapshot.num_experts).astype(np.int64)
+    local_ids = snapshot.on("cpu").rank_slots[rank].tolist()  # cached per snapshot
+    return LayerStats(layer, int(sent.sum()), int(rank_routes.sum() - rank_routes[rank]),
+                      int(rank_routes[node != node[rank]].sum()), counts, rank_routes,
+                      dict(zip(local_ids, np.asarray(slot_rows, dtype=np.int64).tolist())), path, fallback_reason)
+
+
+def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights | None, hidden_size: int) -> torch.Tensor:
+    """The expert runner boundary: flat expert-major rows with host counts, or the bucket's capacity layout."""
+    rows = out.rows
+    if weights is None:  # this rank hosts no slot of the layer: nothing was received
+        return rows if rows.dim() == 3 else rows.new_zeros((0, hidden_size))
+    offsets = getattr(out, "offsets", None)
+    if offsets is not None:  # expert-major rows with device-side offsets (the one-rank path)
+        return runner.run_offsets(rows, offsets, weights)
+    if rows.dim() == 3:
+        return runner.run_capacity(rows, weights, getattr(out, "valid", None))
+    if rows.shape[0] == 0:
+        return rows.new_zeros((0, hidden_size))
+    return runner.run(rows, out.counts_list, weights)
+
+
+@dataclass(frozen=True)
+class GenerationView:
+    """What a step needs of one pinned generation: a snapshot and this rank's stacked weights per layer."""
+
+    generation: int
+    snapshots: tuple[PlacementSnapshot, ...]
+    weights: tuple[SlotWeights | None, ...]
+
+
+class MoEStep:
+    """Every MoE layer of one step on one rank (implements the ``MoEExecutor`` seam protocol).
+
+    status:   what this rank reports in the step's first control round (a refused generation still takes
+              part, so every peer aborts together)
+    path:     the label recorded in the layer statistics
+    row_valid: [T] bool or None; rows marked False are padding of a static-shape step (route id -1)
+    """
+
+    def __init__(self, *, rank: int, view: GenerationView, dispatcher: Dispatcher, runner: ExpertRunner,
+                 dtype: torch.dtype, hidden_size: int, tag: str, status: ControlStatus = ControlStatus.OK,
+                 path: str | None = None, fallback_reason: str | None = None,
+                 row_valid: torch.Tensor | None = None) -> None:
+        self.rank = rank
+        self.view = view
+        self.dispatcher = dispatcher
+        self.runner = runner
+        self.dtype = dtype
+        self.hidden_size = hidden_size
+        self.tag = tag
+        self.status = status
+        self.path = path or dispatcher.mode.value
+        self.fallback_reason = fallback_reason
+        self.row_valid = row_valid  # [T] bool: padding rows of a static-shape step route nowhere
+        self.checks = DeferredChecks()
+        self._pending: list[tuple[int, Any, Any, Any]] = []  # (layer, sent slots, slot rows, overflow flag)
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d], topk_ids [T, k] int64, topk_weights [T, k] -> routed experts' combined output [T, d]."""
+        snap = self.view.snapshots[layer]
+        tag = f"{self.tag}/L{layer}"
+        status = self.status if not self._pending else ControlStatus.OK
+        if self.row_valid is not None:
+            topk_ids = torch.where(self.row_valid[:, None], topk_ids, torch.full_like(topk_ids, -1))
+        out = self.dispatcher.dispatch(RouteBatch(self.rank, hidden, topk_ids, topk_weights), snap, tag=tag,
+                                       status=status)
+        y_rows = run_experts(self.runner, out, self.view.weights[layer], self.hidden_size)
+        y = self.dispatcher.combine(y_rows, out.handle, snap, tag=tag, out_dtype=self.dtype, checks=self.checks)
+        self._pending.append((layer, self.dispatcher.sent_slot_counts(out.handle), self.dispatcher.slot_rows(out),
+                              getattr(out.handle, "overflow", None)))
+        return y
+
+    def device_summary(self) -> torch.Tensor | None:
+        """[sum over layers of (Q + Q_local + 1), then one per handle check] int64 on the device: every
+        layer's device-side counts, overflow flags and handle checks, for ONE host copy (None when there is
+        nothing on the device)."""
+        parts = []
+        for _, sent, rows, flag in self._pending:
+            for x in (sent, rows, flag):
+                if isinstance(x, torch.Tensor):
+                    parts.append(x.reshape(-1).to(torch.int64))
+        flags = self.checks.flags()
+        if flags is not None:
+            parts.append(flags.to(torch.int64))
+        if not parts:
+            return None
+        dev = parts[0].device
+        return torch.cat([p.to(dev) for p in parts])
+
+    def finish(self, host_summary: np.ndarray | None = None) -> tuple[tuple[LayerStats, ...], bool]:
+        """(layer statistics, overflowed): reads the device-side counts and handle checks with one copy
+        (``host_summary``: ``device_summary()`` already on the host), then verifies the checks."""
+        if host_summary is None:
+            dev = self.device_summary()
+            host_summary = None if dev is None else dev.cpu().numpy()
+        if len(self.checks):
+            self.checks.verify(host_summary[len(host_summary) - len(self.checks):].tolist())
+        pos = 0
+
+        def take(x: Any) -> Any:
+            nonlocal pos
+            if not isinstance(x, torch.Tensor):
+                return x
+            n = x.numel()
+            v = host_summary[pos:pos + n]
+            pos += n
+            return v
+
+        stats, overflow = [], False
+        for layer, sent, rows, flag in self._pending:
+            sent_h, rows_h, flag_h = take(sent), take(rows), take(flag)
+            overflow = overflow or bool(flag_h is not None and np.asarray(flag_h).any())
+            stats.append(layer_stats(layer, sent_h, rows_h, self.view.snapshots[layer], self.rank, self.path,
+                                     self.fallback_reason))
+        return tuple(stats), overflow
+
+
+__all__ = ["LayerStats", "MoEStep", "GenerationView", "layer_stats", "merge_layer_stats", "run_experts"]

@@ -1,0 +1,514 @@
+"""CoordinatorActor: named, one per deployment. A thin shell over ``ControlPlane``.
+
+It owns placement generations, refcount fences, digests, the load window, NCCL unique ids and the
+control timeline. It is never on the per-token path: drivers ask it for the active generation only
+when a shard tells them theirs went stale.
+
+It survives being killed: Ray restarts it (``max_restarts=-1``) and its ``__init__`` rebuilds the
+control plane from the shards' registry mirrors plus a durable record it writes to Ray's GCS KV on
+every change (``DurableStore``; what is in it and how the rebuild decides: ``recovery.py``). Reads
+are retried by Ray across a restart (``max_task_retries``); so are ``scale`` and ``rebalance``, which
+are declarative (a target replica count; a placement for the current load): the rebuild first
+completes or abandons the interrupted attempt, the retry then runs once more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+import time
+import warnings
+from typing import Any, Mapping, Sequence
+
+import ray
+from pydantic import BaseModel
+
+from ray_moe.control.plane import ControlPlane, Fleet
+from ray_moe.control.restore import restore_plane
+from ray_moe.control.recovery import DurableRecord, load_summary, registry_from_bytes, registry_state_bytes
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.core.errors import RankDeadError
+from ray_moe.core.types import ExchangeKind
+from ray_moe.placement.topology import ProcessGroupSpec, Topology
+
+
+def coordinator_name(deployment: str) -> str:
+    return f"ray-moe-coordinator-{deployment}"
+
+
+class RayFleet(Fleet):
+    """Shard actors behind Ray handles; pydantic arguments travel as JSON. With ``nccl`` set, expert copies
+    go GPU to GPU over the shards' migration communicator; otherwise through the object store."""
+
+    def __init__(self, handles: Mapping[int, Any], *, nccl: bool = False) -> None:
+        self.handles = dict(handles)
+        self.nccl = nccl
+        self.bytes_copied = 0  # measured bytes that crossed between shards for expert copies
+
+    def ranks(self) -> list[int]:
+        return sorted(self.handles)
+
+    def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
+        refs = {r: getattr(self.handles[r], method).remote(*[_wire(a) for a in a_]) for r, a_ in args.items()}
+        out: dict[int, Any] = {}
+        dead: list[int] = []
+        first: BaseException | None = None
+        for r, ref in refs.items():
+            try:
+                out[r] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(r)
+            except BaseException as exc:  # noqa: BLE001 - re-raised after every rank answered
+                first = first or exc
+        if dead:
+            raise RankDeadError(f"{method}: shard actor(s) of rank(s) {dead} are dead", ranks=tuple(dead))
+        if first is not None:
+            raise first
+        return out
+
+    def copy_experts(self, dst: int, src: int, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        try:
+            if self.nccl:
+                send = self.handles[src].send_experts.remote(list(keys), dst)
+                recv = self.handles[dst].recv_experts.remote(list(keys), src)
+                self.bytes_copied += int(ray.get(send))
+                return ray.get(recv)
+            digests, nbytes = ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
+            self.bytes_copied += int(nbytes)
+            return digests
+        except ray.exceptions.RayActorError as exc:
+            raise RankDeadError(f"copy rank {src} -> rank {dst}: {exc}", ranks=(src, dst)) from None
+
+
+def _wire(x: Any) -> Any:
+    return x.model_dump_json() if isinstance(x, BaseModel) else x
+
+
+_KV_NAMESPACE = "ray-moe"
+_LOAD_PERSIST_S = 5.0  # the load window (summed) is written at most every 5 s: it only steers EPLB
+
+
+class DurableStore:
+    """One deployment's durable coordinator record in Ray's GCS KV (``ray.experimental.internal_kv``).
+
+    Keys ``<ray namespace>/<deployment>/<part>`` in KV namespace ``ray-moe``; parts: ``record`` (JSON
+    ``DurableRecord``), ``handles`` (pickled shard actor handles), ``releases`` (pickled release
+    registry), ``load`` (JSON load window). The coordinator is the only writer; ``Runtime.start`` clears
+    it for a fresh deployment and ``Runtime.shutdown`` deletes it.
+    """
+
+    PARTS = ("record", "handles", "releases", "load")
+
+    def __init__(self, namespace: str, deployment: str) -> None:
+        self.prefix = f"{namespace}/{deployment}/"
+
+    def _key(self, part: str) -> bytes:
+        return (self.prefix + part).encode()
+
+    def put(self, part: str, value: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self._key(part), value, overwrite=True, namespace=_KV_NAMESPACE)
+
+    def get(self, part: str) -> bytes | None:
+        from ray.experimental import internal_kv
+
+        return internal_kv._internal_kv_get(self._key(part), namespace=_KV_NAMESPACE)
+
+    def clear(self) -> None:
+        from ray.experimental import internal_kv
+
+        for part in self.PARTS:
+            internal_kv._internal_kv_del(self._key(part), namespace=_KV_NAMESPACE)
+
+    def record(self) -> DurableRecord | None:
+        raw = self.get("record")
+        return None if raw is None else DurableRecord.model_validate_json(raw)
+
+
+def _retried(fn):
+    """Ray retries this method across a coordinator restart instead of failing the caller. Only for methods
+    that are safe to run again: reads, idempotent writes, and declarative operations (the result depends on
+    the arguments and the current state, not on how many times it ran)."""
+    return ray.method(max_task_retries=-1)(fn)
+
+
+class CoordinatorActor:
+    def __init__(self, cfg_json: str, namespace: str | None = None) -> None:
+        self.cfg = RuntimeConfig.model_validate_json(cfg_json)
+        self.plane: ControlPlane | None = None
+        self.handles: dict[int, Any] = {}
+        self.nccl_ids: dict[int, bytes] = {}
+        self.topology_json: str | None = None
+        self.extra: dict[str, Any] = {}
+        self.restarts = 0
+        self.rebuild_error: str | None = None
+        self.store: DurableStore | None = None
+        self.actor_id: str | None = None
+        self._persist_lock = threading.Lock()
+        self._load_written = 0.0
+        if namespace is None or not ray.is_initialized():
+            return  # constructed outside a Ray actor (tools, tests): no durable record
+        ctx = ray.get_runtime_context()
+        self.actor_id = ctx.get_actor_id()
+        if self.actor_id is None:
+            return
+        self.store = DurableStore(namespace, self.cfg.name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            restarted = ctx.was_current_actor_reconstructed
+        if restarted:
+            self._rebuild()
+        else:
+            self.store.clear()  # a record of an earlier deployment under this name is not ours
+            self._persist()
+
+    # ---------------------------------------------------------------- durability
+    def _persist(self, *, handles: bool = False) -> None:
+        """Write the durable record (and the shard handles when they changed). Never fails an operation:
+        a failed write is logged on the timeline."""
+        if self.store is None:
+            return
+        try:
+            with self._persist_lock:
+                plane = self.plane
+                rec = DurableRecord(
+                    deployment=self.cfg.name, actor_id=self.actor_id, restarts=self.restarts,
+                    topology_json=self.topology_json, group_json=None if plane is None else plane.group.model_dump_json(),
+                    nccl_ids={int(k): v.hex() for k, v in dict(self.nccl_ids).items()},
+                    plane=None if plane is None else plane.durable_state(), updated_at=time.time())
+                self.store.put("record", rec.model_dump_json().encode())
+                if handles:
+                    self.store.put("handles", pickle.dumps(dict(self.handles)))
+        except Exception as exc:  # noqa: BLE001
+            if self.plane is not None:
+                self.plane.log("durable-write-failed", None, f"{type(exc).__name__}: {exc}")
+
+    def _persist_load(self, force: bool = False) -> None:
+        if self.store is None or self.plane is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._load_written < _LOAD_PERSIST_S:
+            return
+        self._load_written = now
+        try:
+            import json
+
+            self.store.put("load", json.dumps(load_summary(self.plane.load.observations())).encode())
+        except Exception:  # noqa: BLE001 - the load window only steers EPLB
+            pass
+
+    def _persist_releases(self) -> None:
+        if self.store is None or "releases" not in self.extra:
+            return
+        try:
+            self.store.put("releases", registry_state_bytes(self.extra["releases"]))
+        except Exception as exc:  # noqa: BLE001
+            if self.plane is not None:
+                self.plane.log("durable-write-failed", None, f"releases: {type(exc).__name__}: {exc}")
+
+    def _rebuild(self) -> None:
+        """After a restart: the record, handles, releases and load from the KV; generations, states,
+        manifests and refcounts from the shards (``restore.restore_plane``)."""
+        import json
+        import traceback
+
+        try:
+            rec = self.store.record()
+            if rec is None or rec.actor_id != self.actor_id:
+                self.rebuild_error = "no durable record of this coordinator; nothing to rebuild"
+                self._persist()
+                return
+            self.restarts = rec.restarts + 1
+            self.topology_json = rec.topology_json
+            self.nccl_ids = {int(k): bytes.fromhex(v) for k, v in rec.nccl_ids.items()}
+            raw = self.store.get("handles")
+            self.handles = pickle.loads(raw) if raw else {}
+            raw = self.store.get("releases")
+            if raw:
+                from ray_moe.release.lifecycle import ReleaseRegistry
+
+                self.extra["releases"] = registry_from_bytes(ReleaseRegistry, raw)
+            if rec.plane is not None and rec.group_json is not None and self.handles and self.topology_json:
+                raw = self.store.get("load")
+                self.plane = restore_plane(
+                    self.cfg, RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL),
+                    Topology.model_validate_json(self.topology_json), ProcessGroupSpec.model_validate_json(rec.group_json),
+                    rec.plane, load_rows=json.loads(raw) if raw else ())
+                self.plane.on_change = self._persist
+            self._persist()
+        except Exception as exc:  # noqa: BLE001 - an __init__ that raises would leave the deployment without one
+            self.rebuild_error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+            self.plane = None
+
+    # ---------------------------------------------------------------- setup
+    def attach(self, handles: Mapping[int, Any], topology_json: str, group_json: str, expert_bytes: int) -> None:
+        if self.plane is not None:
+            raise RuntimeError(f"deployment {self.cfg.name!r} already has shards attached")
+        self.handles = dict(handles)
+        self.topology_json = topology_json
+        self.plane = ControlPlane(self.cfg, RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL), Topology.model_validate_json(topology_json),
+                                  ProcessGroupSpec.model_validate_json(group_json))
+        self.plane.set_expert_bytes(expert_bytes)
+        self.plane.on_change = self._persist
+        self._persist(handles=True)
+
+    def deploy(self) -> int:
+        return self._plane().deploy_initial()
+
+    def _plane(self) -> ControlPlane:
+        if self.plane is None:
+            why = f" (coordinator restart could not rebuild: {self.rebuild_error})" if self.rebuild_error else ""
+            raise RuntimeError(f"deployment {self.cfg.name!r} has no shards attached{why}")
+        return self.plane
+
+    @_retried
+    def config_json(self) -> str:
+        return self.cfg.model_dump_json()
+
+    @_retried
+    def shard_handles(self) -> dict[int, Any]:
+        return dict(self.handles)
+
+    @_retried
+    def group_json(self) -> str:
+        return self._plane().group.model_dump_json()
+
+    @_retried
+    def topology(self) -> str | None:
+        return self.topology_json
+
+    @_retried
+    def put_nccl_id(self, epoch: int, uid: bytes) -> None:
+        self.nccl_ids[epoch] = uid
+        self._persist()
+
+    @_retried
+    def nccl_id(self, epoch: int) -> bytes | None:
+        return self.nccl_ids.get(epoch)
+
+    @_retried
+    def is_deployed(self) -> bool:
+        return self.plane is not None and self.plane.active_generation() is not None
+
+    # ---------------------------------------------------------------- queries
+    @_retried
+    def active_generation(self) -> int | None:
+        return self._plane().active_generation()
+
+    @_retried
+    def manifest_json(self, generation: int | None = None) -> str:
+        return self._plane().manifest(generation).model_dump_json()
+
+    @_retried
+    def refcounts(self) -> dict[int, int]:
+        return self._plane().refcounts()
+
+    @_retried
+    def generations(self) -> dict[int, str]:
+        return self._plane().generation_states()
+
+    @_retried
+    def timeline(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(e) for e in self._plane().timeline()]
+
+    @_retried
+    def retired_with_refcount(self) -> list[tuple[int, int]]:
+        return list(self._plane().retired_with_refcount)
+
+    @_retried
+    def floors(self) -> list[dict[str, int]]:
+        """Replica floors set by manual ``scale`` calls: [{layer, expert, replicas}] (EPLB keeps them)."""
+        return self._plane().floor_list()
+
+    @_retried
+    def status(self) -> dict[str, Any]:
+        """One JSON-able view for ``ray-moe status``: generations, floors, restarts and the last rebuild."""
+        plane = self.plane
+        out: dict[str, Any] = {"deployment": self.cfg.name, "restarts": self.restarts, "durable": self.store is not None,
+                               "rebuild_error": self.rebuild_error}
+        if plane is not None:
+            out.update(active=plane.active_generation(), generations=plane.generation_states(),
+                       floors=plane.floor_list(), group=list(plane.group.peer_order), group_epoch=plane.group.epoch,
+                       dead_ranks=sorted(plane.dead_ranks), rebuild=plane.rebuild_report)
+        return out
+
+    @_retried  # a batch in flight at the kill may count twice; losing every batch of the restart is worse
+    def record_load(self, counts: Any, phase: str, generation: int) -> None:
+        self._plane().record_load(counts, phase=phase, generation=generation)
+        self._persist_load()
+
+    @_retried
+    def load_matrix(self) -> Any:
+        lm = self._plane().load.snapshot()
+        return {"weight": lm.weight, "provenance": lm.provenance.model_dump(mode="json")}
+
+    @_retried
+    def put(self, key: str, value: Any) -> None:
+        """Small shared records (telemetry snapshots from drivers, release records)."""
+        self.extra[key] = value
+
+    @_retried
+    def get(self, key: str) -> Any:
+        return self.extra.get(key)
+
+    @_retried
+    def telemetry_snapshots(self) -> list[str]:
+        return [v for k, v in sorted(self.extra.items()) if k.startswith("telemetry/")]
+
+    # ---------------------------------------------------------------- elastic operations
+    @_retried  # declarative: retried once the restarted coordinator finished or undid the first attempt
+    def scale(self, expert: int, replicas: int, layer: int | None = None) -> dict[str, Any]:
+        plane = self._plane()
+        b0 = plane.fleet.bytes_copied
+        out = _report(plane.scale(expert, replicas, layer))
+        out["copied_bytes"] = plane.fleet.bytes_copied - b0
+        out["floors"] = plane.floor_list()
+        return out
+
+    @_retried  # declarative, as scale
+    def rebalance(self, migration_aware: bool = True) -> dict[str, Any]:
+        plane = self._plane()
+        new = plane.propose_rebalance(migration_aware=migration_aware)
+        b0 = plane.fleet.bytes_copied
+        out = _report(plane.apply(new, reason="EPLB rebalance"))
+        out["copied_bytes"] = plane.fleet.bytes_copied - b0
+        return out
+
+    def apply_manifest(self, manifest_json: str, reason: str) -> dict[str, Any]:
+        from ray_moe.placement.manifest import PlacementManifest
+
+        return _report(self._plane().apply(PlacementManifest.model_validate_json(manifest_json), reason=reason))
+
+    @_retried
+    def remove_ranks(self, dead: Sequence[int], group_json: str) -> dict[str, Any]:
+        """A rank died: publish a generation on the rebuilt group without it (survivors already regrouped)."""
+        plane = self._plane()
+        for r in dead:
+            self.handles.pop(int(r), None)
+        plane.fleet = RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL)
+        self._persist(handles=True)
+        return _report(plane.remove_ranks(dead, ProcessGroupSpec.model_validate_json(group_json)))
+
+    @_retried
+    def evacuate_rank(self, rank: int) -> dict[str, Any]:
+        """Scale in, step 1: publish a generation with no slot on ``rank`` (it still takes part, with zero rows)."""
+        plane = self._plane()
+        return _report(plane.apply(plane.propose_without([rank]), reason=f"evacuate rank {rank}"))
+
+    @_retried
+    def regroup(self, handles: Mapping[int, Any], topology_json: str, group_json: str, rebalance: bool) -> dict[str, Any]:
+        """Switch to a new process group (scale in or out) at a quiescent point: publish the active slots (or an
+        EPLB placement over the new members when ``rebalance``) as a new generation under the new group."""
+        plane = self._plane()
+        self.handles = dict(handles)
+        self.topology_json = topology_json
+        plane.fleet = RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL)
+        plane.topology = Topology.model_validate_json(topology_json)
+        plane.group = ProcessGroupSpec.model_validate_json(group_json)
+        self._persist(handles=True)
+        if rebalance and len(plane.load):
+            new = plane.propose_rebalance(migration_aware=True)
+            reason = f"regroup to ranks {list(plane.group.peer_order)} + EPLB"
+        else:
+            new = plane.propose_without([r for r in plane.manifest().slots_ranks() if r not in plane.group.members])
+            reason = f"regroup to ranks {list(plane.group.peer_order)}"
+        return _report(plane.apply(new, reason=reason))
+
+    def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
+        return self._plane().drain_and_retire(generation, timeout_s=timeout_s)
+
+    # ---------------------------------------------------------------- candidates (releases in flight)
+    def stage(self, kind: str, expert: int | None = None, replicas: int | None = None,
+              manifest_json: str | None = None) -> dict[str, Any]:
+        """Plan, materialise and verify a candidate generation without publishing it; it may then serve
+        steps that name it (shadow / canary). ``kind``: scale | rebalance | manifest."""
+        plane = self._plane()
+        if kind == "scale":
+            new = plane.propose_scale(int(expert), int(replicas))
+        elif kind == "rebalance":
+            new = plane.propose_rebalance(migration_aware=True)
+        elif kind == "manifest":
+            from ray_moe.placement.manifest import PlacementManifest
+
+            new = PlacementManifest.model_validate_json(manifest_json)
+        else:
+            raise ValueError(f"kind={kind!r} is not one of scale, rebalance, manifest")
+        rep = plane.stage(new, reason=f"candidate ({kind})", serve_candidate=True)
+        out = _report(rep)
+        out["manifest_json"] = new.model_dump_json()
+        return out
+
+    def promote(self, generation: int, retire_prior: bool = False) -> int | None:
+        return self._plane().promote(generation, retire_prior=retire_prior)
+
+    @_retried
+    def stop_dispatch(self, generation: int) -> None:
+        self._plane().stop_dispatch(generation)
+
+    @_retried
+    def activate(self, generation: int) -> None:
+        self._plane().activate(generation)
+
+    @_retried
+    def release_graphs(self, generation: int) -> int:
+        return self._plane().release_graphs(generation)
+
+    @_retried
+    def shard_refcount(self, generation: int) -> int:
+        return self._plane().shard_refcount(generation)
+
+    def inject_fault(self, rank: int, kind: str, count: int = 1, generation: int | None = None) -> None:
+        ray.get(self.handles[rank].inject_fault.remote(kind, count, generation))
+        self._plane().log("fault-armed", generation, f"{kind} x{count} on rank {rank}")
+
+    def log(self, event: str, generation: int | None, detail: str) -> None:
+        self._plane().log(event, generation, detail)
+
+    # ---------------------------------------------------------------- release lifecycle (owned here)
+    def release(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call one ``ReleaseRegistry`` method (register, transition, begin_canary, promote, stop_new_dispatch,
+        activate, retire, get, records, timeline, active, candidate); pydantic results travel as JSON. Every
+        transition is written to the durable record before the call returns."""
+        if method not in _RELEASE_METHODS:
+            raise ValueError(f"method={method!r} is not one of {sorted(_RELEASE_METHODS)}")
+        from ray_moe.release.lifecycle import ReleaseRegistry
+
+        if "releases" not in self.extra:
+            self.extra["releases"] = ReleaseRegistry()
+        try:
+            return getattr(self.extra["releases"], method)(*args, **kwargs)
+        finally:
+            if method in _RELEASE_WRITES:
+                self._persist_releases()
+
+
+_RELEASE_WRITES = frozenset({"register", "transition", "begin_canary", "set_canary_fraction", "promote",
+                             "stop_new_dispatch", "activate", "retire"})
+
+
+_RELEASE_METHODS = frozenset({"register", "transition", "begin_canary", "set_canary_fraction", "promote",
+                              "stop_new_dispatch", "activate", "retire", "get", "records", "timeline", "active",
+                              "candidate", "canary_fraction"})
+
+
+def _report(rep) -> dict[str, Any]:
+    out = {
+        "old_generation": rep.old_generation,
+        "new_generation": rep.new_generation,
+        "reason": rep.reason,
+        "copies": rep.copies,
+        "loads": rep.loads,
+        "drained_s": rep.drained_s,
+        "retired": rep.retired,
+        "timings_s": rep.timings_s,
+    }
+    if rep.plan is not None:
+        out["ledger"] = rep.plan.ledger.model_dump(mode="json")
+    return out
+
+
+def coordinator_class():
+    """Restartable (``max_restarts=-1``): a restart rebuilds the coordinator's state (see ``_rebuild``)."""
+    return ray.remote(max_concurrency=32, max_restarts=-1)(CoordinatorActor)

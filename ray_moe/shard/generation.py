@@ -1,0 +1,700 @@
+# ======================================================================================================
+#  ONE GENERATION STEP ON ONE SHARD (pure: no Ray)
+#
+#   GenStepRequest (token ids + positions only; a deferred decode item names the position whose token this
+#   rank sampled) ──> free finished sequences, resolve deferred tokens (host, or on the device while the
+#   step that sampled them is still running), reserve KV for the new tokens
+#     ──> [decode unit on the bucket path? one agreed admission round]
+#     ──> the model's forward over the rank's tokens (data-parallel attention, paged KV cache);
+#         every MoE block: prefill rows -> normal dispatcher, decode rows -> decode dispatcher (spec 0x05E),
+#         expert-parallel across ranks; a rank with no tokens joins every MoE layer with empty batches.
+#         Static shapes (decode buckets; every step of a group of one) replay one captured CUDA graph.
+#     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample on the device
+#   launch ends here for a captured step of a group of one (completed behind the next step's launch);
+#   complete: tokens and statistics read with one wait ──> GenStepResult (one token id per sampled chunk)
+#   multi-step decode: the sub-steps of one request launched back to back, each fed the previous one's
+#   samples on the device; one result with every sequence's tokens in position order
+# ======================================================================================================
+"""The shard side of serving: one model step per actor call, token ids in, sampled token ids out."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+from ray_moe.moe.dispatch.local import LocalDispatcher
+from ray_moe.moe.dispatch.protocol import ControlStatus
+from ray_moe.moe.experts.runners.grouped import device_tensor
+from ray_moe.core.errors import RayMoEError
+from ray_moe.moe.decode.admission import FallbackReason
+from ray_moe.moe.decode.graphs import (
+    CapturedStep,
+    DecodeRecord,
+    StepGraphs,
+    agree_overflow,
+    capture_failure,
+    decode_round,
+    generation_digest,
+)
+from ray_moe.moe.layer import GenerationView, LayerStats, MoEStep, merge_layer_stats
+from ray_moe.model.kv import KVBudgetError, SeqChunk, StepLayout
+from ray_moe.model.host import ModelHost
+from ray_moe.model.sampling import SampleSpec, sample, sample_tensor
+from ray_moe.driver.scheduler import WorkItem
+
+
+@dataclass(frozen=True)
+class GenStepRequest:
+    """One rank's share of one generation step. ``units``: (prefill, decode) units this step runs on every
+    rank (the same on all ranks: a rank without rows of a unit joins it with an empty batch). ``after``: the
+    step the driver launched just before this one (pipelined steps run in launch order on every rank).
+    ``steps``: decode sub-steps (multi-step decode, every item a decode item): sub-step j feeds each
+    sequence the token it sampled in sub-step j - 1; every rank runs the same number (SPMD)."""
+
+    step_id: str
+    generation: int
+    items: tuple[WorkItem, ...]
+    free: tuple[str, ...] = ()
+    units: tuple[bool, bool] = (True, False)
+    after: str | None = None
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: a step runs at least one decode sub-step")
+
+    def __reduce__(self):
+        """A columnar wire form: every step sends one of these per rank, and pickling its work items one
+        dataclass at a time cost ~10 us each (1.2 ms for a batch of 128 decode items; ~0.3 ms this way)."""
+        items = self.items
+        n = len(items)
+        ints = np.zeros((5, n), dtype=np.int64)  # start, token count, flags, seed, sample position
+        floats = np.zeros((2, n), dtype=np.float64)  # temperature, top_p
+        for i, it in enumerate(items):
+            sp = it.sample
+            ints[0, i], ints[1, i] = it.start, len(it.tokens)
+            ints[2, i] = it.decode | (it.deferred << 1) | ((sp is not None) << 2)
+            if sp is not None:
+                ints[3, i], ints[4, i] = sp.seed, sp.position
+                floats[0, i], floats[1, i] = sp.temperature, sp.top_p
+        tokens = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64,
+                             count=int(ints[1].sum()))
+        return (_request_from_wire, (self.step_id, self.generation, self.free, self.units, self.after, self.steps,
+                                     [it.seq_id for it in items], ints.tobytes(), floats.tobytes(), tokens.tobytes()))
+
+
+def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints, floats, tokens) -> GenStepRequest:
+    n = len(ids)
+    start, count, flags, seed, pos = np.frombuffer(ints, dtype=np.int64).reshape(5, n).tolist()
+    temp, top_p = np.frombuffer(floats, dtype=np.float64).reshape(2, n).tolist()
+    flat = np.frombuffer(tokens, dtype=np.int64).tolist()
+    items, o = [], 0
+    for i, sid in enumerate(ids):
+        f, c = flags[i], count[i]
+        sample = SampleSpec(temp[i], top_p[i], seed[i], pos[i]) if f & 4 else None
+        items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2)))
+        o += c
+    return GenStepRequest(step_id, generation, tuple(items), free, units, after, steps)
+
+
+@dataclass(frozen=True)
+class GenStepResult:
+    """tokens: {sequence id: its sampled tokens in position order} for the chunks that asked for a sample (one
+    token; ``steps`` of them for a multi-step decode request). layers: every layer's statistics, summed over
+    the sub-steps. elapsed_s: the step on the
+    shard; queued_s: from the actor call's arrival to the step's start (launch order, the step thread, the
+    generation pin), so a driver's wait minus both is the Ray transport and (de)serialisation. device_s: the
+    step's time on the device (CUDA events around its work; 0 on CPU); idle_s: how long the device sat idle
+    between the previous step's end and this step's start (the host did not keep it fed). actor_s: the actor
+    call on the shard, arrival to return (a driver's round trip minus it is Ray's transport)."""
+
+    rank: int
+    step_id: str
+    generation: int
+    tokens: dict[str, tuple[int, ...]]
+    layers: tuple[LayerStats, ...]
+    elapsed_s: float
+    decode_path: str | None = None
+    fallback_reason: str | None = None
+    queued_s: float = 0.0
+    device_s: float = 0.0
+    idle_s: float = 0.0
+    actor_s: float = 0.0
+
+    def __reduce__(self):
+        """The tokens as one int64 block when every sequence has as many (they do: one per sub-step)."""
+        widths = {len(v) for v in self.tokens.values()}
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        if len(widths) == 1:
+            ids = list(self.tokens)
+            block = np.asarray(list(self.tokens.values()), dtype=np.int64)
+            return (_result_from_wire, (ids, block.tobytes(), widths.pop(), *fields[:3], *fields[4:]))
+        return (GenStepResult, tuple(fields))
+
+
+@dataclass(eq=False)
+class _GraphPending:
+    """A captured-shape step whose graph and sampling were queued on the device: ``finish`` waits for them.
+    want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled);
+    host_picked / host_summary: their copies queued to (pinned) host memory right behind the step, so reading
+    them never waits for steps launched after this one. ``done``: an event recorded after those copies."""
+
+    ctx: MoEStep
+    want: tuple[WorkItem, ...]
+    picked: torch.Tensor | None
+    host_summary: torch.Tensor | None
+    device: torch.device
+    host_picked: torch.Tensor | None = None
+    done: Any = None
+
+    def finish(self) -> tuple[dict[str, int], tuple, bool]:
+        tokens = {}
+        if self.done is not None:
+            self.done.synchronize()
+        if self.picked is not None:
+            src = self.host_picked if self.host_picked is not None else self.picked
+            tokens = {it.seq_id: int(t) for it, t in zip(self.want, src.tolist())}
+        elif self.device.type == "cuda" and self.done is None:
+            torch.cuda.current_stream(self.device).synchronize()
+        stats, overflow = self.ctx.finish(None if self.host_summary is None else self.host_summary.numpy())
+        return tokens, stats, overflow
+
+
+class PendingStep:
+    """A launched step of one rank: ``complete`` returns its result (reads a still-running captured step's
+    tokens and statistics). ``wait`` blocks, without the GIL, until the device finished it."""
+
+    def __init__(self, executor: "GenerationExecutor", req: GenStepRequest, generation: int,
+                 items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
+                 graph: _GraphPending | None = None, result: tuple[dict[str, int], tuple] | None = None,
+                 decision: Any = None) -> None:
+        self.executor, self.req, self.generation, self.items = executor, req, generation, items
+        self.decision = decision  # the decode unit's agreed decision (None: no decode round)
+        self.t0, self.path, self.reason = t0, path, reason
+        self.graph, self.result = graph, result
+        self.event = None
+        if executor._start is not None:  # on CUDA: the step's device span, [start, event]
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        self.start, executor._start = executor._start, None
+
+    @property
+    def ready(self) -> bool:
+        """Complete on launch (its tokens are already this rank's ``sampled``)."""
+        return self.graph is None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def abandon(self) -> None:
+        """A step that will not be completed: later steps no longer read its tokens."""
+        self.executor._picks.pop(self.req.step_id, None)
+
+    def complete(self) -> GenStepResult:
+        ex = self.executor
+        if self.graph is not None:
+            try:
+                tokens, stats, _ = self.graph.finish()  # a group of one: nothing overflows
+            finally:
+                ex._picks.pop(self.req.step_id, None)
+            ex.finished(self.items, tokens)
+            self.result, self.graph = (tokens, stats), None
+        tokens, stats = self.result
+        device_s, idle_s = ex.device_span(self.start, self.event)
+        return GenStepResult(ex.rank, self.req.step_id, self.generation, {k: (v,) for k, v in tokens.items()}, stats,
+                             time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s)
+
+
+def _result_from_wire(ids, block, width, *fields) -> GenStepResult:
+    rows = np.frombuffer(block, dtype=np.int64).reshape(len(ids), width).tolist()
+    return GenStepResult(*fields[:3], dict(zip(ids, map(tuple, rows))), *fields[3:])
+
+
+class MultiPending:
+    """A multi-step decode request's sub-steps (``PendingStep`` each, launched back to back): the same
+    interface; ``complete`` returns one result with every sequence's tokens in position order."""
+
+    def __init__(self, req: GenStepRequest, parts: list[PendingStep]) -> None:
+        self.req, self.parts = req, parts
+
+    @property
+    def ready(self) -> bool:
+        return all(p.ready for p in self.parts)
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()
+
+    def abandon(self) -> None:
+        for p in self.parts:
+            p.abandon()
+
+    def complete(self) -> GenStepResult:
+        results = []
+        try:
+            for p in self.parts:
+                results.append(p.complete())
+        except BaseException:
+            for p in self.parts[len(results):]:
+                p.abandon()
+            raise
+        first = results[0]
+        tokens = {k: tuple(r.tokens[k][0] for r in results) for k in first.tokens}
+        return GenStepResult(first.rank, self.req.step_id, first.generation, tokens,
+                             merge_layer_stats([ls for r in results for ls in r.layers]),
+                             time.perf_counter() - self.parts[0].t0, first.decode_path, first.fallback_reason,
+                             device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results))
+
+
+class DecodeLayout(str, Enum):
+    """How a captured decode step feeds attention.
+
+    PACKED:  every sequence's token in one row of a [1, N] batch over the packed contexts of all sequences
+             (a block-diagonal mask): attention work ~ tokens x total context
+    BATCHED: one row per sequence over its own context padded to the longest (a [B, 1] batch): attention
+             work ~ tokens x longest context, grouped-query attention without repeating keys
+    AUTO:    BATCHED unless padding every context to the longest would gather more than twice the packed
+             context (one long sequence among short ones)
+    """
+
+    PACKED = "packed"
+    BATCHED = "batched"
+    AUTO = "auto"
+
+    def pick(self, rows: int, longest: int, packed_keys: int) -> "DecodeLayout":
+        if self is not DecodeLayout.AUTO:
+            return self
+        return DecodeLayout.BATCHED if rows * longest <= 2 * packed_keys else DecodeLayout.PACKED
+
+
+def _phase_rows(items: tuple[WorkItem, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode rows, prefill rows): packed row indices of the step's decode and prefill tokens, on ``device``."""
+    flags = np.fromiter((it.decode for it in items for _ in it.tokens), dtype=bool)
+    return (torch.from_numpy(np.flatnonzero(flags)).to(device), torch.from_numpy(np.flatnonzero(~flags)).to(device))
+
+
+def _packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndarray:
+    """[rows or N] int64 the step's token ids in packed order (zero padding past the real tokens)."""
+    n = sum(len(it.tokens) for it in items)
+    out = np.zeros(n if rows is None else rows, dtype=np.int64)
+    out[:n] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64, count=n)
+    return out
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class DeferredTokenError(RayMoEError, ValueError):
+    """A deferred decode item names a position this rank never sampled (the step is refused on every rank)."""
+
+
+class SplitMoE:
+    """Spec 0x05E inside a model step: each MoE layer's decode rows go through the decode unit, the other
+    rows through the prefill unit, outputs back in packed order. Units run in a fixed order on every rank."""
+
+    def __init__(self, prefill: MoEStep | None, decode: MoEStep | None, decode_rows: torch.Tensor,
+                 prefill_rows: torch.Tensor) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.decode_rows, self.prefill_rows = decode_rows, prefill_rows
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.decode is None:
+            return self.prefill.moe_forward(layer, hidden, topk_ids, topk_weights)
+        if self.prefill is None:
+            return self.decode.moe_forward(layer, hidden, topk_ids, topk_weights)
+        out = torch.empty_like(hidden)
+        for unit, rows in ((self.prefill, self.prefill_rows), (self.decode, self.decode_rows)):
+            out[rows] = unit.moe_forward(layer, hidden[rows], topk_ids[rows], topk_weights[rows]).to(out.dtype)
+        return out
+
+
+class GenerationExecutor:
+    """Runs generation steps for one shard over its ModelHost (``step_ctx`` builds MoEStep contexts)."""
+
+    def __init__(self, rank: int, host: ModelHost, *, hidden_size: int, top_k: int, dtype: torch.dtype) -> None:
+        self.rank = rank
+        self.host = host
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.dtype = dtype
+        self.counters: dict[str, int] = {}
+        self.graphs = StepGraphs()  # captured steps by (generation, (unit, rows, keys, sampled rows))
+        self.max_prefill_graphs = 16  # prefill shapes captured per generation (others run eagerly)
+        self.decode_layout = DecodeLayout.AUTO  # how a captured decode step lays out its sequences
+        self._runner: Any = None
+        # a failed capture, per unit: that unit's steps stay eager (reported in status)
+        self.capture_errors: dict[str, str] = {}
+        # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
+        # the one at its start position; a rerun step finds its input again
+        self.sampled: dict[str, dict[int, int]] = {}
+        # launched steps not completed yet: step id -> (sampled tokens [S] on the device, {(seq, position): i})
+        self._picks: dict[str, tuple[torch.Tensor, dict[tuple[str, int], int]]] = {}
+        # device timing (CUDA): the launching step's start event, the last completed step's end event
+        self._start: torch.cuda.Event | None = None
+        self._last_end: torch.cuda.Event | None = None
+
+    @classmethod
+    def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
+             top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int,
+             block_size: int, fused_kernels: bool = True) -> "GenerationExecutor":
+        """A shard's model: the non-expert modules (transformers classes) from ``checkpoint``, or seeded random
+        ones of the transformers config dict ``random_model`` (benchmarks). Routed experts stay the shard's
+        slots. ``num_layers`` must equal the model's MoE layer count. ``fused_kernels``: the model's RMSNorm layers
+        and rotary embedding take fused kernels where they reproduce transformers' own (CUDA; ``models.norms``,
+        ``models.rotary``)."""
+        if random_model is not None:
+            from transformers import AutoConfig
+
+            conf = dict(random_model)
+            host = ModelHost.random(AutoConfig.for_model(conf.pop("model_type"), **conf), seed=seed, device=device,
+                                    dtype=dtype, kv_tokens=kv_tokens, block_size=block_size)
+        else:
+            host = ModelHost.from_checkpoint(checkpoint, device=device, dtype=dtype, kv_tokens=kv_tokens,
+                                             block_size=block_size)
+        if host.moe_layers != num_layers:
+            raise ValueError(f"num_layers={num_layers} but the model has {host.moe_layers} MoE layers")
+        if fused_kernels:
+            host.fuse_kernels()
+        executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype)
+        if host.norms.modules:
+            executor.count("fused_norm_layers", host.norms.modules)
+        if host.rotary.modules:
+            executor.count("fused_rotary_modules", len(host.rotary.modules))
+        return executor
+
+    def fused_kernels(self) -> dict[str, Any]:
+        """Which of the model's layers take the fused kernels: norm layers (count), modeling modules whose
+        rotary embedding does, and what kept transformers' own forward and why (class or module -> reason)."""
+        host = self.host
+        return {"norm_layers": host.norms.modules, "rotary_modules": list(host.rotary.modules),
+                "skipped": {**host.norms.skipped, **host.rotary.skipped}}
+
+    def info(self) -> dict[str, Any]:
+        """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids."""
+        host = self.host
+        return {"rank": self.rank, "kv_blocks": host.kv.num_blocks, "block_size": host.kv.block_size,
+                "vocab_size": host.vocab_size,
+                "max_context": int(getattr(host.config, "max_position_embeddings", 1 << 20)),
+                "eos_token_ids": host.eos_token_ids(), "fused_norm_layers": host.norms.modules,
+                "fused_rotary_modules": len(host.rotary.modules)}
+
+    def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+               decode_key: int) -> "PendingStep | MultiPending":
+        """Run a step up to its sampled tokens. A captured step of a group of one returns with its graph (and
+        sampling) still running on the device: the next step can be launched before this one is completed
+        (its deferred tokens are read on the device). Every other step is complete on return.
+        A multi-step decode request (``steps`` > 1) launches its sub-steps back to back: sub-step j's items
+        are deferred on sub-step j - 1's samples (on the device while those are still running)."""
+        if req.steps == 1:
+            return self._launch_one(req, view, paths, status, decode_key)
+        if req.units != (False, True) or any(not it.decode or it.sample is None for it in req.items):
+            raise ValueError(f"steps={req.steps}: a multi-step request carries sampled decode items only")
+        self.count("multi_step_requests")
+        parts: list[PendingStep] = []
+        sub = req
+        try:
+            for j in range(req.steps):
+                if j:
+                    sub = dataclasses.replace(
+                        req, step_id=f"{req.step_id}/{j}", free=(), steps=1,
+                        items=tuple(WorkItem(it.seq_id, (), it.start + j, SampleSpec(
+                            it.sample.temperature, it.sample.top_p, it.sample.seed, it.sample.position + j),
+                            True, True) for it in req.items))
+                else:
+                    sub = dataclasses.replace(req, steps=1)
+                parts.append(self._launch_one(sub, view, paths, status, decode_key,
+                                              parts[0].decision if parts else None))
+        except BaseException:
+            for p in parts:
+                p.abandon()
+            raise
+        return MultiPending(req, parts)
+
+    def _launch_one(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+                    decode_key: int, agreed: Any = None) -> "PendingStep":
+        """One step (or sub-step). ``agreed``: the decode decision of the request's first sub-step (the
+        generation, the path and the token bucket hold for every sub-step: no control round of its own)."""
+        t0 = time.perf_counter()
+        self._start = None
+        if self.host.device.type == "cuda":  # queued behind the steps already launched: fires when this one starts
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        kv = self.host.kv
+        for sid in req.free:
+            kv.free(sid)
+            self.sampled.pop(sid, None)
+        local_error: Exception | None = None
+        fills: list[tuple[int, torch.Tensor, int]] = []
+        try:
+            resolved, fills = self._resolve(req.items)
+            for it in resolved:
+                kv.reserve(it.seq_id, it.start + len(it.tokens))
+        except (KVBudgetError, DeferredTokenError) as exc:
+            local_error = exc
+            status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
+        items = () if local_error is not None else resolved
+        want_prefill, want_decode = req.units
+        # 1. the decode unit's path, agreed once per step
+        reason, bucket, decision = None, False, None
+        if want_decode:
+            if paths.bucket is None:
+                reason = "bucket_disabled"
+            else:
+                if agreed is not None:  # a later sub-step of a multi-step request: agreed at its first one
+                    if local_error is not None:
+                        raise local_error
+                    decision = agreed
+                else:
+                    rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch,
+                                       generation_digest(view.snapshots), status, sum(it.decode for it in items),
+                                       decode_key, 0)
+                    decision = decode_round(paths.exchange, rec, paths.bucket.token_cap, req.step_id,
+                                            local_error=local_error)
+                status = ControlStatus.OK  # the decode round carried it (a refusal raised there)
+                reason = None if decision.reason is None else decision.reason.value
+                bucket = decision.reason is None
+                if bucket:
+                    paths = dataclasses.replace(paths, bucket=paths.bucket.for_tokens(decision.cap))
+        out = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills)
+        if local_error is not None:
+            raise local_error
+        path = ("bucket" if bucket else "variable") if want_decode else None
+        if isinstance(out, _GraphPending):
+            if paths.exchange.size == 1:  # no overflow to agree on: complete it later
+                if out.picked is not None:
+                    self._picks[req.step_id] = (out.picked, {(it.seq_id, it.sample.position): i
+                                                             for i, it in enumerate(out.want)})
+                return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision)
+            out = out.finish()
+        tokens, stats, overflow = out
+        if bucket and agree_overflow(paths.exchange, overflow, req.step_id):
+            reason, bucket = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value, False
+            self.count(f"fallback_{reason}")
+            out = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode, False, reason,
+                                [], tag="/rerun")
+            tokens, stats, _ = out.finish() if isinstance(out, _GraphPending) else out
+            path = "variable"
+        self.finished(items, tokens)
+        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats),
+                           decision=decision)
+
+    def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
+        """Deferred decode items get the token this rank sampled for them (at their start position): from the
+        host when that step is complete, else ``fills`` (item index, the step's sampled-token tensor, index
+        in it) to copy on the device, the item holding a placeholder token meanwhile."""
+        if not any(it.deferred for it in items):
+            return items, []
+        out, fills = [], []
+        self.count("deferred_tokens", sum(it.deferred for it in items))
+        for k, it in enumerate(items):
+            if it.deferred:
+                tok = self.sampled.get(it.seq_id, {}).get(it.start)
+                if tok is None:
+                    src = next(((t, ix[(it.seq_id, it.start)]) for t, ix in self._picks.values()
+                                if (it.seq_id, it.start) in ix), None)
+                    if src is None:
+                        raise DeferredTokenError(f"sequence {it.seq_id!r}: rank {self.rank} sampled no token for "
+                                                 f"position {it.start} (a deferred decode item needs one)")
+                    fills.append((k, *src))
+                    self.count("deferred_on_device")
+                    tok = 0
+                it = dataclasses.replace(it, tokens=(tok,), deferred=False)
+            out.append(it)
+        return tuple(out), fills
+
+    @staticmethod
+    def _materialize(items: tuple[WorkItem, ...], fills: list[tuple[int, torch.Tensor, int]]) -> tuple[WorkItem, ...]:
+        """Items with their device-held deferred tokens read to the host (waits for the step that sampled them)."""
+        if not fills:
+            return items
+        out = list(items)
+        for k, t, i in fills:
+            out[k] = dataclasses.replace(out[k], tokens=(int(t[i]),))
+        return tuple(out)
+
+    def finished(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
+        """A step's tokens are known on the host: count it and keep its samples for deferred items."""
+        self.count("generate_steps")
+        self._remember(items, tokens)
+
+    def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
+        for it in items:
+            if it.sample is not None and it.seq_id in tokens:
+                seen = self.sampled.setdefault(it.seq_id, {})
+                seen[it.sample.position] = tokens[it.seq_id]
+                for p in [p for p in seen if p < it.sample.position - 1]:
+                    del seen[p]
+
+    def _graph_step(self, req, items, view, dispatcher, reason, tag: str, rows: int, *, prefill: bool,
+                    fills: list[tuple[int, torch.Tensor, int]]) -> "_GraphPending":
+        """A step with static shapes, captured as ONE CUDA graph (attention, routers, every MoE layer's
+        dispatch/experts/combine, LM head) per (generation, shape): the first step of a shape runs eagerly
+        (the warm-up) and is then captured; later steps copy their inputs into the graph's buffers and replay.
+        decode (``prefill`` False): one token per sequence, rows = the agreed token bucket, every row sampled.
+        prefill (one-rank groups): rows = the next power of two of the step's tokens (>= 16), one sampled row
+        per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask.
+        keys = the next power of two of the rank's context (>= 64). Sampling runs on the logits."""
+        kv, dev = self.host.kv, self.host.device
+        chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
+        n = sum(c.num_tokens for c in chunks)
+        context = sum(c.start + c.num_tokens for c in chunks)
+        plain = prefill and len(chunks) == 1 and chunks[0].start == 0
+        keys = rows if plain else max(64, _pow2(context))
+        last_rows = max(1, _pow2(len(chunks))) if prefill else None
+        extra = {"token_ids": _packed_ids(items, rows)}
+        layout = DecodeLayout.PACKED
+        if not prefill:
+            longest = max(64, _pow2(max(c.start + 1 for c in chunks)))
+            layout = self.decode_layout.pick(rows, longest, keys)
+        if layout is DecodeLayout.BATCHED:
+            keys = longest
+            staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
+        else:
+            staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, extra=extra)
+        if self._start is not None:  # the step's device work starts here (its host planning came first)
+            self._start.record()  # re-recorded: the later record is the one that counts
+        if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
+            # one gather per source step and index vectors uploaded without a host wait
+            starts = np.cumsum([0] + [len(it.tokens) for it in items])
+            by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+            for k, t, i in fills:
+                _, dst, idx = by_source.setdefault(id(t), (t, [], []))
+                dst.append(int(starts[k]))
+                idx.append(i)
+            for t, dst, idx in by_source.values():
+                staged["token_ids"].index_copy_(0, device_tensor(dst, torch.int64, dev),
+                                                t.index_select(0, device_tensor(idx, torch.int64, dev)).to(torch.int64))
+        unit = "prefill" if prefill else "decode"
+        label = "local-graph" if prefill else None
+
+        def body(inp: dict[str, torch.Tensor]):
+            ctx = MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=self._runner, dtype=self.dtype,
+                          hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", fallback_reason=reason,
+                          row_valid=inp["row_valid"], path=label)
+            layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
+                                inp.get("last"))
+            logits = self.host.forward_layout(layout, inp["token_ids"], SplitMoE(None, ctx, None, None))
+            # every layer's counts, overflow flags and handle checks in one device vector (in the graph)
+            return (logits, ctx.device_summary()), ctx
+
+        key = (unit, rows, keys, last_rows, layout.value)
+        captured = self.graphs.get(view.generation, key)
+        if captured is not None:
+            (logits, summary), ctx = captured.replay(staged)
+            ctx.path = "local-graph" if prefill else "bucket-graph"
+            self.count("graph_replays")
+        else:
+            (logits, summary), ctx = body(staged)  # eager, same shapes: this step's answer, and the warm-up
+            ctx.path = "local" if prefill else "bucket"
+            full = prefill and self.graphs.count(view.generation, "prefill") >= self.max_prefill_graphs
+            if unit not in self.capture_errors and not full:
+                step = CapturedStep({k: v.clone() for k, v in staged.items()})
+                try:
+                    step.capture(body)  # records only: no collective runs while capturing
+                except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
+                    self.capture_errors[unit] = capture_failure(exc)
+                else:
+                    self.graphs.put(view.generation, key, step)
+                    self.count("graphs_captured")
+        host_summary = None
+        if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both
+            host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
+            host_summary.copy_(summary, non_blocking=True)
+        want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
+        picked = None
+        if want:
+            rows_ = [i for i, _ in want]
+            scores = logits[: len(rows_)] if rows_ == list(range(len(rows_))) else logits.index_select(
+                0, torch.tensor(rows_, dtype=torch.int64).to(logits.device))
+            picked = sample_tensor(scores, [it.sample for _, it in want])
+        host_picked = done = None
+        if dev.type == "cuda":  # copied right behind the step: completing it never waits for later steps
+            if picked is not None:
+                host_picked = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+                host_picked.copy_(picked, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev, host_picked, done)
+
+    def device_span(self, start: "torch.cuda.Event | None", end: "torch.cuda.Event | None") -> tuple[float, float]:
+        """(busy, idle) seconds of a completed step: its device time, and the device's idle gap since the step
+        completed before it (steps complete in launch order on a rank). (0, 0) on CPU."""
+        if start is None or end is None:
+            return 0.0, 0.0
+        end.synchronize()
+        busy = start.elapsed_time(end) / 1e3
+        idle = 0.0 if self._last_end is None else max(0.0, self._last_end.elapsed_time(start) / 1e3)
+        self._last_end = end
+        self.count("device_busy_us", int(busy * 1e6))
+        return busy, idle
+
+    @property
+    def capture_error(self) -> str | None:
+        """The failed captures, one line (None: every capture so far succeeded)."""
+        return "; ".join(f"{u}: {e}" for u, e in sorted(self.capture_errors.items())) or None
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills,
+                 tag: str = ""):
+        """The step's model forward: a captured-shape step (``_GraphPending``) or eagerly ((tokens, stats,
+        overflow)). ``fills``: deferred tokens still on the device (``_resolve``)."""
+        def ctx(unit, dispatcher, st, r=None):
+            return MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=paths.runner, dtype=self.dtype,
+                           hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", status=st, fallback_reason=r)
+
+        # the first unit to run carries this rank's status into its first control round
+        pre = ctx("prefill", paths.normal, status) if want_prefill else None
+        dec = None
+        if want_decode:
+            dec = ctx("decode", paths.bucket if bucket else paths.normal,
+                      status if pre is None else ControlStatus.OK, reason)
+        tokens: dict[str, int] = {}
+        self._runner = paths.runner
+        if items and paths.capture:
+            if bucket and pre is None and "decode" not in self.capture_errors:
+                return self._graph_step(req, items, view, paths.bucket, reason, tag, paths.bucket.token_cap,
+                                        prefill=False, fills=fills)
+            if (pre is not None and status == ControlStatus.OK and paths.exchange.size == 1
+                    and isinstance(paths.bucket, LocalDispatcher) and "prefill" not in self.capture_errors):
+                # (a refused step takes the eager path, whose first dispatch raises the refusal)
+                # a group of one: every step (prefill, mixed) runs the local path; routes come from the
+                # model's own router, so the unchecked (capturable) local dispatcher serves the whole step
+                n = sum(len(it.tokens) for it in items)
+                return self._graph_step(req, items, view, paths.bucket, reason, tag, max(16, _pow2(n)),
+                                        prefill=True, fills=fills)
+        items = self._materialize(items, fills)
+        split = SplitMoE(pre, dec, *_phase_rows(items, self.host.device))
+        if items:
+            chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
+            logits = self.host.forward(chunks, torch.from_numpy(_packed_ids(items)), split)
+            want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
+            if want:
+                rows = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)
+                picked = sample(logits.index_select(0, rows), [it.sample for _, it in want])
+                tokens = {it.seq_id: tok for (_, it), tok in zip(want, picked)}
+        else:
+            self.host.idle(split, self.hidden_size, self.top_k)
+        stats, overflow = [], False
+        for unit in (pre, dec):
+            if unit is not None:
+                s, o = unit.finish()
+                stats.extend(s)
+                overflow = overflow or o
+        return tokens, tuple(stats), overflow
+
+
+__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError", "DecodeLayout",
+           "PendingStep", "MultiPending"]

@@ -1,0 +1,421 @@
+"""Generation inside the shards, token-equal to transformers' greedy ``generate`` per prompt: in-process for
+every family (prompts of different lengths, joining mid-stream), and on a local Ray deployment across a live
+rebalance, a scale, a rank removal and a killed shard (no request lost or duplicated)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+import ray_moe
+from ray_moe.model.kv import KVBudgetError
+from ray_moe_dev.testing.hf_models import tiny_model
+from ray_moe_dev.testing.inprocess import InProcessDeployment, generate_inprocess
+
+
+def _prompts(seed: int, lens, vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _reference(model, prompts, new: int) -> list[list[int]]:
+    return [model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe_dense0", "deepseek_v3", "qwen2_moe"])
+def test_inprocess_generation_equals_transformers_greedy(tmp_path, family):
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4)
+    dep = InProcessDeployment(cfg)
+    prompts = _prompts(0, (5, 13, 2, 9))
+    late = _prompts(1, (6, 3))
+    got = generate_inprocess(dep, prompts, 7, step_tokens=8, join_after={3: late})  # chunked prefill, joins
+    assert got == _reference(model, prompts + late, 7)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_pipelined_generation_feeds_deferred_tokens_and_stays_token_equal(tmp_path, family):
+    """Each step planned before the previous one is committed: decode inputs come from the ranks' own samples."""
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
+    prompts = _prompts(5, (5, 13, 2, 9))
+    late = _prompts(6, (6, 3))
+    got = generate_inprocess(dep, prompts, 7, step_tokens=8, join_after={3: late}, pipelined=True)
+    assert got == _reference(model, prompts + late, 7)
+    deferred = sum(c.generator.counters.get("deferred_tokens", 0) for c in dep.cores.values())
+    assert deferred >= 6 * 5  # every decode input after the first of each request came from its rank
+
+
+def test_a_deferred_token_never_sampled_is_refused_on_every_rank(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray_moe.shard.generation import DeferredTokenError, GenStepRequest
+    from ray_moe.driver.scheduler import WorkItem
+
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
+    for c in dep.cores.values():
+        c.load_model(kv_tokens=256, block_size=8)
+    bad = WorkItem("ghost", (), 5, None, True, deferred=True)
+    reqs = {0: GenStepRequest("bad", dep.generation, (bad,), (), (False, True)),
+            1: GenStepRequest("bad", dep.generation, (), (), (False, True))}
+
+    def run(r):
+        try:
+            return dep.cores[r].generate_step(reqs[r])
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        out = list(pool.map(run, (0, 1)))
+    assert isinstance(out[0], DeferredTokenError) and "'ghost'" in str(out[0]) and "position 5" in str(out[0])
+    assert isinstance(out[1], Exception)  # the peer aborted with it, before any payload
+    assert dep.cores[0].generator.host.kv.sequences() == []  # nothing reserved
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, tmp_path_factory):
+    model, folder = tiny_model("mixtral", tmp_path_factory.mktemp("gen") / "mixtral")
+    model.eval()
+    cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=4, slots_per_rank=4, decode_token_capacity=4,
+                                                name="gen-elastic")
+    rt = ray_moe.Runtime.start(cfg)
+    # 12 blocks per rank: requests queue for blocks; multi-step decode (the CUDA default) on every elastic test
+    rt.serving(kv_tokens=96, block_size=8, step_tokens=32, decode_steps=4)
+    yield model, rt
+    rt.shutdown()
+
+
+def test_generate_and_stream_equal_transformers(served):
+    model, rt = served
+    prompts = _prompts(2, (4, 11, 7))
+    assert rt.generate(prompts, max_new_tokens=6) == _reference(model, prompts, 6)
+    events = list(rt.generate_stream(prompts, max_new_tokens=4))
+    by_prompt = {i: [t for j, t in events if j == i] for i in range(3)}
+    assert [by_prompt[i] for i in range(3)] == _reference(model, prompts, 4)
+    # sampling: seeded and reproducible, different seeds differ somewhere
+    a = rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=11)
+    assert a == rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=11)
+    assert a != rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=12)
+    # the same seeded tokens whether decode runs one token per call or several sub-steps per call
+    sched = rt.serving().scheduler
+    try:
+        sched.decode_steps = 1
+        assert rt.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=11) == a
+    finally:
+        sched.decode_steps = 4
+    # one request too large for a rank's KV budget is refused by name; nothing else is affected
+    with pytest.raises(KVBudgetError, match="need 15 KV blocks of 8; a rank's budget is 12 blocks"):
+        rt.generate([[1] * 110], max_new_tokens=4)
+    with pytest.raises(ValueError, match="context of 128 positions"):
+        rt.generate([[1] * 120], max_new_tokens=10)
+    assert rt.generate(prompts[:1], max_new_tokens=3) == _reference(model, prompts[:1], 3)
+    s = rt.stats()
+    assert s["phase_steps"].get("decode", 0) > 0 and s["bucket_layers"] > 0
+    # the driver pipelined its steps: launched before the previous one was collected, decode inputs deferred
+    assert rt.serving().overlapped > 0
+    assert sum(st["counters"].get("deferred_tokens", 0) for st in rt.shard_status().values()) > 0
+    assert all(st["counters"].get("multi_step_requests", 0) > 0 for st in rt.shard_status().values())
+    # on CPU the model keeps transformers' own norms and rotary (the fused kernels are CUDA-only)
+    assert all(st["fused_kernels"] == {"norm_layers": 0, "rotary_modules": [], "skipped": {}}
+               for st in rt.shard_status().values())
+
+
+def _generate_during(rt, prompts, new, op, wait_steps: int = 3):
+    """Run ``rt.generate`` in a thread; once it made ``wait_steps`` steps, run ``op()``; return outputs."""
+    out: dict = {}
+    engine = rt.serving()
+    start = engine.steps
+    th = threading.Thread(target=lambda: out.setdefault("tokens", rt.generate(prompts, max_new_tokens=new,
+                                                                                timeout_s=300)))
+    th.start()
+    deadline = time.time() + 120
+    while engine.steps < start + wait_steps and time.time() < deadline and th.is_alive():
+        time.sleep(0.01)
+    assert th.is_alive(), "generation finished before the operation: make it longer"
+    op()
+    th.join(timeout=300)
+    assert not th.is_alive()
+    return out["tokens"]
+
+
+def test_generation_survives_rebalance_scale_removal_and_a_killed_shard(served):
+    model, rt = served
+    prompts = _prompts(3, (5, 9, 3, 12, 6, 8))
+    new = 14
+    want = _reference(model, prompts, new)
+    g0 = rt.placement().generation
+    assert _generate_during(rt, prompts, new, rt.rebalance) == want
+    assert _generate_during(rt, prompts, new, lambda: rt.scale(expert=3, replicas=2)) == want
+    assert max(rt.placement().replica_counts(0)) >= 2 and rt.placement().generation > g0
+    assert _generate_during(rt, prompts, new, lambda: rt.remove_rank(3)) == want
+    assert list(rt.group.peer_order) == [0, 1, 2]
+    victim = rt.shards[2]
+    assert _generate_during(rt, prompts, new, lambda: ray.kill(victim)) == want
+    assert list(rt.group.peer_order) == [0, 1] and 2 in rt.lost_ranks
+    assert rt.serving().scheduler.moved > 0  # sequences of the removed / killed ranks were re-prefilled on survivors
+    assert all(rc == 0 for rc in rt.refcounts().values())
+
+
+def test_static_shape_decode_steps_equal_greedy(tmp_path, eager_capture):
+    """The decode path that CUDA graphs capture (padded rows and context, masked padding routes, inputs copied
+    into the captured buffers on replay) gives the same tokens; on CPU the 'graph' replays its body eagerly."""
+    import dataclasses
+
+    model, folder = tiny_model("qwen3_moe", tmp_path / "q3")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=8))
+    for core in dep.cores.values():
+        core.paths = dataclasses.replace(core.paths, capture=True)
+    prompts = _prompts(4, (5, 13, 2, 9, 7))
+    assert generate_inprocess(dep, prompts, 9) == _reference(model, prompts, 9)
+    counters = [c.generator.counters for c in dep.cores.values()]
+    assert all(c.get("graphs_captured", 0) >= 1 and c.get("graph_replays", 0) >= 4 for c in counters), counters
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_path, eager_capture, family):
+    """A group of one captures prefill and mixed steps too (padded tokens, context and sampled rows; a lone
+    prompt keeps the plain causal mask): same tokens, shapes reused across steps and requests."""
+    import dataclasses
+
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    for p in _prompts(8, (9, 20)):  # lone prompts: the plain causal prefill, padded to 16 / 32 rows
+        assert generate_inprocess(dep, [p], 5) == _reference(model, [p], 5)
+    prompts, late = _prompts(9, (5, 13, 2)), _prompts(10, (6, 3))
+    got = generate_inprocess(dep, prompts, 6, step_tokens=8, join_after={2: late}, pipelined=True)
+    assert got == _reference(model, prompts + late, 6)
+    c = core.generator.counters
+    assert c.get("graphs_captured", 0) >= 4 and c.get("graph_replays", 0) >= 10, c
+    kinds = {k[1][0] for k in core.generator.graphs._graphs}
+    assert kinds == {"prefill", "decode"}
+
+
+@pytest.mark.parametrize("family,ranks", [("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2), ("qwen2_moe", 1)])
+def test_batched_decode_layout_equals_greedy(tmp_path, eager_capture, family, ranks):
+    """Captured decode steps with one row per sequence (each over its own padded context) give the same
+    tokens as the packed layout and transformers; AUTO picks packed for a long sequence among short ones."""
+    import dataclasses
+
+    from ray_moe.shard.generation import DecodeLayout
+
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=ranks, decode_token_capacity=8))
+    for core in dep.cores.values():
+        core.paths = dataclasses.replace(core.paths, capture=True)
+        core.load_model(kv_tokens=1024, block_size=8)
+        core.generator.decode_layout = DecodeLayout.BATCHED
+    prompts = _prompts(11, (5, 13, 2, 9, 7, 30))
+    assert generate_inprocess(dep, prompts, 8, pipelined=True) == _reference(model, prompts, 8)
+    layouts = {k[1][-1] for c in dep.cores.values() for k in c.generator.graphs._graphs if k[1][0] == "decode"}
+    assert layouts == {"batched"}
+    assert DecodeLayout.AUTO.pick(8, 64, 64) is DecodeLayout.PACKED  # 8 x 64 padded > 2 x 64 packed
+    assert DecodeLayout.AUTO.pick(32, 64, 2048) is DecodeLayout.BATCHED
+
+
+@pytest.mark.parametrize("family,ranks,pipelined,capture", [("mixtral", 2, False, False), ("deepseek_v3", 2, True, True),
+                                                             ("qwen3_moe", 1, True, True), ("qwen2_moe", 1, False, False)])
+def test_multi_step_decode_stays_token_equal(tmp_path, eager_capture, family, ranks, pipelined, capture):
+    """Multi-step decode: one request per rank runs several decode sub-steps, each fed the tokens the rank
+    sampled in the one before (on the device while they run, or from the host); requests joining mid-stream
+    get single steps meanwhile; every rank runs the same sub-steps; outputs stay token-equal."""
+    import dataclasses
+
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=ranks, decode_token_capacity=8))
+    for core in dep.cores.values():
+        core.paths = dataclasses.replace(core.paths, capture=capture)
+    prompts, late = _prompts(13, (5, 13, 2, 9)), _prompts(14, (6, 3))
+    got = generate_inprocess(dep, prompts, 11, step_tokens=8, join_after={3: late}, pipelined=pipelined,
+                             decode_steps=4)
+    assert got == _reference(model, prompts + late, 11)
+    counters = [c.generator.counters for c in dep.cores.values()]
+    assert all(c.get("multi_step_requests", 0) >= 1 for c in counters), counters
+    if capture:
+        assert all(c.get("graph_replays", 0) >= 8 for c in counters), counters
+
+
+@pytest.mark.parametrize("family,decode_steps", [("qwen3_moe", 1), ("deepseek_v3", 1), ("qwen3_moe", 4)])
+def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_device(tmp_path, eager_capture, family,
+                                                                                      decode_steps):
+    """A group of one launches step n+1 while step n is still running (launch n+1, then complete n): n+1's
+    deferred tokens are copied from n's sampled-token tensor on the device; outputs stay token-equal. With
+    multi-step decode each sub-step also feeds the next from the device."""
+    import dataclasses
+
+    from ray_moe.shard.generation import GenStepRequest
+    from ray_moe.model.sampling import SamplingParams
+    from ray_moe.driver.scheduler import Scheduler
+
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    info = core.load_model(kv_tokens=1024, block_size=8)
+    sched = Scheduler([0], kv_blocks=info["kv_blocks"], block_size=8, max_context=info["max_context"], step_tokens=64,
+                      decode_steps=decode_steps)
+    prompts = _prompts(12, (5, 13, 2, 9))
+    rids = [sched.submit(p, SamplingParams(max_new_tokens=7)) for p in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+
+    def launch(plan, n):
+        req = GenStepRequest(f"o{n}", dep.generation, plan.items[0], plan.free[0],
+                             (plan.has_prefill or not plan.has_decode, plan.has_decode), steps=plan.steps)
+        with core._pinned(req.generation, req.step_id) as (status, view, paths):
+            return core.generator.launch(req, view, paths, status, core._decode_key(view) if paths.bucket else 0)
+
+    flying, n = None, 0
+    while True:
+        plan = sched.plan(ahead=None if flying is None else flying[0])
+        nxt = None if plan.empty else (plan, launch(plan, n))  # launched before the previous one completes
+        n += 1
+        if flying is not None:
+            res = flying[1].complete()
+            for ev in sched.commit(flying[0], res.tokens):
+                got[ev.request_id].append(ev.token)
+        flying = nxt
+        if flying is None and not sched.pending():
+            break
+    assert [got[r] for r in rids] == _reference(model, prompts, 7)
+    assert core.generator.counters.get("deferred_on_device", 0) >= 4 * 5, core.generator.counters
+
+
+def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, eager_capture):
+    """The captured prefill path carries no control status: a step pinned to a retired generation must take
+    the eager path and be refused there (nothing generated, nothing captured for it)."""
+    import dataclasses
+
+    import numpy as np
+
+    from ray_moe.core.errors import StaleGenerationError
+    from ray_moe.shard.generation import GenStepRequest
+    from ray_moe.model.sampling import SampleSpec
+    from ray_moe.driver.scheduler import WorkItem
+
+    model, folder = tiny_model("qwen3_moe", tmp_path / "q3")
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    core.load_model(kv_tokens=256, block_size=8)
+    g0 = dep.generation
+    counts = np.ones((dep.cfg.num_layers, dep.cfg.num_experts), dtype=np.int64)
+    dep.plane.record_load(counts, phase="prefill", generation=g0)
+    g1 = dep.plane.apply(dep.plane.propose_rebalance(), reason="rebalance").new_generation
+    assert g1 != g0
+    item = WorkItem("s", (3, 4, 5), 0, SampleSpec(0.0, 1.0, 1, 3), False)
+    with pytest.raises(StaleGenerationError):
+        core.generate_step(GenStepRequest("stale", g0, (item,), (), (True, False)))
+    assert core.generator.graphs._graphs == {} or all(k[0] != g0 for k in core.generator.graphs._graphs)
+    res = core.generate_step(GenStepRequest("fresh", g1, (item,), (), (True, False)))
+    assert set(res.tokens) == {"s"}
+
+
+def test_shards_serve_a_pipelined_driver_from_concurrent_calls(tmp_path):
+    """As the Ray driver does: step n+1 (deferred tokens, ``after`` = n) is sent to every rank while step n is
+    still running there, each call on its own thread; the shards launch in order and stay token-equal."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray_moe.shard.generation import GenStepRequest
+    from ray_moe.model.sampling import SamplingParams
+    from ray_moe.driver.scheduler import Scheduler
+
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
+    infos = [c.load_model(kv_tokens=512, block_size=8) for c in dep.cores.values()]
+    sched = Scheduler([0, 1], kv_blocks=infos[0]["kv_blocks"], block_size=8, max_context=infos[0]["max_context"],
+                      step_tokens=8)
+    prompts = _prompts(13, (5, 13, 2, 9, 4))
+    rids = [sched.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    pool = ThreadPoolExecutor(8)
+
+    def send(plan, n, after):
+        units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
+        reqs = {r: GenStepRequest(f"c{n}", dep.generation, plan.items[r], plan.free[r], units, after) for r in (0, 1)}
+        return f"c{n}", {r: pool.submit(dep.cores[r].generate_step, reqs[r]) for r in (0, 1)}
+
+    flying, n = None, 0
+    while True:
+        plan = sched.plan(ahead=None if flying is None else flying[0])
+        nxt = None if plan.empty else (plan, *send(plan, n, None if flying is None else flying[1]))
+        n += 1
+        if flying is not None:
+            results = {r: f.result(timeout=60) for r, f in flying[2].items()}
+            for ev in sched.commit(flying[0], {k: v for x in results.values() for k, v in x.tokens.items()}):
+                got[ev.request_id].append(ev.token)
+        flying = nxt
+        if flying is None and not sched.pending():
+            break
+    pool.shutdown()
+    assert [got[r] for r in rids] == _reference(model, prompts, 6)
+    assert sum(c.generator.counters.get("deferred_tokens", 0) for c in dep.cores.values()) >= 5 * 4
+
+
+def test_single_prompts_take_the_plain_causal_prefill(tmp_path):
+    """One sequence from position 0 leaves the mask to transformers (SDPA's causal kernel); same tokens."""
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
+    for p in _prompts(7, (9, 1, 17)):
+        assert generate_inprocess(dep, [p], 6) == _reference(model, [p], 6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_other_families_stay_token_equal_across_rebalance_and_scale(ray_session, tmp_path, family):
+    """Softmax top-k with renormalisation (Qwen3-MoE) and sigmoid + correction bias + grouped top-k + shared
+    experts + a dense first layer (DeepSeek-V3): live placement changes while generating change no token."""
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4, name=f"gen-{family}")
+    rt = ray_moe.Runtime.start(cfg)
+    try:
+        rt.serving(kv_tokens=256, block_size=8, step_tokens=16)
+        prompts = _prompts(5, (7, 4, 10, 6))
+        new = 12
+        want = _reference(model, prompts, new)
+        g0 = rt.placement().generation
+        assert _generate_during(rt, prompts, new, rt.rebalance, wait_steps=2) == want
+        assert _generate_during(rt, prompts, new, lambda: rt.scale(expert=1, replicas=2), wait_steps=2) == want
+        assert rt.placement().generation > g0 and rt.placement().replica_counts(0)[1] == 2
+        assert all(rc == 0 for rc in rt.refcounts().values())
+    finally:
+        rt.shutdown()
+
+
+def test_a_multi_step_request_agrees_its_decode_path_once(tmp_path, monkeypatch):
+    """Every rank agrees the generation, the path and the token bucket once per request: the sub-steps after
+    the first take no control round of their own (one round per call, however many sub-steps)."""
+    import ray_moe.shard.generation as engine
+
+    model, folder = tiny_model("mixtral", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=8))
+    rounds, calls = [], []
+    real_round, real_launch = engine.decode_round, engine.GenerationExecutor.launch
+    monkeypatch.setattr(engine, "decode_round", lambda *a, **k: rounds.append(1) or real_round(*a, **k))
+
+    def launch(self, req, *a, **k):
+        calls.append((req.units[1], req.steps))
+        return real_launch(self, req, *a, **k)
+
+    monkeypatch.setattr(engine.GenerationExecutor, "launch", launch)
+    prompts = _prompts(15, (5, 9, 3, 7))
+    assert generate_inprocess(dep, prompts, 10, decode_steps=4) == _reference(model, prompts, 10)
+    decode_calls = [steps for want_decode, steps in calls if want_decode]
+    assert max(decode_calls) == 4 and len(rounds) == len(decode_calls)  # one round per call, on each rank
+    assert sum(decode_calls) > len(rounds)

@@ -1,0 +1,49 @@
+"""Generation in the shard on one GPU: float32 on CUDA, decode steps captured as whole-step CUDA graphs and
+replayed; tokens equal to transformers' greedy generate (float32 on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ray_moe
+from ray_moe_dev.testing.hf_models import tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_cuda_generation_replays_whole_step_graphs(ray_session, tmp_path, family):
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, device="cuda", dtype="float32",
+                                                decode_token_capacity=8, name=f"gpu-gen-{family}")
+    rt = ray_moe.Runtime.start(cfg)
+    try:
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 11, 3, 8, 6)]
+        got = rt.generate(prompts, max_new_tokens=12)
+        want = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+        assert got == want
+        status = rt.shard_status()[0]
+        assert status["capture_error"] is None, status["capture_error"]
+        # the model's norm layers and rotary embedding took the fused kernels (and still token-equal)
+        fused = status["fused_kernels"]
+        assert fused["norm_layers"] >= 2 * model.config.num_hidden_layers and fused["rotary_modules"], fused
+        assert fused["skipped"] == {}, fused
+        counters = status["counters"]
+        assert counters.get("graphs_captured", 0) >= 2 and counters.get("graph_replays", 0) >= 5, counters
+        # the same prompts again: the prefill step (a group of one captures it too) and the decode steps replay
+        assert rt.generate(prompts, max_new_tokens=12) == want
+        assert [rt.generate([p], max_new_tokens=4)[0] for p in prompts[:2]] == [w[:4] for w in want[:2]]
+        again = rt.shard_status()[0]
+        assert again["capture_error"] is None, again["capture_error"]
+        assert again["counters"]["graph_replays"] >= counters["graph_replays"] + 12, again["counters"]
+        # multi-step decode ran (several sub-steps per call, fed on the device) and device time was measured
+        assert again["counters"].get("multi_step_requests", 0) >= 2, again["counters"]
+        assert again["counters"].get("device_busy_us", 0) > 0, again["counters"]
+        timings = rt.serving().timing_summary()
+        assert timings["device"] > 0 and timings["device"] <= timings["shard"] + 1e-6, timings
+    finally:
+        rt.shutdown()

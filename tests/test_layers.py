@@ -1,0 +1,199 @@
+"""The import-layering contract (ARCHITECTURE.md): packages by stage, imports only downward, no circles.
+
+Every import counts: module level, inside functions, and under ``TYPE_CHECKING``. The first violation fails
+with the importing file, its line and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ROOT / "ray_moe"
+
+# lowest first; packages on one line are peers (neither may import the other)
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",),
+    ("placement",),
+    ("moe",),
+    ("model",),
+    ("shard", "control"),
+    ("driver", "release"),
+    ("ray",),
+    ("runtime",),
+    ("apps",),
+)
+# the only places that may import Ray: its own layer and the ones above it
+RAY_ALLOWED = {"ray", "runtime", "apps"}
+# the development packages the product must never import
+DEV_PACKAGES = ("ray_moe_dev", "ray_moe_bench")
+
+
+def layer_of(module: str) -> int | None:
+    """The layer index of ``ray_moe.X...`` (None for the package root ``ray_moe`` itself)."""
+    parts = module.split(".")
+    if parts[0] != "ray_moe" or len(parts) == 1:
+        return None
+    for i, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module}: package {parts[1]!r} is in no layer of tests/test_layers.py")
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path, root: Path = ROOT, known: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in ``path``, relative imports resolved; ``from pkg import
+    mod`` of a known submodule counts as importing ``pkg.mod`` (not the package's own ``__init__``)."""
+    mod = module_name(path, root)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            subs = [f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in known]
+            out += [(node.lineno, s) for s in subs]
+            if len(subs) < len(node.names):
+                out.append((node.lineno, name))
+    return out
+
+
+def violations(root: Path = ROOT, product: str = "ray_moe") -> list[str]:
+    """Every broken rule in the product package under ``root``, as 'file:line: why'."""
+    found: list[str] = []
+    files = sorted((root / product).rglob("*.py"))
+    known = {module_name(f, root) for f in files}
+    graph: dict[str, set[str]] = {}
+    for f in files:
+        mod = module_name(f, root)
+        mine = layer_of(mod)
+        top = mod.split(".")[1] if "." in mod else ""
+        for line, name in imports(f, root, frozenset(known)):
+            where = f"{f.relative_to(root)}:{line}"
+            if name.split(".")[0] in DEV_PACKAGES:
+                found.append(f"{where}: imports the development package {name} (the product never does)")
+            if name.split(".")[0] == "ray" and top not in RAY_ALLOWED:
+                found.append(f"{where}: imports Ray outside ray_moe.ray / runtime / apps ({name})")
+            if not name.startswith(product + ".") or name not in known:
+                continue
+            graph.setdefault(mod, set()).add(name)
+            theirs = layer_of(name)
+            if mine is None or theirs is None:
+                continue
+            if theirs > mine:
+                found.append(f"{where}: {mod} (layer {'/'.join(LAYERS[mine])}) imports {name} from the higher "
+                             f"layer {'/'.join(LAYERS[theirs])}")
+            elif theirs == mine and name.split(".")[1] != top:
+                found.append(f"{where}: {mod} imports its peer package {name} ({'/'.join(LAYERS[mine])} "
+                             f"packages are independent)")
+    found += [f"import circle: {' -> '.join(c)}" for c in cycles(graph)]
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each strongly connected group of modules (Tarjan), closed (first == last)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph.get(v, ()):
+                out.append(_circle(graph, sorted(group)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _circle(graph: dict[str, set[str]], group: list[str]) -> list[str]:
+    """A shortest circle from the group's first module back to itself."""
+    start, members = group[0], set(group)
+    prev: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return list(reversed(path)) + [start]
+                if w in members and w not in prev and w != start:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return group + [group[0]]
+
+
+def test_product_imports_only_downward_and_has_no_circles():
+    found = violations()
+    assert not found, "import layering broken:\n" + "\n".join(found)
+
+
+def test_the_check_fails_on_an_upward_import_and_on_a_circle(tmp_path):
+    """The contract is not vacuous: an upward import, a Ray import in a pure layer, a development import and
+    a circle planted in a copy of a tiny tree are each reported."""
+    pkg = tmp_path / "ray_moe"
+    for sub in ("core", "placement", "moe"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("from ray_moe.placement.b import X\n")  # upward
+    (pkg / "placement" / "b.py").write_text("import ray\nX = 1\n")  # Ray in a pure layer
+    (pkg / "moe" / "c.py").write_text("from ray_moe.moe.d import Y\nimport ray_moe_dev.testing\n")
+    (pkg / "moe" / "d.py").write_text("from ray_moe.moe.c import Z\n")  # circle c -> d -> c
+    found = violations(tmp_path)
+    assert any("ray_moe/core/a.py:1" in v and "higher layer placement" in v for v in found), found
+    assert any("ray_moe/placement/b.py:1" in v and "imports Ray" in v for v in found), found
+    assert any("development package ray_moe_dev.testing" in v for v in found), found
+    assert any(v == "import circle: ray_moe.moe.c -> ray_moe.moe.d -> ray_moe.moe.c" for v in found), found
+    (pkg / "core" / "a.py").write_text("X = 0\n")
+    (pkg / "placement" / "b.py").write_text("from ray_moe.core.a import X\n")
+    (pkg / "moe" / "c.py").write_text("from ray_moe.moe.d import Y\n")
+    (pkg / "moe" / "d.py").write_text("Y = 1\n")
+    assert violations(tmp_path) == []
+
+
+@pytest.mark.parametrize("limit", [600])
+def test_no_product_module_is_oversized(limit):
+    big = {str(f.relative_to(ROOT)): n for f in PRODUCT.rglob("*.py")
+           if (n := len(f.read_text(encoding="utf-8").splitlines())) > limit}
+    assert not big, f"product modules over {limit} lines: {big}"
