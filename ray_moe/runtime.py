@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_moe.ray.coordinator import coordinator_name
 from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.ray.remote import call
-from ray_moe.shard.pipeline import StepRequest, StepResult
+from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.mailbox import ExchangeAborted
 from ray_moe.core.routes import RouteBatch

@@ -6,6 +6,7 @@ expert or gate (spec 0x00E).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch

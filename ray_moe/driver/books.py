@@ -19,7 +19,7 @@ from ray_moe.core.telemetry.quantiles import EvidenceClass, summarize
 from ray_moe.core.types import Phase
 
 if TYPE_CHECKING:
-    from ray_moe.shard.pipeline import StepResult
+    from ray_moe.shard.records import StepResult
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import ray
 
 from ray_moe.core.errors import RayMoEError, root_cause
-from ray_moe.shard.generation import GenStepRequest
+from ray_moe.shard.records import GenStepRequest
 from ray_moe.model.sampling import SamplingParams
 from ray_moe.driver.scheduler import Scheduler, StepPlan
 from ray_moe.core.types import Phase

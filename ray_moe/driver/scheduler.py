@@ -30,6 +30,7 @@ import numpy as np
 
 from ray_moe.model.kv import KVBudgetError
 from ray_moe.model.sampling import SampleSpec, SamplingParams
+from ray_moe.shard.records import WorkItem
 
 
 class SeqState(str, Enum):
@@ -70,26 +71,6 @@ class SeqStatus:
     @property
     def reserve_tokens(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One sequence's share of one step on its rank: ``tokens`` at positions ``start..``; the next token is
-    sampled when ``sample`` (the chunk reaches the end of what is known). ``decode``: a one-token step of a
-    sequence that already has a cache (the decode phase, spec 0x05E). ``deferred``: a decode step planned
-    while the step that samples its input token is still in flight; ``tokens`` is empty and the rank feeds
-    the token it sampled for this sequence at position ``start`` (the driver never waits for it)."""
-
-    seq_id: str
-    tokens: tuple[int, ...]
-    start: int
-    sample: SampleSpec | None
-    decode: bool
-    deferred: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return 1 if self.deferred else len(self.tokens)
 
 
 @dataclass(frozen=True)

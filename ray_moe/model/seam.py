@@ -22,7 +22,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ray_moe.core.errors import ConfigError, RayMoEError
-from ray_moe.moe.experts.weights import ExpertWeights, WeightSource
 
 IMPLEMENTATION = "ray_moe"
 _BINDING_ATTR = "_ray_moe_binding"

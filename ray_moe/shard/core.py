@@ -29,8 +29,8 @@ import torch
 
 from ray_moe.shard.expert_store import ExpertStore, Key
 from ray_moe.shard.fault_wrappers import ShardFault, ShardFaults, wrap_paths
-from ray_moe.shard.pipeline import (DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder, StepRequest,
-                                  StepResult)
+from ray_moe.shard.pipeline import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder
+from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.protocol import ControlStatus
@@ -46,7 +46,8 @@ from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.core.types import GenerationState
 
 if TYPE_CHECKING:
-    from ray_moe.shard.generation import GenerationExecutor, GenStepRequest, GenStepResult, PendingStep
+    from ray_moe.shard.generation import GenerationExecutor, PendingStep
+    from ray_moe.shard.records import GenStepRequest, GenStepResult
 
 
 @dataclass
@@ -332,7 +333,7 @@ class ShardCore:
         config dict ``random_model``); routed experts stay this shard's slots. ``fused_kernels``: the model's
         RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``).
         Returns the model's limits."""
-        from ray_moe.shard.generation import GenerationExecutor, PendingStep
+        from ray_moe.shard.generation import GenerationExecutor
 
         with self._step_lock:
             if self.generator is None:

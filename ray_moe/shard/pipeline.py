@@ -41,51 +41,14 @@ from ray_moe.moe.decode.graphs import (
     decode_round,
     generation_digest,
 )
-from ray_moe.moe.layer import GenerationView, LayerStats, MoEStep
+from ray_moe.moe.layer import GenerationView, MoEStep
+from ray_moe.moe.stats import LayerStats
+from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.core.types import DispatchPath, Phase
 
 if TYPE_CHECKING:
     from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.wire import as_tensor, tensor_to_wire
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    """One rank's share of one model step (all layers).
-
-    hidden:       [T, d] float (NumPy wire pair on the wire, any float dtype)
-    topk_ids:     [L, T, k] int64 or None (None: the rank routes with its own router)
-    topk_weights: [L, T, k] float32 or None
-    layers:       the MoE layers to run, in order (None: every layer)
-    """
-
-    step_id: str
-    generation: int
-    hidden: Any
-    topk_ids: Any = None
-    topk_weights: Any = None
-    phase: Phase = Phase.PREFILL
-    return_routes: bool = False
-    marks: bool = False  # record host timestamps of the step's stages (StepResult.marks)
-    layers: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One rank's output of one step. ``hidden``: [T, d] NumPy in the configured dtype's wire form."""
-
-    rank: int
-    step_id: str
-    generation: int
-    hidden: Any
-    hidden_dtype: str
-    layers: tuple[LayerStats, ...]
-    routes: tuple[tuple[np.ndarray, np.ndarray], ...] | None
-    active_generation: int | None
-    elapsed_s: float
-    # (stage, host seconds, device seconds) since the step started, when the request asked for marks: the
-    # host clock where the host got to; on CUDA the device clock (events) where the device got to (-1 on CPU)
-    marks: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,10 @@ def test_pipelined_generation_feeds_deferred_tokens_and_stays_token_equal(tmp_pa
 def test_a_deferred_token_never_sampled_is_refused_on_every_rank(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from ray_moe.shard.generation import DeferredTokenError, GenStepRequest
-    from ray_moe.driver.scheduler import WorkItem
+    from ray_moe.shard.generation import DeferredTokenError
+
+    from ray_moe.shard.records import GenStepRequest
+    from ray_moe.shard.records import WorkItem
 
     model, folder = tiny_model("mixtral", tmp_path / "m")
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
@@ -256,7 +258,7 @@ def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_d
     multi-step decode each sub-step also feeds the next from the device."""
     import dataclasses
 
-    from ray_moe.shard.generation import GenStepRequest
+    from ray_moe.shard.records import GenStepRequest
     from ray_moe.model.sampling import SamplingParams
     from ray_moe.driver.scheduler import Scheduler
 
@@ -302,9 +304,9 @@ def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, eager_
     import numpy as np
 
     from ray_moe.core.errors import StaleGenerationError
-    from ray_moe.shard.generation import GenStepRequest
+    from ray_moe.shard.records import GenStepRequest
     from ray_moe.model.sampling import SampleSpec
-    from ray_moe.driver.scheduler import WorkItem
+    from ray_moe.shard.records import WorkItem
 
     model, folder = tiny_model("qwen3_moe", tmp_path / "q3")
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
@@ -329,7 +331,7 @@ def test_shards_serve_a_pipelined_driver_from_concurrent_calls(tmp_path):
     still running there, each call on its own thread; the shards launch in order and stay token-equal."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ray_moe.shard.generation import GenStepRequest
+    from ray_moe.shard.records import GenStepRequest
     from ray_moe.model.sampling import SamplingParams
     from ray_moe.driver.scheduler import Scheduler
 

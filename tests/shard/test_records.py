@@ -9,10 +9,10 @@ import ray.cloudpickle as cloudpickle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.moe.layer import LayerStats
-from ray_moe.shard.generation import GenStepRequest, GenStepResult
+from ray_moe.moe.stats import LayerStats
+from ray_moe.shard.records import GenStepRequest, GenStepResult
 from ray_moe.model.sampling import SampleSpec
-from ray_moe.driver.scheduler import WorkItem
+from ray_moe.shard.records import WorkItem
 
 _items = st.builds(
     WorkItem,

@@ -12,7 +12,7 @@ import torch
 
 from ray_moe.control.plane import ControlPlane, LocalFleet
 from ray_moe.shard.core import ShardCore
-from ray_moe.shard.pipeline import StepRequest, StepResult
+from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.local import LocalExchangeGroup
 from ray_moe.model.source import weight_source
@@ -113,7 +113,7 @@ def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_n
     ``pipelined``: each step is planned before the previous one is committed, as the Ray driver does (its
     decode items that need the previous step's tokens are deferred to the ranks). ``decode_steps``: the
     scheduler's multi-step decode bound."""
-    from ray_moe.shard.generation import GenStepRequest
+    from ray_moe.shard.records import GenStepRequest
     from ray_moe.model.sampling import SamplingParams
     from ray_moe.driver.scheduler import Scheduler
 

@@ -7,14 +7,12 @@ it never edits one it was given.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ray_moe.core.errors import RouteValidationError
-from ray_moe.core.routes import RouteBatch, SemanticRoutes
+from ray_moe.core.routes import SemanticRoutes
 
 def _fresh_handle_id(rank: int, generation: int) -> str:
     return f"dispatch-h{generation}-r{rank}-{uuid.uuid4().hex[:10]}"

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.moe.layer import LayerStats, merge_layer_stats
+from ray_moe.moe.stats import LayerStats, merge_layer_stats
 
 
 def _stats(layer: int, rng: np.random.Generator, path: str = "bucket-graph") -> LayerStats:
