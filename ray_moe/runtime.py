@@ -15,12 +15,11 @@ generation as stale (after a publish); per-step generation pins live on the shar
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import ray
@@ -31,32 +30,28 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_moe.ray.coordinator import coordinator_name
 from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.ray.remote import call
+from ray_moe.ray.transport import RayTransport
 from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
-from ray_moe.moe.exchange.mailbox import ExchangeAborted
 from ray_moe.core.routes import RouteBatch
 from ray_moe.core.env import EnvSettings, read_env
 from ray_moe.model.source import weight_source
 from ray_moe.core.errors import (
     ExchangeTimeoutError,
-    RankDeadError,
     RequestError,
     RouteValidationError,
-    StaleGenerationError,
-    root_cause,
 )
 from ray_moe.moe.experts.weights import parse_dtype
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import NodeInfo, ProcessGroupSpec, RankInfo, Topology
-from ray_moe.driver.gate import StepGate
 from ray_moe.driver.books import RuntimeStats, StepBooks
 from ray_moe.core.telemetry.metrics import Telemetry, TelemetrySnapshot, merge_snapshots
-from ray_moe.core.types import ExchangeKind, Phase
+from ray_moe.core.types import Phase
 from ray_moe.core.wire import tensor_to_wire, wire_to_tensor
 from ray_moe.moe.experts.weights import experts_from_wire
 
 if TYPE_CHECKING:
-    from ray_moe.driver.loop import GenerationEngine
+    from ray_moe.driver.loop import GenerationLoop
 
 # the driver's background telemetry export (Prometheus + the shared snapshot) runs at most this often: an export
 # holds the driver's GIL for milliseconds, which every fourth step paid when it ran per load flush
@@ -70,23 +65,16 @@ class Runtime:
                  topology: Topology, pg: Any | None, env: EnvSettings, owns_ray: bool) -> None:
         self.cfg = cfg
         self.coordinator = coordinator
-        self.shards = shards
-        self.group = group
         self.topology = topology
         self._pg = pg
         self._env = env
         self._owns_ray = owns_ray
-        self._generation: int | None = None
         # ask every shard for host timestamps of its step stages (StepResult.marks): profiling only
         self.record_marks = False
-        self._step_ids = itertools.count()
         self._lock = threading.Lock()
         self.dtype = parse_dtype(cfg.dtype)
-        self.max_attempts = 400
-        self._step_lock = StepGate()  # held across steps; elastic rank changes take it to quiesce
         self._node_infos: list[dict[str, Any]] = []
         self._extra_pgs: dict[int, Any] = {}
-        self.lost_ranks: list[int] = []
         self.telemetry = Telemetry(f"driver-{uuid.uuid4().hex[:6]}")
         self.books = StepBooks(cfg.num_layers, cfg.num_experts, self.telemetry, release_id=cfg.name)
         self._exporter = None
@@ -94,6 +82,32 @@ class Runtime:
         self._published_at = float("-inf")  # when the last background export ended (monotonic)
         self._publish_timer: threading.Timer | None = None
         self._engine = None  # the generation loop (serving)
+        # how steps reach the ranks: shard handles, the process group, the cached ACTIVE generation
+        self.transport = RayTransport(cfg, coordinator, shards, group, self.books, self._account)
+
+    # the transport's state, as the deployment's own
+    shards = property(lambda self: self.transport.shards)
+    lost_ranks = property(lambda self: self.transport.lost_ranks)
+
+    @property
+    def group(self) -> ProcessGroupSpec:
+        return self.transport.group
+
+    @group.setter
+    def group(self, group: ProcessGroupSpec) -> None:
+        self.transport.group = group
+
+    @property
+    def _generation(self) -> int | None:
+        return self.transport.generation
+
+    @_generation.setter
+    def _generation(self, generation: int | None) -> None:
+        self.transport.generation = generation
+
+    @property
+    def _step_lock(self):
+        return self.transport.gate
 
     # ================================================================ lifecycle
     @classmethod
@@ -130,7 +144,7 @@ class Runtime:
             ray.get([h.set_topology.remote(topology.model_dump_json()) for h in shards.values()])
             rt = cls(cfg, attempt.coordinator, shards, group, topology, attempt.pg, env, owns)
             rt._node_infos = list(infos)
-            rt._connect_exchange(group)
+            rt.transport.connect(group)
             attempt.stage = "deploying generation 0"
             expert_bytes = 3 * cfg.hidden_size * cfg.ffn_size * torch.tensor([], dtype=rt.dtype).element_size()
             ray.get(attempt.coordinator.attach.remote(shards, topology.model_dump_json(), group.model_dump_json(),
@@ -188,19 +202,6 @@ class Runtime:
                     raise
                 time.sleep(0.1)
 
-    def _connect_exchange(self, group: ProcessGroupSpec) -> None:
-        handles = {r: self.shards[r] for r in group.peer_order}
-        if self.cfg.exchange_kind is ExchangeKind.NCCL:
-            first = handles[group.peer_order[0]]
-            uid, mid = call([first.nccl_unique_id.remote(), first.nccl_unique_id.remote()])
-            call(self.coordinator.put_nccl_id.remote(group.epoch, uid))
-            call([h.init_nccl.remote(uid, group.model_dump_json(), mid) for h in handles.values()])
-        elif self.cfg.exchange_kind is ExchangeKind.GLOO:
-            endpoint = call(handles[group.peer_order[0]].gloo_endpoint.remote())
-            call([h.init_gloo.remote(endpoint, group.model_dump_json()) for h in handles.values()])
-        else:
-            call([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
-
     def shutdown(self) -> None:
         """Stop every actor of the deployment and free its placement groups, its durable coordinator record
         and its name (waited for, bounded)."""
@@ -215,7 +216,7 @@ class Runtime:
         if ray.is_initialized():
             launch.teardown(self.cfg.name, ray.get_runtime_context().namespace, coordinator=self.coordinator,
                             shards=self.shards, pgs=[self._pg, *self._extra_pgs.values()])
-        self.shards = {}
+        self.transport.shards = {}
         self._extra_pgs = {}
         if self._owns_ray:
             ray.shutdown()
@@ -280,7 +281,7 @@ class Runtime:
                 )
             return reqs
 
-        ranks, results = self._submit(requests, "step", pinned)
+        ranks, results = self.transport.submit(requests, pinned)
         out = torch.cat([wire_to_tensor(a, results[r].hidden_dtype) for r, a in zip(ranks, _fetch(results, ranks))], 0)
         self._account(results, ranks, phase, h.shape[0], (time.perf_counter() - t0) * 1e3)
         if return_routes:
@@ -342,111 +343,7 @@ class Runtime:
             raise RouteValidationError(f"topk_ids: k={ids.shape[2]} but the deployment has top_k={cfg.top_k}")
         return ids.to(torch.int64).contiguous(), gates.to(torch.float32).contiguous()
 
-    def _submit(self, requests: Callable[[list[int], str, int], dict[int, Any]], method: str,
-                pinned: int | None = None) -> tuple[list[int], dict[int, Any]]:
-        """One step, SPMD on every live rank: ``requests(ranks, step_id, generation)`` builds each rank's share;
-        a stale generation is replanned on the active one (unless ``pinned``), a dead rank is regrouped away
-        and the step re-run on the survivors. Returns (ranks, results by rank)."""
-        for attempt in range(self.max_attempts):
-            ranks, gen, step_id = self._next_step(pinned)
-            try:
-                return ranks, self._run_step(step_id, requests(ranks, step_id, gen), method)
-            except (StaleGenerationError, RankDeadError, ExchangeAborted, ExchangeTimeoutError) as exc:
-                self._recover(exc, pinned=pinned, attempt=attempt)
-        raise StaleGenerationError(f"no generation accepted the step after {self.max_attempts} attempts")
-
-    def _next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
-        """(live ranks, the generation a new step pins, a fresh step id)."""
-        if self._generation is None:
-            self._refresh_generation()
-        gen = self._generation if pinned is None else pinned
-        return list(self.group.peer_order), gen, f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
-
-    def _recover(self, exc: BaseException, *, pinned: int | None = None, attempt: int = 0) -> None:
-        """After a failed step (nothing in flight): a stale generation is refreshed (a pinned step re-raises);
-        dead ranks are regrouped away; a failure with every rank alive re-raises."""
-        if isinstance(exc, StaleGenerationError):
-            self.books.count("stale_retries")
-            if pinned is not None:
-                raise exc
-            self._refresh_generation(backoff=attempt > 0)
-            return
-        dead = self._dead_ranks()
-        if not dead:
-            raise exc
-        self._handle_dead(dead)
-
-    def _run_step(self, step_id: str, reqs: dict[int, Any], method: str = "step") -> dict[int, Any]:
-        return self._gather_step(step_id, reqs, self._launch_step(reqs, method))
-
-    def _launch_step(self, reqs: dict[int, Any], method: str) -> dict[int, "ray.ObjectRef"]:
-        """Send every rank its share of one step (returns at once; ``_gather_step`` collects)."""
-        return {r: getattr(self.shards[r], method).remote(req) for r, req in reqs.items()}
-
-    def _gather_step(self, step_id: str, reqs: dict[int, Any], refs: dict[int, "ray.ObjectRef"]) -> dict[int, Any]:
-        """Every rank's result of a launched step; a failed or dead rank releases its peers and raises."""
-        pending = list(refs.values())
-        by_ref = {ref: r for r, ref in refs.items()}
-        results: dict[int, StepResult] = {}
-        first_error: BaseException | None = None
-        while pending:
-            if len(pending) == 1:  # the last (or only) one: no wait round first
-                ref, pending = pending[0], []
-            else:
-                done, pending = ray.wait(pending, num_returns=1)
-                ref = done[0]
-            try:
-                results[by_ref[ref]] = ray.get(ref)
-            except BaseException as exc:  # noqa: BLE001 - classified below
-                cause = root_cause(exc)
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    cause = RankDeadError(f"rank {by_ref[ref]} died during step {step_id}", ranks=(by_ref[ref],))
-                if first_error is None:
-                    first_error = cause
-                    if not isinstance(cause, (StaleGenerationError,)) and pending:
-                        # a failed or dead rank: release its peers instead of letting them wait for the watchdog
-                        for r in reqs:
-                            if r != by_ref[ref]:
-                                try:
-                                    self.shards[r].abort_step.remote(step_id, f"rank {by_ref[ref]} failed: {type(cause).__name__}")
-                                except Exception:  # noqa: BLE001
-                                    pass
-        if first_error is not None:
-            if not isinstance(first_error, StaleGenerationError):
-                self.books.count("failed_steps")
-            raise first_error
-        return results
-
     # ================================================================ elastic ranks
-    def _dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
-        """Ranks of the current group whose actor no longer answers."""
-        refs = {r: self.shards[r].ping.remote() for r in self.group.peer_order}
-        dead = []
-        for r, ref in refs.items():
-            try:
-                ray.get(ref, timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                dead.append(r)
-        return dead
-
-    def _regroup(self, members: Sequence[int]) -> ProcessGroupSpec:
-        """A new process group (next epoch) over ``members``; their exchange endpoints are rebuilt."""
-        group = ProcessGroupSpec(group_id=self.group.group_id, peer_order=tuple(members), epoch=self.group.epoch + 1)
-        self._connect_exchange(group)
-        return group
-
-    def _handle_dead(self, dead: Sequence[int]) -> None:
-        """A shard died mid-serving: regroup the survivors and publish a generation without the dead ranks
-        (experts left with no copy are rebuilt from the checkpoint, or the error names the expert)."""
-        survivors = [r for r in self.group.peer_order if r not in set(dead)]
-        group = self._regroup(survivors)
-        rep = call(self.coordinator.remove_ranks.remote(list(dead), group.model_dump_json()))
-        for r in dead:
-            self.shards.pop(r, None)
-        self.lost_ranks.extend(dead)
-        self.group = group
-        self._generation = rep["new_generation"]
-
     def add_rank(self, *, rebalance: bool = True) -> int:
         """Scale out: start one more ExpertShardActor, regroup, and (with load observed) rebalance onto it.
         Returns the new rank id."""
@@ -467,7 +364,7 @@ class Runtime:
             self.shards[rank] = actor
             self._extra_pgs[rank] = pg
             call([h.set_topology.remote(self.topology.model_dump_json()) for h in self.shards.values()])
-            group = self._regroup([*self.group.peer_order, rank])
+            group = self.transport.regroup([*self.group.peer_order, rank])
             rep = call(self.coordinator.regroup.remote(
                 {r: self.shards[r] for r in group.peer_order}, self.topology.model_dump_json(),
                 group.model_dump_json(), rebalance))
@@ -485,7 +382,7 @@ class Runtime:
         call(self.coordinator.evacuate_rank.remote(rank))
         with self._step_lock:
             survivors = [r for r in self.group.peer_order if r != rank]
-            group = self._regroup(survivors)
+            group = self.transport.regroup(survivors)
             rep = call(self.coordinator.regroup.remote(
                 {r: self.shards[r] for r in survivors}, self.topology.model_dump_json(), group.model_dump_json(), False))
             self.group = group
@@ -496,29 +393,6 @@ class Runtime:
         if pg is not None:
             remove_placement_group(pg)
         return self._generation
-
-    def _refresh_generation(self, backoff: bool = False) -> None:
-        if backoff:
-            time.sleep(0.002)
-        self._generation = self._active_generation()
-
-    def _active_generation(self, patience_s: float = 0.25) -> int | None:
-        """The coordinator's ACTIVE generation. While the coordinator restarts (it does not answer within
-        ``patience_s``), the generation every live shard has ACTIVE serves instead: the shards pin each step
-        themselves, so traffic keeps flowing even when a publish landed just before the coordinator died."""
-        ref = self.coordinator.active_generation.remote()  # retried by Ray across a restart
-        while True:
-            try:
-                return ray.get(ref, timeout=patience_s)
-            except ray.exceptions.GetTimeoutError:
-                pass
-            try:
-                seen = set(ray.get([self.shards[r].active_generation.remote() for r in self.group.peer_order],
-                                   timeout=10))
-            except Exception:  # noqa: BLE001 - a dead shard: wait for the coordinator
-                seen = set()
-            if len(seen) == 1 and None not in seen:
-                return seen.pop()
 
     def _account(self, results: dict[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
         """Book one served step (``StepBooks.record``); ship the load window and telemetry when due."""
@@ -641,7 +515,7 @@ class Runtime:
     # ================================================================ serving generation
     def serving(self, *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
                 max_running: int = 256, max_queued: int = 4096, random_model: dict[str, Any] | None = None,
-                decode_steps: int | None = None, fused_kernels: bool = True) -> "GenerationEngine":
+                decode_steps: int | None = None, fused_kernels: bool = True) -> "GenerationLoop":
         """The deployment's generation loop (started on first use: every shard loads the model's non-expert
         modules and a paged KV cache of ``kv_tokens`` per rank). The arguments apply to the first call.
         ``random_model`` (a transformers config dict): seeded random non-expert weights of that model instead
@@ -652,12 +526,12 @@ class Runtime:
         on CUDA where they reproduce transformers' own (``models.norms``, ``models.rotary``; False: its own)."""
         with self._lock:
             if self._engine is None:
-                from ray_moe.driver.loop import GenerationEngine
+                from ray_moe.driver.loop import GenerationLoop
 
                 if not self.cfg.checkpoint and random_model is None:
                     raise ValueError("checkpoint=None: generation needs a model folder "
                                      "(RuntimeConfig.from_pretrained(folder, ...))")
-                self._engine = GenerationEngine(self, kv_tokens=kv_tokens, block_size=block_size,
+                self._engine = GenerationLoop(self.transport, device=self.cfg.device, kv_tokens=kv_tokens, block_size=block_size,
                                                 step_tokens=step_tokens, max_running=max_running,
                                                 max_queued=max_queued, random_model=random_model,
                                                 decode_steps=decode_steps, fused_kernels=fused_kernels)

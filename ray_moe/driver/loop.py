@@ -18,18 +18,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
-
-import ray
+from typing import Any, Callable, Iterator, Sequence
 
 from ray_moe.core.errors import RayMoEError, root_cause
 from ray_moe.shard.records import GenStepRequest
 from ray_moe.model.sampling import SamplingParams
 from ray_moe.driver.scheduler import Scheduler, StepPlan
+from ray_moe.driver.transport import StepTransport
 from ray_moe.core.types import Phase
-
-if TYPE_CHECKING:
-    from ray_moe.runtime import Runtime
 
 _DONE = object()
 DEFAULT_DECODE_STEPS_CUDA = 4  # multi-step decode on CUDA unless told otherwise (measured: bench.generate)
@@ -77,8 +73,9 @@ class RequestHandle:
         return list(self.tokens)
 
 
-class GenerationEngine:
-    """The driver's generation loop over a Runtime's shards (one thread; requests join between steps).
+class GenerationLoop:
+    """The driver's generation loop over a deployment's ranks, reached through a ``StepTransport`` (one
+    thread; requests join between steps). ``device``: where the shards run ("cpu" | "cuda").
 
     kv_tokens: KV cache tokens per rank; block_size: tokens per cache block; step_tokens: prefill tokens per
     rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
@@ -90,23 +87,23 @@ class GenerationEngine:
     RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
     keeps transformers' own)."""
 
-    def __init__(self, rt: "Runtime", *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
+    def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
                  max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
                  decode_steps: int | None = None, fused_kernels: bool = True) -> None:
         if decode_steps is None:
-            decode_steps = DEFAULT_DECODE_STEPS_CUDA if rt.cfg.device == "cuda" else 1
+            decode_steps = DEFAULT_DECODE_STEPS_CUDA if device == "cuda" else 1
         if not 1 <= int(decode_steps) <= 64:  # before any shard loads the model
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
-        self.rt = rt
+        self.transport = transport
         self.random_model = random_model
         self.fused_kernels = bool(fused_kernels)
         self.kv_tokens, self.block_size = int(kv_tokens), int(block_size)
         self.max_queued = int(max_queued)
         self._loaded: set[int] = set()
-        info = self._load(list(rt.group.peer_order))
+        info = self._load(transport.members())
         self.vocab_size = int(info["vocab_size"])
         self.max_context = int(info["max_context"])
-        self.scheduler = Scheduler(list(rt.group.peer_order), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
+        self.scheduler = Scheduler(transport.members(), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
                                    max_context=self.max_context, step_tokens=step_tokens, max_running=max_running,
                                    eos_token_ids=info.get("eos_token_ids", ()), decode_steps=decode_steps)
         self._handles: dict[str, RequestHandle] = {}
@@ -160,10 +157,8 @@ class GenerationEngine:
     # ------------------------------------------------------------------ the loop
     def _load(self, ranks: list[int]) -> dict:
         todo = [r for r in ranks if r not in self._loaded]
-        infos = ray.get([self.rt.shards[r].load_model.remote(kv_tokens=self.kv_tokens, block_size=self.block_size,
-                                                               random_model=self.random_model,
-                                                               fused_kernels=self.fused_kernels)
-                         for r in todo]) if todo else []
+        infos = self.transport.load_model(todo, kv_tokens=self.kv_tokens, block_size=self.block_size,
+                                          random_model=self.random_model, fused_kernels=self.fused_kernels)
         self._loaded.update(todo)
         return infos[0] if infos else {}
 
@@ -192,9 +187,9 @@ class GenerationEngine:
         sampled), so the Ray round trip and the driver's own work overlap the shards' step. Nothing is left in
         flight when this returns: it drains when another thread waits for the step lock (elastic operations
         quiesce between steps), when the loop stops, and on a failure (the failed step is recovered alone)."""
-        rt = self.rt
-        with rt._step_lock:
-            members = list(rt.group.peer_order)
+        tr = self.transport
+        with tr.gate:
+            members = tr.members()
             if members != self.scheduler.ranks:
                 self._load(members)
                 with self._lock:
@@ -202,7 +197,7 @@ class GenerationEngine:
             flying: _Launched | None = None
             while True:
                 nxt = None
-                if not (self._stop or rt._step_lock.contended or list(rt.group.peer_order) != members):
+                if not (self._stop or tr.gate.contended or tr.members() != members):
                     nxt = self._launch(flying)
                 if flying is None:
                     if nxt is None:
@@ -218,16 +213,15 @@ class GenerationEngine:
 
     def _launch(self, flying: "_Launched | None") -> "_Launched | None":
         """Plan the next step (after ``flying``, if any) and send every rank its share; None: nothing to run."""
-        rt = self.rt
         t0 = time.perf_counter()
         with self._lock:
             plan = self.scheduler.plan(ahead=None if flying is None else flying.plan)
         if plan.empty:
             return None  # frees ride along with the next step that runs
-        ranks, gen, step_id = rt._next_step()
+        ranks, gen, step_id = self.transport.next_step()
         reqs = _requests(plan, ranks, step_id, gen, None if flying is None else flying.step_id)
         t1 = time.perf_counter()
-        refs = rt._launch_step(reqs, "generate_step")
+        refs = self.transport.launch(reqs)
         sent = time.perf_counter()
         self.overlapped += flying is not None
         self.timings["plan"].append((t1 - t0) * 1e3)
@@ -239,19 +233,19 @@ class GenerationEngine:
         drained and its outcome dropped, then ``step`` is recovered and re-run alone (stale generation:
         replanned on the active one; dead rank: regrouped, its sequences re-prefilled on survivors).
         Returns False when that happened (``nxt`` must not be collected)."""
-        rt = self.rt
+        tr = self.transport
         t0 = time.perf_counter()
         ranks, recovered = step.ranks, False
         try:
-            results = rt._gather_step(step.step_id, step.reqs, step.refs)
+            results = tr.gather(step.step_id, step.reqs, step.refs)
         except BaseException as exc:  # noqa: BLE001 - classified by the runtime (re-raised when fatal)
             if nxt is not None:
                 try:
-                    rt._gather_step(nxt.step_id, nxt.reqs, nxt.refs)
+                    tr.gather(nxt.step_id, nxt.reqs, nxt.refs)
                 except BaseException:  # noqa: BLE001 - its outcome is dropped either way
                     pass
-            rt._recover(root_cause(exc))
-            ranks, results = rt._submit(lambda rs, sid, gen: _requests(step.plan, rs, sid, gen), "generate_step")
+            tr.recover(root_cause(exc))
+            ranks, results = tr.submit(lambda rs, sid, gen: _requests(step.plan, rs, sid, gen))
             recovered = True
         t1 = time.perf_counter()
         if ranks != step.ranks:  # a rank died: the step ran on the survivors; the dead rank's sequences go
@@ -261,7 +255,7 @@ class GenerationEngine:
         tokens = sum(it.num_tokens for items in plan.items.values() for it in items) * plan.steps
         # the step's wall time: from its launch, or from the previous step's results when it was launched
         # behind that one (its queueing there is the previous step's time)
-        rt._account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
+        tr.account(results, ranks, Phase.DECODE if not plan.has_prefill else Phase.PREFILL, tokens,
                     (t1 - max(step.t0, self._last_done)) * 1e3)
         self._last_done = t1
         t2 = time.perf_counter()
@@ -324,4 +318,4 @@ class OverloadedError(RayMoEError):
     """Too many requests in flight: retry later (HTTP 503)."""
 
 
-__all__ = ["GenerationEngine", "RequestHandle", "OverloadedError"]
+__all__ = ["GenerationLoop", "RequestHandle", "OverloadedError"]

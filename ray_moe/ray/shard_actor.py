@@ -16,7 +16,8 @@ from typing import Any, Mapping, Sequence
 import ray
 import torch
 
-from ray_moe.shard.core import ShardCore, StepRequest, StepResult
+from ray_moe.shard.core import ShardCore
+from ray_moe.shard.records import GenStepRequest, GenStepResult, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.mailbox import Mailbox
 from ray_moe.moe.exchange.object_store import ObjectStoreExchange
@@ -225,7 +226,8 @@ class ExpertShardActor:
     def abort_step(self, step_id: str, reason: str) -> None:
         self.mailbox.abort(step_id + "/", reason)
 
-    def step(self, req: StepRequest) -> StepResult:
+    def step(self, req: StepRequest | GenStepRequest) -> StepResult | GenStepResult:
+        """One step of either kind (``ShardCore.step``): the only data-path method of the actor."""
         try:
             # a CUDA output sits in the core's reused pinned buffer: copy it into the object store while the
             # core still holds its step lock (the driver fetches the ref)
@@ -238,12 +240,6 @@ class ExpertShardActor:
                    fused_kernels: bool = True) -> dict[str, Any]:
         return self.core.load_model(kv_tokens=kv_tokens, block_size=block_size, random_model=random_model,
                                     fused_kernels=fused_kernels)
-
-    def generate_step(self, req: Any) -> Any:
-        try:
-            return self.core.generate_step(req)
-        finally:
-            self.mailbox.forget(req.step_id + "/")
 
     # ---------------------------------------------------------------- diagnostics
     def status(self) -> dict[str, Any]:

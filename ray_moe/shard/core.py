@@ -30,13 +30,14 @@ import torch
 from ray_moe.shard.expert_store import ExpertStore, Key
 from ray_moe.shard.fault_wrappers import ShardFault, ShardFaults, wrap_paths
 from ray_moe.shard.pipeline import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder
-from ray_moe.shard.records import StepRequest, StepResult
+from ray_moe.shard.records import GenStepRequest, GenStepResult, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.protocol import ControlStatus
 from ray_moe.core.errors import GenerationError, StaleGenerationError
 from ray_moe.moe.experts.weights import ExpertWeights, WeightSource, parse_dtype
 from ray_moe.moe.router import Router
+from ray_moe.model.routers import checkpoint_router
 from ray_moe.moe.layer import GenerationView
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.registry import GenerationRegistry
@@ -47,7 +48,6 @@ from ray_moe.core.types import GenerationState
 
 if TYPE_CHECKING:
     from ray_moe.shard.generation import GenerationExecutor, PendingStep
-    from ray_moe.shard.records import GenStepRequest, GenStepResult
 
 
 @dataclass
@@ -77,8 +77,15 @@ class ShardCore:
         self.decode_keys = DecodeKeys(cfg, self.dtype)
         self._lock = threading.RLock()
         self._step_lock = threading.Lock()
-        router = Router([source.router(l) for l in range(cfg.num_layers)], num_experts=cfg.num_experts,
-                        top_k=cfg.top_k, norm_topk=cfg.norm_topk, skew=cfg.router_skew, seed=cfg.seed, device=self.device)
+        # routeless steps: a checkpoint's own router modules (transformers' code); the synthetic softmax
+        # router only for synthetic deployments
+        router: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        if cfg.checkpoint:
+            router = checkpoint_router(cfg, source, device=self.device, dtype=self.dtype)
+        else:
+            router = Router([source.router(l) for l in range(cfg.num_layers)], num_experts=cfg.num_experts,
+                            top_k=cfg.top_k, norm_topk=cfg.norm_topk, skew=cfg.router_skew, seed=cfg.seed,
+                            device=self.device)
         self.counters: dict[str, int] = {"steps": 0, "stale_rejects": 0, "aborted_steps": 0}
         # candidate generations (a release in SHADOW / CANARY) serve pinned steps while still PENDING
         self._candidates: set[int] = set()
@@ -252,13 +259,18 @@ class ShardCore:
             }
 
     # ================================================================ data path
-    def step(self, req: StepRequest, publish: Callable[[StepResult], StepResult] | None = None) -> StepResult:
-        """Run every layer of one step SPMD with the other ranks (one call per step, not per layer).
+    def step(self, req: StepRequest | GenStepRequest,
+             publish: Callable[[StepResult], StepResult] | None = None) -> StepResult | GenStepResult:
+        """One step SPMD with the other ranks (one call per step, not per layer), either kind: a generation
+        step (``GenStepRequest``: token ids in, sampled token ids out, ``generate_step``) or an expert-only
+        step (``StepRequest``: hidden states through every MoE layer).
 
-        On CUDA the output reaches the host through a reused pinned buffer; the result's ``hidden`` is a view
-        of it only until the step lock is released. ``publish`` (called under the lock) moves it somewhere
-        durable (the actor shell: the Ray object store); without it the view is copied here.
+        On CUDA an expert-only step's output reaches the host through a reused pinned buffer; the result's
+        ``hidden`` is a view of it only until the step lock is released. ``publish`` (called under the lock)
+        moves it somewhere durable (the actor shell: the Ray object store); without it the view is copied here.
         """
+        if isinstance(req, GenStepRequest):
+            return self.generate_step(req)
         if self.paths is None:
             raise RuntimeError(f"rank {self.rank}: no exchange endpoint set")
         t0 = time.perf_counter()

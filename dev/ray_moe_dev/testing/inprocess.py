@@ -5,8 +5,9 @@ rebalance, scale and rank loss run here in milliseconds."""
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -17,7 +18,11 @@ from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.local import LocalExchangeGroup
 from ray_moe.model.source import weight_source
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
+from ray_moe.core.errors import StaleGenerationError
 from ray_moe.core.types import Phase
+from ray_moe.driver.loop import GenerationLoop
+from ray_moe.driver.transport import StepTransport
+from ray_moe.model.sampling import SamplingParams
 from ray_moe.core.wire import tensor_to_wire, wire_to_tensor
 
 
@@ -104,45 +109,81 @@ def reference_output(cfg: RuntimeConfig, hidden: torch.Tensor, topk_ids: torch.T
 
 
 
+class LocalTransport(StepTransport):
+    """The step transport over an ``InProcessDeployment``: every rank's share runs on its own thread (ranks
+    run steps SPMD and pipelined steps overlap, as the actors do). The driver's real loops run over it."""
+
+    def __init__(self, dep: InProcessDeployment) -> None:
+        super().__init__()
+        self.dep = dep
+        self._ids = itertools.count()
+        self._pool = ThreadPoolExecutor(max_workers=4 * max(1, len(dep.cores)), thread_name_prefix="local-rank")
+        self.steps = 0  # served steps (account)
+
+    def members(self) -> list[int]:
+        return list(self.dep.group.peer_order)
+
+    def load_model(self, ranks: Sequence[int], **options: Any) -> list[dict[str, Any]]:
+        return [self.dep.cores[r].load_model(**options) for r in ranks]
+
+    def next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
+        gen = self.dep.generation if pinned is None else pinned
+        return self.members(), gen, f"gen{next(self._ids)}"
+
+    def launch(self, reqs: Mapping[int, Any]) -> dict[int, Future]:
+        return {r: self._pool.submit(self.dep.cores[r].step, req) for r, req in reqs.items()}
+
+    def gather(self, step_id: str, reqs: Mapping[int, Any], handles: Mapping[int, Future]) -> dict[int, Any]:
+        results, first = {}, None
+        for r, fut in handles.items():
+            try:
+                results[r] = fut.result(timeout=self.dep.timeout_s * 3)
+            except BaseException as exc:  # noqa: BLE001 - the first failure is raised after every rank returned
+                first = first or exc
+        if first is not None:
+            raise first
+        return results
+
+    def recover(self, exc: BaseException, *, pinned: int | None = None, attempt: int = 0) -> None:
+        if isinstance(exc, StaleGenerationError) and pinned is None:
+            self.dep.generation = self.dep.plane.registry.active()
+            return
+        raise exc
+
+    def account(self, results: Mapping[int, Any], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
+        self.steps += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_new_tokens: int, *,
                        kv_tokens: int = 1024, block_size: int = 8, step_tokens: int = 64,
-                       join_after: dict[int, list[list[int]]] | None = None, pipelined: bool = False,
-                       decode_steps: int = 1) -> list[list[int]]:
-    """Greedy generation over the in-process deployment's shards (the same GenStepRequest path the Ray
-    driver uses, no Ray): ``join_after={step: [prompts]}`` submits more prompts between steps.
-    ``pipelined``: each step is planned before the previous one is committed, as the Ray driver does (its
-    decode items that need the previous step's tokens are deferred to the ranks). ``decode_steps``: the
-    scheduler's multi-step decode bound."""
-    from ray_moe.shard.records import GenStepRequest
-    from ray_moe.model.sampling import SamplingParams
-    from ray_moe.driver.scheduler import Scheduler
-
-    infos = [c.load_model(kv_tokens=kv_tokens, block_size=block_size) for c in dep.cores.values()]
-    sched = Scheduler(list(dep.group.peer_order), kv_blocks=infos[0]["kv_blocks"], block_size=block_size,
-                      max_context=infos[0]["max_context"], step_tokens=step_tokens,
-                      eos_token_ids=infos[0]["eos_token_ids"], decode_steps=decode_steps)
+                       join_after: dict[int, list[list[int]]] | None = None, pipelined: bool = True,
+                       decode_steps: int = 1, timeout_s: float = 120.0) -> list[list[int]]:
+    """Greedy generation over the in-process deployment's shards through the driver's real generation loop
+    (``GenerationLoop`` over a ``LocalTransport``: the same planning, pipelining, deferred tokens and commits as
+    a Ray deployment). ``join_after={step: [prompts]}`` submits more prompts once the loop has served that many
+    steps. ``pipelined`` is kept for callers: the loop always plans step n+1 before step n's tokens are known.
+    ``decode_steps``: the scheduler's multi-step decode bound."""
+    del pipelined
+    transport = LocalTransport(dep)
+    loop = GenerationLoop(transport, device="cpu", kv_tokens=kv_tokens, block_size=block_size,
+                          step_tokens=step_tokens, decode_steps=decode_steps)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    rids = [sched.submit(p, params) for p in prompts]
-    out: dict[str, list[int]] = {r: [] for r in rids}
-    step = 0
-    plan = None
-    while plan is not None or sched.pending() or (join_after and any(s >= step for s in join_after)):
-        for p in (join_after or {}).pop(step, []):
-            rid = sched.submit(p, params)
-            rids.append(rid)
-            out[rid] = []
-        plan = plan if plan is not None else sched.plan()
-        units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-        reqs = {r: GenStepRequest(f"gen{step}", dep.generation, plan.items[r], plan.free[r], units, steps=plan.steps)
-                for r in dep.group.peer_order}
-        with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
-            res = dict(zip(reqs, pool.map(lambda r: dep.cores[r].generate_step(reqs[r]), reqs)))
-        nxt = sched.plan(ahead=plan) if pipelined else None  # planned before this step's tokens are known
-        for ev in sched.commit(plan, {k: v for x in res.values() for k, v in x.tokens.items()}):
-            out[ev.request_id].append(ev.token)
-        plan = nxt if nxt is not None and not nxt.empty else None
-        step += 1
-    return [out[r] for r in rids]
+    try:
+        handles = [loop.submit(p, params) for p in prompts]
+        for step, late in sorted((join_after or {}).items()):
+            deadline = time.monotonic() + timeout_s
+            while loop.steps < step and not all(h.done.is_set() for h in handles):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the loop served {loop.steps} steps, not {step}, in {timeout_s} s")
+                time.sleep(0.001)
+            handles += [loop.submit(p, params) for p in late]
+        return [h.result(timeout_s) for h in handles]
+    finally:
+        loop.close()
+        transport.close()
 
 
-__all__ = ["InProcessDeployment", "reference_output", "generate_inprocess"]
+__all__ = ["InProcessDeployment", "LocalTransport", "reference_output", "generate_inprocess"]

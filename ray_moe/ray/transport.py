@@ -1,0 +1,178 @@
+"""The step transport over a deployment's shard actors (``ray_moe.driver.transport.StepTransport``).
+
+It owns what a step needs to reach the ranks: the shard handles, the process group (members and epoch), the
+cached ACTIVE generation and the step ids; it regroups the exchange when a rank dies or the membership
+changes. The coordinator is asked only when a shard reports the cached generation stale.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from typing import Any, Callable, Mapping, Sequence
+
+import ray
+
+from ray_moe.core.errors import RankDeadError, StaleGenerationError, root_cause
+from ray_moe.core.types import ExchangeKind, Phase
+from ray_moe.driver.books import StepBooks
+from ray_moe.driver.transport import StepTransport
+from ray_moe.model.config import RuntimeConfig
+from ray_moe.placement.topology import ProcessGroupSpec
+from ray_moe.ray.remote import call
+
+
+class RayTransport(StepTransport):
+    """Steps over Ray actor calls: ONE call per rank per step (``ExpertShardActor.step``), results fetched as
+    they complete; a failed or dead rank releases its peers (``abort_step``) instead of letting them wait
+    for the exchange watchdog. ``on_step(results, ranks, phase, tokens, ms)`` books a served step."""
+
+    def __init__(self, cfg: RuntimeConfig, coordinator: Any, shards: dict[int, Any], group: ProcessGroupSpec,
+                 books: StepBooks, on_step: Callable[..., None]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self.shards = shards
+        self.group = group
+        self.books = books
+        self.on_step = on_step
+        self.generation: int | None = None
+        self.lost_ranks: list[int] = []
+        self._step_ids = itertools.count()
+
+    # ---------------------------------------------------------------- StepTransport
+    def members(self) -> list[int]:
+        return list(self.group.peer_order)
+
+    def load_model(self, ranks: Sequence[int], **options: Any) -> list[dict[str, Any]]:
+        return ray.get([self.shards[r].load_model.remote(**options) for r in ranks]) if ranks else []
+
+    def next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
+        if self.generation is None:
+            self.refresh_generation()
+        gen = self.generation if pinned is None else pinned
+        return list(self.group.peer_order), gen, f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
+
+    def launch(self, reqs: Mapping[int, Any]) -> dict[int, "ray.ObjectRef"]:
+        return {r: self.shards[r].step.remote(req) for r, req in reqs.items()}
+
+    def gather(self, step_id: str, reqs: Mapping[int, Any], handles: Mapping[int, "ray.ObjectRef"]) -> dict[int, Any]:
+        pending = list(handles.values())
+        by_ref = {ref: r for r, ref in handles.items()}
+        results: dict[int, Any] = {}
+        first_error: BaseException | None = None
+        while pending:
+            if len(pending) == 1:  # the last (or only) one: no wait round first
+                ref, pending = pending[0], []
+            else:
+                done, pending = ray.wait(pending, num_returns=1)
+                ref = done[0]
+            try:
+                results[by_ref[ref]] = ray.get(ref)
+            except BaseException as exc:  # noqa: BLE001 - classified below
+                cause = root_cause(exc)
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    cause = RankDeadError(f"rank {by_ref[ref]} died during step {step_id}", ranks=(by_ref[ref],))
+                if first_error is None:
+                    first_error = cause
+                    if not isinstance(cause, StaleGenerationError) and pending:
+                        # a failed or dead rank: release its peers instead of letting them wait for the watchdog
+                        for r in reqs:
+                            if r != by_ref[ref]:
+                                try:
+                                    self.shards[r].abort_step.remote(step_id, f"rank {by_ref[ref]} failed: "
+                                                                               f"{type(cause).__name__}")
+                                except Exception:  # noqa: BLE001
+                                    pass
+        if first_error is not None:
+            if not isinstance(first_error, StaleGenerationError):
+                self.books.count("failed_steps")
+            raise first_error
+        return results
+
+    def recover(self, exc: BaseException, *, pinned: int | None = None, attempt: int = 0) -> None:
+        if isinstance(exc, StaleGenerationError):
+            self.books.count("stale_retries")
+            if pinned is not None:
+                raise exc
+            self.refresh_generation(backoff=attempt > 0)
+            return
+        dead = self.dead_ranks()
+        if not dead:
+            raise exc
+        self.handle_dead(dead)
+
+    def account(self, results: Mapping[int, Any], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
+        self.on_step(results, ranks, phase, tokens, ms)
+
+    # ---------------------------------------------------------------- generations
+    def refresh_generation(self, backoff: bool = False) -> None:
+        if backoff:
+            time.sleep(0.002)
+        self.generation = self.active_generation()
+
+    def active_generation(self, patience_s: float = 0.25) -> int | None:
+        """The coordinator's ACTIVE generation. While the coordinator restarts (it does not answer within
+        ``patience_s``), the generation every live shard has ACTIVE serves instead: the shards pin each step
+        themselves, so traffic keeps flowing even when a publish landed just before the coordinator died."""
+        ref = self.coordinator.active_generation.remote()  # retried by Ray across a restart
+        while True:
+            try:
+                return ray.get(ref, timeout=patience_s)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            try:
+                seen = set(ray.get([self.shards[r].active_generation.remote() for r in self.group.peer_order],
+                                   timeout=10))
+            except Exception:  # noqa: BLE001 - a dead shard: wait for the coordinator
+                seen = set()
+            if len(seen) == 1 and None not in seen:
+                return seen.pop()
+
+    # ---------------------------------------------------------------- membership
+    def connect(self, group: ProcessGroupSpec) -> None:
+        """Build every member's exchange endpoint for ``group`` (NCCL ids through the coordinator)."""
+        handles = {r: self.shards[r] for r in group.peer_order}
+        if self.cfg.exchange_kind is ExchangeKind.NCCL:
+            first = handles[group.peer_order[0]]
+            uid, mid = call([first.nccl_unique_id.remote(), first.nccl_unique_id.remote()])
+            call(self.coordinator.put_nccl_id.remote(group.epoch, uid))
+            call([h.init_nccl.remote(uid, group.model_dump_json(), mid) for h in handles.values()])
+        elif self.cfg.exchange_kind is ExchangeKind.GLOO:
+            endpoint = call(handles[group.peer_order[0]].gloo_endpoint.remote())
+            call([h.init_gloo.remote(endpoint, group.model_dump_json()) for h in handles.values()])
+        else:
+            call([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
+
+    def regroup(self, members: Sequence[int]) -> ProcessGroupSpec:
+        """A new process group (next epoch) over ``members``; their exchange endpoints are rebuilt."""
+        group = ProcessGroupSpec(group_id=self.group.group_id, peer_order=tuple(members), epoch=self.group.epoch + 1)
+        self.connect(group)
+        return group
+
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """Ranks of the current group whose actor no longer answers."""
+        refs = {r: self.shards[r].ping.remote() for r in self.group.peer_order}
+        dead = []
+        for r, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(r)
+        return dead
+
+    def handle_dead(self, dead: Sequence[int]) -> None:
+        """A shard died mid-serving: regroup the survivors and publish a generation without the dead ranks
+        (experts left with no copy are rebuilt from the checkpoint, or the error names the expert)."""
+        survivors = [r for r in self.group.peer_order if r not in set(dead)]
+        group = self.regroup(survivors)
+        rep = call(self.coordinator.remove_ranks.remote(list(dead), group.model_dump_json()))
+        for r in dead:
+            self.shards.pop(r, None)
+        self.lost_ranks.extend(dead)
+        self.group = group
+        self.generation = rep["new_generation"]
+
+
+__all__ = ["RayTransport"]
