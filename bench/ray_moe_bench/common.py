@@ -197,3 +197,66 @@ def step_stats(per_rank: list[list[float]]) -> dict[str, float]:
     return {"median_ms": statistics.median(steps), "p10_ms": steps[int(0.1 * (n - 1))],
             "p90_ms": steps[math.ceil(0.9 * (n - 1))], "min_ms": steps[0], "iters": n}
 
+
+
+# ------------------------------------------------------------------ serving metrics
+def latency_summary_ms(samples_s: list[float]) -> dict[str, float | int] | None:
+    """Seconds in, milliseconds out: ``{"p50_ms", "p99_ms", "mean_ms", "count"}`` (nearest-rank quantiles);
+    None for no samples."""
+    if not samples_s:
+        return None
+    return {"p50_ms": nearest_rank(samples_s, 0.50) * 1e3, "p99_ms": nearest_rank(samples_s, 0.99) * 1e3,
+            "mean_ms": statistics.fmean(samples_s) * 1e3, "count": len(samples_s)}
+
+
+def nvidia_smi_used_mib() -> list[int] | None:
+    """Used memory of every GPU in MiB as nvidia-smi reports it (all processes); None without nvidia-smi."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+        return [int(float(x)) for x in out.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+class GpuMemorySampler:
+    """Peak nvidia-smi used memory per GPU while it runs (a background thread polling every ``interval_s``):
+    ``with GpuMemorySampler() as s: ...`` then ``s.report()`` (baseline, peak and peak - baseline in MiB, or
+    None without nvidia-smi)."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        import threading
+
+        self.interval_s = interval_s
+        self.baseline = nvidia_smi_used_mib()
+        self.peak = list(self.baseline) if self.baseline else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="gpu-memory-sampler", daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            now = nvidia_smi_used_mib()
+            if now and self.peak and len(now) == len(self.peak):
+                self.peak = [max(a, b) for a, b in zip(self.peak, now)]
+
+    def __enter__(self) -> GpuMemorySampler:
+        if self.baseline is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=15)
+
+    def report(self) -> dict[str, list[int]] | None:
+        if self.baseline is None or self.peak is None:
+            return None
+        return {"baseline_mib": self.baseline, "peak_mib": self.peak,
+                "peak_minus_baseline_mib": [p - b for p, b in zip(self.peak, self.baseline)]}

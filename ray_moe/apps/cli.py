@@ -2,9 +2,11 @@
 
     ray-moe demo                              serve a small MoE on a local Ray instance, checked
     ray-moe status    [--name N] [--all]      generations, refcounts, placement, timeline of a deployment
+                                              (without --name: the one deployment running, else the list)
     ray-moe scale     --expert E --replicas R live replica scaling; prints the new generation
     ray-moe rebalance [--name N]              live EPLB rebalance from the load window
-    ray-moe serve --checkpoint DIR --ranks N  OpenAI-compatible completions (Ray Serve) over a deployment
+    ray-moe serve --checkpoint DIR --ranks N  OpenAI-compatible completions and chat (Ray Serve) over a deployment
+                                              (joins this machine's cluster, else starts a local Ray instance)
     ray-moe drill rollback [--json]           promote a candidate under traffic, inject a fault, roll back
     ray-moe bench [NAME [args...]]            list the benchmarks, or run one (python -m ray_moe_bench.NAME)
 
@@ -13,7 +15,7 @@ status, scale and rebalance join a running Ray cluster (--address, else RAY_ADDR
 Ray token authentication, export RAY_AUTH_MODE=token first (`ray get-auth-token` on the head node prints
 the token; Ray reads it from RAY_AUTH_TOKEN or ~/.ray/auth_token).
 
-Errors print one line. Exit codes: 0 ok, 1 failure (no cluster, authentication refused, a failed
+Errors print one line; output into a closed pipe (`ray-moe status | head`) ends quietly. Exit codes: 0 ok, 1 failure (no cluster, authentication refused, a failed
 operation), 2 bad input (an unknown deployment, expert, benchmark, ...).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -34,13 +37,41 @@ class BadInput(ValueError):
     """A command-line value names nothing that exists (exit code 2)."""
 
 
+def deployments() -> list[str]:
+    """The ray-moe deployments running on the connected cluster, in this namespace (their named coordinators)."""
+    import ray
+
+    from ray_moe.ray.coordinator import coordinator_name
+
+    prefix, ns = coordinator_name(""), ray.get_runtime_context().namespace
+    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == ns and a["name"].startswith(prefix))
+
+
+def _running(names: list[str]) -> str:
+    return f"running: {', '.join(names)}" if names else "none runs on this cluster (start one: ray-moe serve ...)"
+
+
 def _connect(args: argparse.Namespace):
+    """The deployment ``--name`` names; without a name (``status``), the only one running (else BadInput listing
+    them). An unknown name is BadInput listing the deployments that exist."""
     from ray_moe.ray.connection import join_cluster
 
     join_cluster(args.address)  # one-line errors for a missing cluster or a refused token, fast
     from ray_moe.runtime import Runtime
 
-    return Runtime.connect(args.name, address=args.address)
+    if args.name is None:
+        names = deployments()
+        if len(names) != 1:
+            raise BadInput(f"--name: {'several ray-moe deployments run, pick one' if names else 'no deployment to show'}"
+                           f" ({_running(names)})")
+        args.name = names[0]
+    try:
+        return Runtime.connect(args.name, address=args.address)
+    except ValueError as exc:
+        if "no running ray-moe deployment" not in str(exc):
+            raise
+        raise BadInput(f"{exc}; {_running(deployments())}") from None
 
 
 def shown_generations(gens: dict[int, str], *, show_all: bool = False,
@@ -147,11 +178,23 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Join ``--address`` / ``RAY_ADDRESS``, else the cluster ``ray start`` left on this machine, else start a
+    local instance (``run_server`` does, and says where it is)."""
     from ray_moe.apps.server import run_server
+    from ray_moe.core.env import read_env
+    from ray_moe.core.errors import ClusterAuthError, ClusterConnectionError
     from ray_moe.ray.connection import join_cluster
 
-    if args.address != "local":
-        join_cluster(args.address)  # one-line errors for a missing cluster or a refused token
+    address = args.address or read_env().ray_address
+    if address is not None and address != "local":
+        join_cluster(address)  # one-line errors for a missing cluster or a refused token
+    elif address is None:
+        try:
+            join_cluster(None)  # this machine's cluster, when one runs
+        except ClusterAuthError:
+            raise
+        except ClusterConnectionError:
+            pass  # none: run_server starts a local instance
     return run_server(args)
 
 
@@ -229,13 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo_args(d)
     d.set_defaults(fn=cmd_demo)
 
-    def conn(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--name", default="default", help="deployment name (its coordinator is named after it)")
+    def conn(q: argparse.ArgumentParser, name: str | None = "default") -> None:
+        q.add_argument("--name", default=name, help="deployment name (its coordinator is named after it)" + (
+            "; default: the only deployment running" if name is None else f"; default {name!r}"))
         q.add_argument("--address", default=None,
                        help="Ray cluster address HOST:PORT (default: RAY_ADDRESS, else this machine's cluster)")
 
     s = sub.add_parser("status", help="state of a running deployment")
-    conn(s)
+    conn(s, None)
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--tail", type=int, default=12, help="control events to show (default 12)")
     s.add_argument("--all", action="store_true",
@@ -255,9 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="solve EPLB from scratch instead of keeping slots that need not move")
     rb.set_defaults(fn=cmd_rebalance)
 
-    sv = sub.add_parser("serve", help="serve a checkpoint: OpenAI-compatible completions over Ray Serve",
-                        description="Start (or join) Ray, start a deployment from a Hugging Face folder and serve "
-                                    "POST /v1/completions, GET /v1/models and GET /health until Ctrl-C.")
+    sv = sub.add_parser("serve", help="serve a checkpoint: OpenAI-compatible completions and chat over Ray Serve",
+                        description="Join Ray (--address, RAY_ADDRESS, else this machine's cluster) or start a local "
+                                    "instance, start a deployment from a Hugging Face folder and serve POST "
+                                    "/v1/completions, /v1/chat/completions, /tokenize, /detokenize, GET /v1/models "
+                                    "and GET /health until Ctrl-C. It refuses to start when a Serve instance already "
+                                    "on the cluster listens elsewhere than --host/--port.")
     sv.add_argument("--checkpoint", required=True, help="Hugging Face model folder (config.json + safetensors)")
     sv.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (one shard actor each)")
     sv.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -265,11 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: bfloat16 on cuda, float32 on cpu")
     sv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or RAY_MOE_API_KEY)")
+    sv.add_argument("--api-key-file", default=None, metavar="PATH",
+                    help="require 'Authorization: Bearer KEY', KEY read from this file (kept out of the command line "
+                         "and job logs); or set RAY_MOE_API_KEY")
+    sv.add_argument("--api-key", default=None, help="the key on the command line (visible in process lists and "
+                    "`ray job logs`: prefer --api-key-file or RAY_MOE_API_KEY)")
     sv.add_argument("--name", default="serve", help="deployment name (ray-moe status/scale/rebalance --name)")
     sv.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
     sv.add_argument("--address", default=None, help="Ray address; 'local' starts a local instance "
-                    "(default: RAY_ADDRESS, else a local instance)")
+                    "(default: RAY_ADDRESS, else the cluster `ray start` left on this machine, else a local instance)")
     sv.add_argument("--kv-tokens", type=int, default=8192, help="KV cache tokens per rank")
     sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     sv.add_argument("--step-tokens", type=int, default=2048, help="prefill tokens per rank per step")
@@ -306,13 +357,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush into the closed pipe raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor behind stdout (a test's capture): nothing to flush there
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; an error prints one line (the root cause, no Ray banner) and returns 1 or 2."""
     from ray_moe.core.errors import error_line
 
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
+        code = int(args.fn(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at the interpreter's exit
+        return code
+    except BrokenPipeError:  # stdout closed by the reader (`| head`): stop quietly, as other tools do
+        _silence_stdout()
+        return 0
     except KeyboardInterrupt:
         print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
         return 130

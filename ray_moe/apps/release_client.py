@@ -5,11 +5,12 @@
     client.inject_fault(ShardFault.CRASH, rank=1, generation=rep.new_generation)
     rec = client.register(bundle)                                 # the release registry: ReleaseRecord back
 
-Each method is one ``call`` (``ray.get`` raising ray-moe's own errors, ``actors/remote.py``) on an existing remote method of ``CoordinatorActor``: the placement side
-(``stage``, ``promote``, ``stop_dispatch``, ``activate``, ``release_graphs``, ``shard_refcount``,
-``drain_and_retire``, ``inject_fault``) and the release registry behind ``CoordinatorActor.release(method,
-...)``, whose method names this client keeps apart from the placement ones (``promote_release``,
-``activate_release``, ``retire_release``). Arguments are checked here, before anything reaches the actor.
+Each method is one ``call`` (``ray.get`` raising ray-moe's own errors, ``ray/remote.py``) on one remote method of
+``CoordinatorActor``: the placement side (``stage``, ``promote``, ``stop_dispatch``, ``activate``,
+``release_graphs``, ``shard_refcount``, ``drain_and_retire``, ``inject_fault``) and the release registry, whose
+coordinator methods carry the word "release" (``register_release``, ``transition_release``,
+``stop_release_dispatch``, ``release_record``, ...; ``begin_canary`` and ``set_canary_fraction`` need none) so
+that they stay apart from the placement ones. Arguments are checked here, before anything reaches the actor.
 
 The driver's cached active generation is not touched: after ``promote`` or ``activate`` a ``Runtime`` learns
 the new active generation the way every driver does, when a shard refuses its next step as stale.
@@ -20,7 +21,6 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-import ray
 from pydantic import BaseModel, ConfigDict, Field
 
 from ray_moe.ray.remote import call
@@ -159,64 +159,71 @@ class ReleaseClient:
         return dict(call(self._coord.load_matrix.remote())["provenance"])
 
     # ================================================================ the release registry (0x0EA)
-    def _registry(self, method: str, *args: Any) -> Any:
-        return call(self._coord.release.remote(method, *args))
+    def _write(self, ref: Any) -> Any:
+        """The result of one registry write; ``_written`` runs after it succeeded."""
+        out = call(ref)
+        self._written()
+        return out
+
+    def _written(self) -> None:
+        """Hook after every successful registry write (a subclass may read the new events there)."""
 
     def register(self, bundle: ReleaseBundle, reason: str = "built") -> ReleaseRecord:
         """A new release in BUILT."""
         if not isinstance(bundle, ReleaseBundle):
             raise ValueError(f"bundle={type(bundle).__name__} is not a ReleaseBundle")
-        return self._registry("register", bundle, reason)
+        return self._write(self._coord.register_release.remote(bundle, reason))
 
     def transition(self, release_id: str, to: ReleaseState | str, reason: str) -> ReleaseRecord:
         """One table-checked lifecycle step (CANARY -> ACTIVE needs ``promote_release``)."""
-        return self._registry("transition", release_id, _enum(ReleaseState, to, "to"), reason)
+        to = _enum(ReleaseState, to, "to")
+        return self._write(self._coord.transition_release.remote(release_id, to, reason))
 
     def begin_canary(self, release_id: str, fraction: float, reason: str = "shadow gate passed") -> ReleaseRecord:
         """SHADOW -> CANARY with ``0 < fraction <= 1`` of new dispatches."""
-        return self._registry("begin_canary", release_id, float(fraction), reason)
+        return self._write(self._coord.begin_canary.remote(release_id, float(fraction), reason))
 
     def set_canary_fraction(self, release_id: str, fraction: float) -> None:
-        self._registry("set_canary_fraction", release_id, float(fraction))
+        self._write(self._coord.set_canary_fraction.remote(release_id, float(fraction)))
 
     def promote_release(self, release_id: str, verdict: GateVerdict) -> str | None:
         """CANARY -> ACTIVE under a passing gate verdict for this release; returns the superseded release."""
         if not isinstance(verdict, GateVerdict):
             raise ValueError(f"verdict={type(verdict).__name__} is not a GateVerdict")
-        return self._registry("promote", release_id, verdict)
+        return self._write(self._coord.promote_release.remote(release_id, verdict))
 
     def stop_new_dispatch(self, release_id: str) -> None:
         """The release's stop fence in the registry: SHADOW / CANARY / ACTIVE -> DRAINING."""
-        self._registry("stop_new_dispatch", release_id)
+        self._write(self._coord.stop_release_dispatch.remote(release_id))
 
     def activate_release(self, release_id: str) -> None:
         """A prior release takes new dispatch (LOADED / DRAINING -> ACTIVE; no-op when already ACTIVE)."""
-        self._registry("activate", release_id)
+        self._write(self._coord.activate_release.remote(release_id))
 
     def retire_release(self, release_id: str) -> None:
         """-> RETIRED (the caller guarantees refcount 0 for a DRAINING release)."""
-        self._registry("retire", release_id)
+        self._write(self._coord.retire_release.remote(release_id))
 
     def record(self, release_id: str) -> ReleaseRecord:
         """The release's bundle, state and ordered timeline."""
-        return self._registry("get", release_id)
+        return call(self._coord.release_record.remote(release_id))
 
     def state(self, release_id: str) -> ReleaseState:
         return self.record(release_id).state
 
     def records(self) -> tuple[ReleaseRecord, ...]:
-        return tuple(self._registry("records"))
+        return tuple(call(self._coord.release_records.remote()))
 
     def release_timeline(self) -> tuple[TransitionEvent, ...]:
         """Every lifecycle event of every release, in registry order (``seq``)."""
-        return tuple(self._registry("timeline"))
+        return tuple(call(self._coord.release_timeline.remote()))
 
     def active_release(self) -> str | None:
-        return self._registry("active")
+        return call(self._coord.active_release.remote())
 
     def candidate_release(self) -> str | None:
         """The release in SHADOW or CANARY, if any."""
-        return self._registry("candidate")
+        return call(self._coord.candidate_release.remote())
 
 
 def _enum(cls: type[Enum], value: Any, name: str) -> Any:

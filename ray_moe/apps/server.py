@@ -1,63 +1,178 @@
-"""``ray-moe serve``: an OpenAI-compatible completions endpoint (Ray Serve) over a ray-moe deployment.
+"""``ray-moe serve``: an OpenAI-compatible API (Ray Serve) over a ray-moe deployment.
 
-    ray-moe serve --checkpoint DIR --ranks 2 [--device cuda] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    ray-moe serve --checkpoint DIR --ranks 2 [--device cuda] [--host 127.0.0.1] [--port 8000] [--api-key-file F]
 
-    POST /v1/completions   {"model", "prompt": "text" | [token ids], "max_tokens", "temperature", "top_p",
-                            "seed", "stream"}  -> choices with "text" (when the folder has a tokenizer) and
-                            "token_ids"; "stream": true sends server-sent events, then "data: [DONE]"
-    GET  /v1/models        the served model
-    GET  /health           200 while the generation loop runs
+    POST /v1/completions        {"model", "prompt": text | token ids | a list of either, "max_tokens", "temperature",
+                                 "top_p", "seed", "n", "stop", "stop_token_ids", "echo", "stream", "stream_options",
+                                 "return_token_ids", "skip_special_tokens", "user"} -> choices with "text" (when the
+                                 folder has a tokenizer) and "token_ids"
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...} through the folder's chat template
+    POST /tokenize              {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
+    POST /detokenize            {"tokens"} -> {"prompt"}
+    GET  /v1/models, /v1/models/{id}, /health
+
+Text is exact: streamed pieces concatenate to the non-streamed text (``detokenize.IncrementalDetokenizer``), special
+tokens are skipped unless ``skip_special_tokens`` is false, text prompts get BOS as the tokenizer adds it. ``stop``
+strings are matched on that text across token boundaries and cut (the request is cancelled there). ``n`` samples
+use seeds ``seed + i``. Unknown fields are ignored and named in ``X-Ray-MoE-Ignored-Fields``; ``ignore_eos`` /
+``min_tokens`` are accepted but not honoured yet (``X-Ray-MoE-Unsupported-Fields``); ``logprobs``,
+``top_logprobs``, the penalties and ``logit_bias`` at other than their defaults get 400 (not supported yet).
 
 The Serve replica attaches to the deployment by name (``Runtime.connect``) and owns its generation loop; the
 process that ran ``ray-moe serve`` owns the shard actors (Ctrl-C tears both down). Bad requests get 400 with
-the field named, a missing or wrong API key 401, an overloaded loop 503 (``Retry-After``): nothing hangs.
+the field named, a missing or wrong API key 401 (``Authorization: Bearer <key>``, the scheme in any case, the key
+compared in constant time), an overloaded loop 503 (``Retry-After``): nothing hangs.
 """
 
 # no ``from __future__ import annotations``: Serve pickles the endpoint class to its replica, and FastAPI must
 # see the parameters' real annotation objects (``Request``), not strings to resolve against lost globals
 import asyncio
+import contextlib
+import hmac
 import json
 import os
 import signal
 import threading
 import time
 import uuid
+from enum import Enum
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from ray_moe.core.errors import RayMoEError
-
-
-class CompletionRequest(BaseModel):
-    """The OpenAI completions fields ray-moe serves (unknown fields are refused, by name)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    prompt: str | list[int]
-    max_tokens: int = Field(default=16, ge=1, le=1 << 16)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
-    stream: bool = False
-    n: int = Field(default=1, ge=1, le=1)
-    user: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, v: Any) -> Any:
-        if isinstance(v, (str, list)) and len(v) == 0:
-            raise ValueError("empty prompt")
-        return v
+from ray_moe.apps.detokenize import IncrementalDetokenizer, StopMatcher
+from ray_moe.apps.openai_protocol import (CHAT_DEFAULT_MAX_TOKENS, IGNORED_HEADER, UNSUPPORTED_HEADER,
+                                          ChatCompletionRequest,
+                                          CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from ray_moe.core.errors import ConfigError, RayMoEError
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+class Endpoint(str, Enum):
+    """Which response shape a generation takes (the OpenAI ``object`` of a whole response)."""
+
+    COMPLETION = "text_completion"
+    CHAT = "chat.completion"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"      # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+
+
+def bearer_ok(header: str, key: str) -> bool:
+    """``Authorization: Bearer <key>`` (the scheme in any case), the key compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def read_api_key(args: Any, env: Any) -> str | None:
+    """The API key: ``--api-key-file PATH`` (its first line, stripped), else ``--api-key``, else
+    ``RAY_MOE_API_KEY``; None: no key required."""
+    path = getattr(args, "api_key_file", None)
+    if path is not None and getattr(args, "api_key", None):
+        raise ConfigError("--api-key and --api-key-file: pass one of them")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                key = fh.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file={path!r}: {exc.strerror or exc}") from None
+        if not key or any(ch.isspace() for ch in key):
+            raise ConfigError(f"--api-key-file={path!r}: the file must hold one key (no spaces), got "
+                              f"{'nothing' if not key else 'several words'}")
+        return key
+    return getattr(args, "api_key", None) or env.api_key
+
+
+def serve_http_conflict(host: str, port: int) -> str | None:
+    """Why the Serve instance already running on this cluster would not listen where ``--host``/``--port`` say
+    (Serve keeps one HTTP address per cluster and ignores a new one); None when none runs or it matches."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    have = client.http_config
+    if (str(have.host), int(have.port)) == (str(host), int(port)):
+        return None
+    return (f"a Ray Serve instance already runs on this cluster, listening on {have.host}:{have.port}; it would not "
+            f"honour --host {host} --port {port} (Serve keeps one HTTP address per cluster): stop it first "
+            f"(`serve shutdown`), or pass --host {have.host} --port {have.port}")
+
+
+class GenerationFailed(RayMoEError):
+    """The generation loop reported an error for a request."""
+
+
+class Choice:
+    """One sample being generated: its tokens in, its exact text out (stop token ids, stop strings).
+
+    index: the choice's index in the response (prompt-major: prompt i, sample s -> i * n + s); sample: s;
+    prompt: its prompt token ids; echo: text put before the completion's text (``echo``)."""
+
+    def __init__(self, index: int, sample: int, prompt: list[int], max_tokens: int, *, tokenizer: Any,
+                 stops: tuple[str, ...], stop_ids: tuple[int, ...], skip_special_tokens: bool, echo: str = "") -> None:
+        self.index, self.sample, self.prompt, self.max_tokens, self.echo = index, sample, prompt, max_tokens, echo
+        self.stop_ids = frozenset(stop_ids)
+        self.detok = (None if tokenizer is None else
+                      IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens))
+        self.stops = StopMatcher(stops)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.stop_reason: str | int | None = None
+        self.finish: FinishReason | None = None
+        self.handle: Any = None
+
+    def on_token(self, tok: int) -> str:
+        """A generated token; returns the text it adds (after a stop string matched: finished, "")."""
+        if self.finish is not None:
+            return ""
+        self.tokens.append(tok)
+        if tok in self.stop_ids:  # its text is not part of the output (the loop ends the request on it)
+            self.stop_reason = tok
+            return ""
+        if self.detok is None:
+            return ""
+        new = self.stops.feed(self.detok.push(tok))
+        if self.stops.stopped is not None:
+            self.stop_reason, self.finish = self.stops.stopped, FinishReason.STOP
+        self.text += new
+        return new
+
+    def on_end(self) -> str:
+        """The request ended (EOS, a stop token, max_tokens); returns the text still held back."""
+        if self.finish is not None:
+            return ""
+        new = ""
+        if self.detok is not None:
+            new = self.stops.feed(self.detok.finish())
+            if self.stops.stopped is not None:
+                self.stop_reason = self.stops.stopped
+            else:
+                new += self.stops.flush()
+        self.text += new
+        self.finish = (FinishReason.LENGTH if self.stop_reason is None and len(self.tokens) >= self.max_tokens
+                       else FinishReason.STOP)
+        return new
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict[str, str] | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": None}})
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(choices: list[Choice]) -> dict[str, int]:
+    prompt = sum(len(c.prompt) for c in choices if c.sample == 0)  # each prompt counted once, whatever n
+    completion = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenizer_folder: str | None,
@@ -68,6 +183,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
     from ray import serve
 
     app = FastAPI(title="ray-moe", docs_url=None, redoc_url=None)
+    folder_name = os.path.basename(os.path.normpath(tokenizer_folder)) if tokenizer_folder else None
 
     @serve.deployment(max_ongoing_requests=2048)
     @serve.ingress(app)
@@ -83,134 +199,289 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
 
                 self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
 
+        # ------------------------------------------------------------ request checks
         def _auth(self, request: Request):
-            if api_key is None:
+            if api_key is None or bearer_ok(request.headers.get("authorization", ""), api_key):
                 return None
-            got = request.headers.get("authorization", "")
-            if got != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
-                              "authentication_error")
-            return None
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", None, "authentication_error")
 
+        async def _parse(self, request: Request, cls: type):
+            """(the validated body, None) or (None, the error response)."""
+            denied = self._auth(request)
+            if denied is not None:
+                return None, denied
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return None, _error(400, "malformed JSON body", None)
+            try:
+                req = cls.model_validate(body)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(str(x) for x in err.get("loc", ())) or None
+                return None, _error(400, f"{field}: {err.get('msg')}", field)
+            if getattr(req, "model", None) not in (None, model_name):
+                return None, _error(404, f"model: {req.model!r} is not served here (serving {model_name!r})",
+                                    "model", "model_not_found")
+            if hasattr(req, "unsupported_sampler_field"):
+                field = req.unsupported_sampler_field()
+                if field is not None:
+                    return None, _error(400, f"{field}={getattr(req, field)!r}: not supported yet (ray-moe's sampler "
+                                             f"does not compute it); leave it out or send its default", field)
+                if req.stops() and self.tokenizer is None:
+                    return None, _error(400, "stop: stop strings need a tokenizer in the checkpoint folder "
+                                             "(use stop_token_ids)", "stop")
+            return req, None
+
+        def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True):
+            """(prompt token ids, None) through the chat template, or (None, the error response)."""
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                return None, _error(400, f"messages: model {model_name!r} has no chat template (folder "
+                                         f"{folder_name or '(none)'} has {'no tokenizer' if self.tokenizer is None else 'no chat_template.jinja or tokenizer_config.json chat_template'}); "
+                                         f"use /v1/completions", "messages")
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False)
+            except Exception as exc:  # noqa: BLE001 - a template may raise on the messages (jinja's raise_exception)
+                return None, _error(400, f"messages: the chat template refused them: {exc}", "messages")
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), None
+
+        @staticmethod
+        def _headers(req: Any) -> dict[str, str]:
+            out = {}
+            if req.ignored_fields():
+                out[IGNORED_HEADER] = ",".join(req.ignored_fields())
+            if req.unhonoured_fields():
+                out[UNSUPPORTED_HEADER] = ",".join(req.unhonoured_fields())
+            return out
+
+        # ------------------------------------------------------------ endpoints
         @app.get("/health")
         async def health(self) -> Any:
             if self.engine.failed is not None:
                 return _error(503, f"generation loop stopped: {self.engine.failed}", None, "server_error")
             return {"status": "ok", "steps": self.engine.steps}
 
+        def _model_card(self) -> dict:
+            return {"id": model_name, "object": "model", "owned_by": "ray-moe", "created": 0,
+                    "max_model_len": self.engine.max_context}
+
         @app.get("/v1/models")
         async def models(self, request: Request) -> Any:
             denied = self._auth(request)
-            if denied is not None:
-                return denied
-            return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "ray-moe",
-                                                "created": 0}]}
+            return denied if denied is not None else {"object": "list", "data": [self._model_card()]}
 
-        @app.post("/v1/completions")
-        async def completions(self, request: Request) -> Any:
+        @app.get("/v1/models/{model_id:path}")
+        async def model(self, model_id: str, request: Request) -> Any:
             denied = self._auth(request)
             if denied is not None:
                 return denied
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return _error(400, "malformed JSON body", None)
-            try:
-                req = CompletionRequest.model_validate(body)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                field = ".".join(str(x) for x in err.get("loc", ())) or None
-                return _error(400, f"{field}: {err.get('msg')}", field)
-            if req.model != model_name:
-                return _error(404, f"model: {req.model!r} is not served here (serving {model_name!r})", "model",
+            if model_id != model_name:
+                return _error(404, f"model: {model_id!r} is not served here (serving {model_name!r})", "model",
                               "model_not_found")
-            if isinstance(req.prompt, str):
-                if self.tokenizer is None:
-                    return _error(400, "prompt: text needs a tokenizer in the checkpoint folder; send token ids",
-                                  "prompt")
-                ids = self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+            return self._model_card()
+
+        @app.post("/tokenize")
+        async def tokenize(self, request: Request) -> Any:
+            req, err = await self._parse(request, TokenizeRequest)
+            if err is not None:
+                return err
+            if req.messages is not None:
+                ids, err = self._chat_ids([{"role": m.role.value, "content": m.text()} for m in req.messages],
+                                          req.add_generation_prompt)
+                if err is not None:
+                    return err
+            elif self.tokenizer is None:
+                return _error(400, "prompt: tokenizing needs a tokenizer in the checkpoint folder", "prompt")
             else:
-                ids = list(req.prompt)
+                ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_context}
+
+        @app.post("/detokenize")
+        async def detokenize(self, request: Request) -> Any:
+            req, err = await self._parse(request, DetokenizeRequest)
+            if err is not None:
+                return err
+            if self.tokenizer is None:
+                return _error(400, "tokens: detokenizing needs a tokenizer in the checkpoint folder", "tokens")
+            bad = [t for t in req.tokens if not 0 <= t < len(self.tokenizer)]
+            if bad:
+                return _error(400, f"tokens: {bad[0]} is outside the vocabulary [0, {len(self.tokenizer)})", "tokens")
+            return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)}
+
+        @app.post("/v1/completions")
+        async def completions(self, request: Request) -> Any:
+            req, err = await self._parse(request, CompletionRequest)
+            if err is not None:
+                return err
+            choices = []
+            for i, p in enumerate(req.prompts()):
+                if isinstance(p, str):
+                    if self.tokenizer is None:
+                        return _error(400, "prompt: text needs a tokenizer in the checkpoint folder; send token ids",
+                                      "prompt")
+                    ids = list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+                    echo = p
+                else:
+                    ids = list(p)
+                    echo = "" if self.tokenizer is None or not req.echo else self._decode_prompt(ids, req)
+                choices += [self._choice(i * req.n + s, s, ids, req.max_tokens, req, echo if req.echo else "")
+                            for s in range(req.n)]
+            return await self._generate(Endpoint.COMPLETION, req, choices, "prompt")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(self, request: Request) -> Any:
+            req, err = await self._parse(request, ChatCompletionRequest)
+            if err is not None:
+                return err
+            ids, err = self._chat_ids(req.template_messages())
+            if err is not None:
+                return err
+            # without max_tokens: CHAT_DEFAULT_MAX_TOKENS, or what fits the context and one rank's KV budget
+            room = min(self.engine.max_context, self.engine.scheduler.kv_blocks * self.engine.scheduler.block_size)
+            limit = req.limit() or max(1, min(CHAT_DEFAULT_MAX_TOKENS, room - len(ids)))
+            choices = [self._choice(s, s, ids, limit, req) for s in range(req.n)]
+            return await self._generate(Endpoint.CHAT, req, choices, "messages")
+
+        # ------------------------------------------------------------ generation
+        def _decode_prompt(self, ids: list[int], req: Any) -> str:
+            bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
+            return "" if bad else self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+
+        def _choice(self, index: int, sample: int, ids: list[int], max_tokens: int, req: Any, echo: str = "") -> Choice:
+            return Choice(index, sample, ids, max_tokens, tokenizer=self.tokenizer, stops=req.stops(),
+                          stop_ids=tuple(req.stop_token_ids or ()), skip_special_tokens=req.skip_special_tokens,
+                          echo=echo)
+
+        def _cancel(self, choices: list[Choice]) -> None:
+            """Stop generating for choices that need no more tokens (a stop string, a gone client)."""
+            cancel = getattr(self.engine, "cancel", None)
+            for c in choices:
+                if cancel is not None and c.handle is not None and not c.handle.done.is_set():
+                    cancel(c.handle.request_id)
+
+        async def _generate(self, kind: Endpoint, req: Any, choices: list[Choice], prompt_field: str) -> Any:
             from ray_moe.driver.loop import OverloadedError
             from ray_moe.model.sampling import SamplingParams
 
-            params = SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    seed=req.seed)
+            headers = self._headers(req)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
-            try:
-                handle = self.engine.submit(ids, params, on_event=lambda item: loop.call_soon_threadsafe(
-                    events.put_nowait, item))
-            except OverloadedError as exc:
-                return JSONResponse(status_code=503, headers={"Retry-After": "1"},
-                                    content={"error": {"message": str(exc), "type": "overloaded", "param": None,
-                                                       "code": None}})
-            except ValueError as exc:  # too long for the context or the KV budget, bad token ids
-                return _error(400, str(exc), "prompt" if "prompt" in str(exc) else None)
-            except RayMoEError as exc:
-                return _error(503, str(exc), None, "server_error")
-            rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+            for c in choices:
+                params = SamplingParams(max_new_tokens=c.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                        seed=None if req.seed is None else req.seed + c.sample,
+                                        stop_token_ids=tuple(req.stop_token_ids or ()))
+                try:
+                    c.handle = self.engine.submit(c.prompt, params, on_event=lambda item, i=c.index: (
+                        loop.call_soon_threadsafe(events.put_nowait, (i, item))))
+                except OverloadedError as exc:
+                    self._cancel(choices)
+                    return JSONResponse(status_code=503, headers={**headers, "Retry-After": "1"},
+                                        content={"error": {"message": str(exc), "type": "overloaded", "param": None,
+                                                           "code": None}})
+                except ValueError as exc:  # too long for the context or the KV budget, bad token ids
+                    self._cancel(choices)
+                    return _error(400, str(exc), prompt_field if "prompt" in str(exc) else None, headers=headers)
+                except RayMoEError as exc:
+                    self._cancel(choices)
+                    return _error(503, str(exc), None, "server_error", headers=headers)
+            rid = f"{'cmpl' if kind is Endpoint.COMPLETION else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
             created = int(time.time())
             if req.stream:
-                return StreamingResponse(self._sse(rid, created, len(ids), events, handle),
-                                         media_type="text/event-stream")
-            tokens, error = await _drain(events)
-            if error is not None:
-                return _error(500, str(error), None, "server_error")
-            return self._body(rid, created, len(ids), tokens, finish="length" if len(tokens) >= req.max_tokens
-                              else "stop")
+                return StreamingResponse(self._stream(kind, rid, created, req, choices, events),
+                                         media_type="text/event-stream", headers=headers)
+            try:
+                async with contextlib.aclosing(self._events(choices, events)) as stream:
+                    async for _ in stream:
+                        pass
+            except GenerationFailed as exc:
+                return _error(500, str(exc), None, "server_error", headers=headers)
+            return JSONResponse(self._body(kind, rid, created, req, choices), headers=headers)
 
-        def _text(self, tokens: list[int]) -> str:
-            return "" if self.tokenizer is None else self.tokenizer.decode(tokens)
+        async def _events(self, choices: list[Choice], events: asyncio.Queue):
+            """(choice, text it adds, token or None at its end, whether it finished) until every choice finished;
+            what is still generating is cancelled when this ends early (an error, a client gone)."""
+            by_index = {c.index: c for c in choices}
+            try:
+                while any(c.finish is None for c in choices):
+                    i, item = await events.get()
+                    c = by_index[i]
+                    if c.finish is not None:
+                        continue  # tokens in flight after a stop string
+                    if item is None:
+                        yield c, c.on_end(), None, True
+                    elif isinstance(item, BaseException):
+                        raise GenerationFailed(str(item))
+                    else:
+                        text = c.on_token(item)
+                        if c.finish is not None:
+                            self._cancel([c])
+                        yield c, text, item, c.finish is not None
+            finally:
+                self._cancel(choices)
 
-        def _body(self, rid: str, created: int, n_prompt: int, tokens: list[int], finish: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": self._text(tokens), "token_ids": tokens, "logprobs": None,
-                                 "finish_reason": finish}],
-                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
-                              "total_tokens": n_prompt + len(tokens)}}
+        def _body(self, kind: Endpoint, rid: str, created: int, req: Any, choices: list[Choice]) -> dict:
+            out: dict[str, Any] = {"id": rid, "object": kind.value, "created": created, "model": model_name}
+            if kind is Endpoint.COMPLETION:
+                out["choices"] = [{"index": c.index, "text": c.echo + c.text, "token_ids": c.tokens, "logprobs": None,
+                                   "finish_reason": c.finish.value, "stop_reason": c.stop_reason,
+                                   **({"prompt_token_ids": c.prompt} if req.return_token_ids else {})}
+                                  for c in choices]
+            else:
+                out["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                   "logprobs": None, "finish_reason": c.finish.value, "stop_reason": c.stop_reason,
+                                   **({"token_ids": c.tokens} if req.return_token_ids else {})} for c in choices]
+                if req.return_token_ids:
+                    out["prompt_token_ids"] = choices[0].prompt
+            out["usage"] = _usage(choices)
+            return out
 
-        async def _sse(self, rid, created, n_prompt, events, handle):
-            count = 0
-            while True:
-                item = await events.get()
-                if item is _END:
-                    break
-                if isinstance(item, BaseException):
-                    yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'server_error'}})}\n\n"
-                    return
-                count += 1
-                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                         "choices": [{"index": 0, "text": self._text([item]), "token_ids": [item], "logprobs": None,
-                                      "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            final = self._body(rid, created, n_prompt, [], "length" if count >= handle.max_new_tokens else "stop")
-            final["choices"][0]["text"] = ""
-            final["usage"]["completion_tokens"] = count
-            final["usage"]["total_tokens"] = n_prompt + count
-            yield f"data: {json.dumps(final)}\n\n"
+        async def _stream(self, kind: Endpoint, rid: str, created: int, req: Any, choices: list[Choice],
+                          events: asyncio.Queue):
+            obj = "text_completion" if kind is Endpoint.COMPLETION else "chat.completion.chunk"
+
+            def chunk(c: Choice, text: str, toks: list[int], finish: FinishReason | None = None,
+                      first: bool = False) -> str:
+                if kind is Endpoint.COMPLETION:
+                    ch = {"index": c.index, "text": text, "token_ids": toks, "logprobs": None,
+                          "finish_reason": None if finish is None else finish.value}
+                else:
+                    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                    ch = {"index": c.index, "delta": delta, "logprobs": None,
+                          "finish_reason": None if finish is None else finish.value,
+                          **({"token_ids": toks} if req.return_token_ids else {})}
+                if finish is not None:
+                    ch["stop_reason"] = c.stop_reason
+                return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [ch]})
+
+            for c in choices:
+                if kind is Endpoint.CHAT:
+                    yield chunk(c, "", [], first=True)
+                elif c.echo:
+                    yield chunk(c, c.echo, [])
+            try:  # aclosing: a client that goes away cancels what still generates for it
+                async with contextlib.aclosing(self._events(choices, events)) as stream:
+                    async for c, text, tok, ended in stream:
+                        toks = [] if tok is None else [tok]
+                        if text or (toks and (kind is Endpoint.COMPLETION or req.return_token_ids)):
+                            yield chunk(c, text, toks)
+                        if ended:
+                            yield chunk(c, "", [], c.finish)
+            except GenerationFailed as exc:
+                yield _sse({"error": {"message": str(exc), "type": "server_error"}})
+                return
+            if req.include_usage:
+                yield _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                            "usage": _usage(choices)})
             yield "data: [DONE]\n\n"
 
     return CompletionServer
 
 
-_END = None  # the engine's end-of-request marker on the asyncio queue
-
-
-async def _drain(events: asyncio.Queue) -> tuple[list[int], BaseException | None]:
-    tokens: list[int] = []
-    while True:
-        item = await events.get()
-        if item is _END:
-            return tokens, None
-        if isinstance(item, BaseException):
-            return tokens, item
-        tokens.append(item)
-
-
 def run_server(args: Any, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
     """Start (or join) Ray, start the deployment from the checkpoint, run the Serve app until Ctrl-C / SIGTERM
-    (or ``stop``), then tear everything down."""
+    (or ``stop``), then tear everything down. Bad options, and a Serve instance on the cluster that would not
+    listen at ``--host``/``--port``, raise ``ConfigError`` before any shard starts."""
     import ray
     from ray import serve
 
@@ -222,14 +493,24 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     if decode_steps is not None and not 1 <= decode_steps <= 64:  # before Ray or any shard starts
         raise ValueError(f"--decode-steps={decode_steps}: must be in [1, 64]")
     env = read_env()
-    api_key = args.api_key or env.api_key
+    api_key = read_api_key(args, env)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     cfg = RuntimeConfig.from_pretrained(args.checkpoint, num_ranks=args.ranks, device=args.device, dtype=dtype,
                                         name=args.name)
-    address = getattr(args, "address", None)
-    if not ray.is_initialized() and address == "local":
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace=env.namespace)
-    rt = Runtime.start(cfg, address=None if address == "local" else address)
+    address = getattr(args, "address", None) or env.ray_address
+    started_ray = False
+    if not ray.is_initialized():
+        if address in (None, "local"):  # no cluster to join: a local instance, stopped with this process
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace=env.namespace)
+            started_ray = True
+        else:
+            ray.init(address=address, namespace=env.namespace, log_to_driver=False)
+    conflict = serve_http_conflict(args.host, args.port)
+    if conflict is not None:
+        if started_ray:
+            ray.shutdown()
+        raise ConfigError(conflict)
+    rt = Runtime.start(cfg)
     model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
@@ -237,12 +518,16 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
                    decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True))
     app_name = f"ray-moe-{args.name}"
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # one proxy, on the head node, at --host only (never every node's interfaces)
+        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
         server = build_app(model_name, cfg.name, api_key=api_key, tokenizer_folder=args.checkpoint if has_tok else None,
                            serving=serving)
         serve.run(server.bind(), name=app_name, route_prefix="/", blocking=False)
+        gcs = ray.get_runtime_context().gcs_address
         print(f"ray-moe serve: {model_name!r} on http://{args.host}:{args.port}/v1 ({args.ranks} ranks, "
-              f"deployment {cfg.name!r}{', API key required' if api_key else ''}); Ctrl-C stops", flush=True)
+              f"deployment {cfg.name!r}{', API key required' if api_key else ''}); Ctrl-C stops\n"
+              f"  Ray: {gcs} ({'a local instance started here: it stops with this process' if started_ray else 'joined'})\n"
+              f"  status from another shell: ray-moe status --name {cfg.name} --address {gcs}", flush=True)
         if ready is not None:
             ready.set()
         done = stop or threading.Event()
@@ -257,10 +542,11 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
         rt.shutdown()
-        if stop is None and ray.is_initialized() and rt._owns_ray:
+        if stop is None and ray.is_initialized() and (started_ray or rt._owns_ray):
             ray.shutdown()
     print("ray-moe serve: stopped", flush=True)
     return 0
 
 
-__all__ = ["build_app", "run_server", "CompletionRequest"]
+__all__ = ["build_app", "run_server", "bearer_ok", "read_api_key", "serve_http_conflict", "Choice", "Endpoint",
+           "FinishReason", "CompletionRequest", "ChatCompletionRequest"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -21,15 +21,15 @@ import numpy as np
 
 from ray_moe.control.recovery import RETIRED_KEPT, PendingOp, PlaneState
 from ray_moe.model.config import RuntimeConfig
-from ray_moe.core.errors import AdmissionError, ExpertUnavailableError, GenerationError, RankDeadError
+from ray_moe.core.errors import GenerationError, RankDeadError
 from ray_moe.placement.floors import ReplicaFloors
-from ray_moe.placement.initial import spread_assignment
 from ray_moe.placement.load import LoadWindow
 from ray_moe.placement.manifest import PlacementManifest, manifest_from_assignment
-from ray_moe.placement.migration import MigrationActionKind, MigrationPlan, plan_migration
+from ray_moe.placement.migration import MigrationPlan
+from ray_moe.placement.planner import Assignment, PlacementPlanner
 from ray_moe.placement.registry import GenerationRegistry
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
-from ray_moe.core.types import GenerationState, Phase
+from ray_moe.core.types import GenerationState
 
 Key = tuple[int, int]  # (layer, logical expert)
 
@@ -179,6 +179,13 @@ class ControlPlane:
         """Members of the current process group not known to be dead."""
         return [r for r in self.group.peer_order if r not in self.dead_ranks]
 
+    @property
+    def planner(self) -> PlacementPlanner:
+        """The placement arithmetic over this deployment's shape and the current topology (a regroup replaces it)."""
+        cfg = self.cfg
+        return PlacementPlanner(cfg.num_layers, cfg.num_experts, cfg.slots_per_rank, self.topology,
+                                num_groups=cfg.num_groups)
+
     def _call_live(self, method: str, per_rank: Callable[[int], tuple]) -> dict[int, Any]:
         """``fleet.call`` on the live ranks; a rank found dead is recorded and skipped (control-path reads)."""
         for _ in range(8):
@@ -214,12 +221,6 @@ class ControlPlane:
     def effective_floors(self, num_slots: int) -> tuple[dict[Key, int], list[str]]:
         return self.floors.effective(num_slots)
 
-    def _floor_matrix(self, num_slots: int) -> np.ndarray | None:
-        m, notes = self.floors.matrix(num_slots)
-        if notes:
-            self.log("floor-clipped", None, "; ".join(notes))
-        return m
-
     def scale(self, expert: int, replicas: int, layer: int | None = None, *, drain_timeout_s: float = 60.0) -> ApplyReport:
         """Give ``expert`` exactly ``replicas`` copies (live) and record that count as its replica floor."""
         with self._lock:
@@ -229,26 +230,23 @@ class ControlPlane:
             return rep
 
     # ---------------------------------------------------------------- building manifests
-    def _new_manifest(self, phy2log: Sequence[Sequence[int]], slot_rank: Sequence[Sequence[int]]) -> PlacementManifest:
+    def _new_manifest(self, a: Assignment) -> PlacementManifest:
+        if a.notes:
+            self.log("floor-clipped", None, "; ".join(a.notes))
         self._next_generation += 1
         self._changed()  # the id is spent even if the change never publishes
         digests = {(l, e): d for (l, e), d in self.digests.items()}
         return manifest_from_assignment(
             generation=self._next_generation - 1,
-            phy2log=phy2log, slot_rank=slot_rank, num_experts=self.cfg.num_experts, topology=self.topology,
+            phy2log=a.phy2log, slot_rank=a.slot_rank, num_experts=self.cfg.num_experts, topology=self.topology,
             process_group_id=self.group.group_id, checkpoint_version=self.checkpoint_version, digests=digests,
         )
 
     def deploy_initial(self) -> int:
         """Generation 0: spread placement, each rank loads only its experts, digests agreed, published."""
         with self._lock:
-            cfg = self.cfg
-            ranks = self.live_ranks()
-            phy2log, slot_rank = spread_assignment(cfg.num_layers, cfg.num_experts, len(ranks), cfg.slots_per_rank, ranks)
-            need: dict[int, set[Key]] = defaultdict(set)
-            for l in range(cfg.num_layers):
-                for e, u in zip(phy2log[l], slot_rank[l]):
-                    need[u].add((l, e))
+            initial = self.planner.initial(self.live_ranks())
+            need = initial.keys_by_rank()
             t0 = self._clock()
             self._begin("deploy", 0)
             got = self.fleet.call("load_experts", {u: (sorted(keys),) for u, keys in need.items()})
@@ -262,7 +260,7 @@ class ControlPlane:
                             f"replica has {prev[:12]}: mixed checkpoint state"
                         )
             self.log("load", 0, f"{sum(len(k) for k in need.values())} expert copies loaded in {self._clock() - t0:.2f}s")
-            manifest = self._new_manifest(phy2log, slot_rank)
+            manifest = self._new_manifest(initial)
             self._publish_first(manifest)
             self._end()
             return manifest.generation
@@ -285,115 +283,22 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- candidate placements
     def propose_scale(self, expert: int, replicas: int, layer: int | None = None) -> PlacementManifest:
-        """The active placement with ``expert`` at ``replicas`` copies (in ``layer`` or every layer).
-
-        New copies go to live ranks not yet hosting the expert, fewest slots first; removed copies come
-        from the ranks with the most slots. Every other slot keeps its rank.
-        """
-        cfg = self.cfg
-        if not 0 <= expert < cfg.num_experts:
-            raise ValueError(f"expert={expert} is out of range [0, {cfg.num_experts})")
-        if replicas < 1:
-            raise ValueError(f"replicas={replicas} must be >= 1 (every logical expert keeps a slot)")
-        if layer is not None and not 0 <= layer < cfg.num_layers:
-            raise ValueError(f"layer={layer} is out of range [0, {cfg.num_layers})")
-        live = self.live_ranks()
-        if replicas > len(live):
-            raise ValueError(f"replicas={replicas} exceeds the {len(live)} live ranks (one copy per rank)")
-        cur = self.manifest()
-        phy2log, slot_rank = [], []
-        for l in range(cfg.num_layers):
-            slots = cur.layer_slots(l)
-            p2l = [s.logical_expert_id for s in slots]
-            rk = [s.destination_rank for s in slots]
-            if layer is None or l == layer:
-                hosts = [rk[i] for i, e in enumerate(p2l) if e == expert]
-                per_rank = Counter(rk)
-                while len(hosts) < replicas:
-                    cand = [u for u in live if u not in hosts]
-                    u = min(cand, key=lambda r: (per_rank[r], r))
-                    p2l.append(expert)
-                    rk.append(u)
-                    hosts.append(u)
-                    per_rank[u] += 1
-                while len(hosts) > replicas:
-                    u = max(hosts, key=lambda r: (per_rank[r], r))
-                    i = max(i for i, (e, r) in enumerate(zip(p2l, rk)) if e == expert and r == u)
-                    del p2l[i], rk[i]
-                    hosts.remove(u)
-                    per_rank[u] -= 1
-            phy2log.append(p2l)
-            slot_rank.append(rk)
-        return self._new_manifest(phy2log, slot_rank)
+        """The active placement with ``expert`` at ``replicas`` copies (in ``layer`` or every layer) over the
+        live ranks (``PlacementPlanner.scale``)."""
+        return self._new_manifest(self.planner.scale(self.manifest(), self.live_ranks(), expert, replicas, layer))
 
     def propose_rebalance(self, *, migration_aware: bool = True, tolerance: float = 0.05,
                           avoid_same_gpu_duplicates: bool = True) -> PlacementManifest:
-        """EPLB on the load window; slots per rank stay ``cfg.slots_per_rank``."""
-        from ray_moe.placement.eplb import rebalance_experts
-
-        cfg = self.cfg
-        if len(self.load) == 0:
-            raise ValueError("load window: no observation yet; serve some steps before rebalancing")
-        weight = self.load.snapshot().weight.astype(np.float64)
-        live = self.live_ranks()
-        gpus = len(live)
-        nodes = len({self.topology.node_of(r) for r in live})
-        per_node = Counter(self.topology.node_of(r) for r in live)
-        if len(set(per_node.values())) != 1:
-            nodes = 1
-        q = cfg.slots_per_rank * gpus
-        groups = cfg.num_groups
-        current = None
-        cur = self.manifest()
-        if migration_aware and all(cur.num_slots(l) == q for l in range(cfg.num_layers)):
-            order = {r: i for i, r in enumerate(live)}
-            cur_ok = True
-            rows = []
-            for l in range(cfg.num_layers):
-                by_rank: dict[int, list[int]] = defaultdict(list)
-                for s in cur.layer_slots(l):
-                    if s.destination_rank not in order:
-                        cur_ok = False
-                    by_rank[s.destination_rank].append(s.logical_expert_id)
-                row = []
-                for r in live:
-                    row.extend(by_rank.get(r, []))
-                rows.append(row)
-                cur_ok = cur_ok and all(len(by_rank.get(r, [])) == cfg.slots_per_rank for r in live)
-            current = np.asarray(rows, dtype=np.int64) if cur_ok else None
-        res = rebalance_experts(weight, q, groups, nodes, gpus,
-                                avoid_same_gpu_duplicates=avoid_same_gpu_duplicates,
-                                current_phy2log=current, migration_tolerance=tolerance if current is not None else 0.0,
-                                min_replicas=self._floor_matrix(q))
-        phy2log = res.phy2log.tolist()
-        spg = q // gpus
-        slot_rank = [[live[i // spg] for i in range(q)] for _ in range(cfg.num_layers)]
-        return self._new_manifest(phy2log, slot_rank)
+        """EPLB on the load window, replica floors kept; slots per rank stay ``cfg.slots_per_rank``
+        (``PlacementPlanner.rebalance``). Floors lowered to fit are logged (``floor-clipped``)."""
+        a = self.planner.rebalance(self.manifest(), self.live_ranks(), self.load, self.floors,
+                                   migration_aware=migration_aware, tolerance=tolerance,
+                                   avoid_same_gpu_duplicates=avoid_same_gpu_duplicates)
+        return self._new_manifest(a)
 
     def propose_without(self, dead: Sequence[int]) -> PlacementManifest:
-        """The active placement minus the slots of ``dead`` ranks; an expert left with no copy gets one on the
-        live rank with the fewest slots (rebuilt from a survivor or the checkpoint)."""
-        cur = self.manifest()
-        live = [r for r in self.live_ranks() if r not in set(dead)]
-        if not live:
-            raise ExpertUnavailableError("no live rank left", expert=0)
-        phy2log, slot_rank = [], []
-        for l in range(self.cfg.num_layers):
-            p2l, rk = [], []
-            for s in cur.layer_slots(l):
-                if s.destination_rank in live:
-                    p2l.append(s.logical_expert_id)
-                    rk.append(s.destination_rank)
-            per_rank = Counter(rk)
-            for e in range(self.cfg.num_experts):
-                if e not in p2l:
-                    u = min(live, key=lambda r: (per_rank[r], r))
-                    p2l.append(e)
-                    rk.append(u)
-                    per_rank[u] += 1
-            phy2log.append(p2l)
-            slot_rank.append(rk)
-        return self._new_manifest(phy2log, slot_rank)
+        """The active placement minus the slots of ``dead`` ranks, every expert kept (``PlacementPlanner.without``)."""
+        return self._new_manifest(self.planner.without(self.manifest(), self.live_ranks(), dead))
 
     # ---------------------------------------------------------------- apply
     def apply(self, new: PlacementManifest, *, reason: str, drain_timeout_s: float = 60.0,
@@ -488,11 +393,8 @@ class ControlPlane:
             old = self.registry.manifest(old_g)
             # 1. plan + admission: refused plans change nothing
             t = self._clock()
-            budget = None
-            if self.cfg.memory_budget_bytes is not None:
-                budget = {r: self.cfg.memory_budget_bytes for r in self.live_ranks()}
-            plan = plan_migration(old, new, self.topology, expert_bytes=max(1, self.expert_bytes),
-                                  rank_budget_bytes=budget)
+            plan = self.planner.admit(old, new, self.live_ranks(), expert_bytes=self.expert_bytes,
+                                      memory_budget_bytes=self.cfg.memory_budget_bytes)
             timings["plan"] = self._clock() - t
             self.log("plan", new.generation, f"{reason}: {_ledger_line(plan)}")
             if self.rebuild_report is not None:
@@ -506,28 +408,18 @@ class ControlPlane:
             try:
                 # 3. materialise: network copies actor to actor, checkpoint loads where no source lives
                 t = self._clock()
-                by_pair: dict[tuple[int, int], set[Key]] = defaultdict(set)
-                by_load: dict[int, set[Key]] = defaultdict(set)
-                for a in plan.target_actions():
-                    key = (a.layer, a.expert)
-                    if a.action in (MigrationActionKind.SAME_NODE_COPY, MigrationActionKind.CROSS_NODE_COPY):
-                        src = a.source_rank
-                        if src in self.dead_ranks or (sources_alive is not None and not sources_alive(src)):
-                            by_load[a.target_rank].add(key)
-                        else:
-                            by_pair[(a.target_rank, src)].add(key)
-                    elif a.action == MigrationActionKind.CHECKPOINT_LOAD:
-                        by_load[a.target_rank].add(key)
-                for (dst, src), keys in sorted(by_pair.items()):
+                moves = self.planner.transfers(
+                    plan, lambda r: r not in self.dead_ranks and (sources_alive is None or sources_alive(r)))
+                for (dst, src), keys in sorted(moves.copies.items()):
                     digs = self.fleet.copy_experts(dst, src, sorted(keys))
                     staged[dst].update(keys)
                     copies += len(keys)
                     self._check_digests(dst, digs)
-                if by_load:
-                    got = self.fleet.call("load_experts", {u: (sorted(k),) for u, k in by_load.items()})
+                if moves.loads:
+                    got = self.fleet.call("load_experts", {u: (sorted(k),) for u, k in moves.loads.items()})
                     for u, digs in got.items():
-                        staged[u].update(by_load[u])
-                        loads += len(by_load[u])
+                        staged[u].update(moves.loads[u])
+                        loads += len(moves.loads[u])
                         self._check_digests(u, digs)
                 timings["materialize"] = self._clock() - t
                 self.log("materialize", new.generation, f"{copies} expert copies moved, {loads} loaded from checkpoint")
@@ -633,16 +525,8 @@ class ControlPlane:
         """
         with self._lock:
             self.dead_ranks.update(int(r) for r in dead)
-            cur = self.manifest()
-            live = [r for r in new_group.peer_order]
-            for l in range(self.cfg.num_layers):
-                for e in range(self.cfg.num_experts):
-                    if not any(s.destination_rank in live for s in cur.replicas(e, l)) and not self._has_checkpoint():
-                        raise ExpertUnavailableError(
-                            f"logical expert {e} of layer {l} has no surviving replica (its copies were on ranks "
-                            f"{sorted(s.destination_rank for s in cur.replicas(e, l))}) and no checkpoint to rebuild from",
-                            expert=e, layer=l,
-                        )
+            live = list(new_group.peer_order)
+            self.planner.require_survivors(self.manifest(), live, can_rebuild=self._has_checkpoint())
             self.group = new_group
             self._changed()
             new = self.propose_without(dead)

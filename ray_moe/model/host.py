@@ -44,7 +44,9 @@ def _safetensors_files(folder: str) -> dict[str, str]:
 class ModelHost:
     """The non-expert modules of one model on one rank, a paged KV cache, and the step forward.
 
-    The experts seam calls ``moe_forward``, which hands the layer to the step's executor (set per step)."""
+    The experts modules are bound to ``self.seam``, whose ``moe_forward`` is, during a step, the layer step's
+    own entry (``MoEStep.moe_forward``, or the phase split's when a step mixes prefill and decode rows): a MoE
+    block reaches its dispatcher in two calls, and outside a step it raises."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, kv_tokens: int,
                  block_size: int = 16) -> None:
@@ -55,9 +57,9 @@ class ModelHost:
         self.device = device
         self.dtype = dtype
         register()
-        self.moe_layers = len(bind(model, self, drop_weights=True))
+        self.seam = _StepSeam()
+        self.moe_layers = len(bind(model, self.seam, drop_weights=True))
         self.kv = PagedKVCache(max(1, -(-kv_tokens // block_size)), block_size, device=device, dtype=dtype)
-        self._executor: Any = None
         self.vocab_size = int(self.config.vocab_size)
         self.norms = FusedNorms()  # fuse_kernels: which norm layers take the fused kernel
         self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
@@ -165,13 +167,6 @@ class ModelHost:
             self.norms = fuse_rms_norms(self.model)
             self.rotary = fuse_rotary(self.model, self.device, self.dtype)
 
-    # ------------------------------------------------------------------ the seam
-    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor) -> torch.Tensor:
-        if self._executor is None:
-            raise RuntimeError("ModelHost: a MoE layer ran outside a step")
-        return self._executor.moe_forward(layer, hidden, topk_ids, topk_weights)
-
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
@@ -184,7 +179,7 @@ class ModelHost:
         """The model over one planned layout (``layout.last`` None: logits of every row; a batched layout,
         ``read_index`` [B, K]: the model runs on B sequences of one token). No host sync: a padded layout
         with static shapes runs inside a CUDA graph capture as well."""
-        self._executor = executor
+        self.seam.moe_forward = executor.layer_entry
         self.kv.layout = layout
         try:
             if layout.read_index.dim() == 2:  # a batched decode step: [B, 1] tokens, one sequence per row
@@ -196,7 +191,7 @@ class ModelHost:
                              logits_to_keep=0 if layout.last is None else layout.last)
             return out.logits[0].float()
         finally:
-            self._executor = None
+            self.seam.moe_forward = _outside_step
             self.kv.layout = None
 
     def idle(self, executor: Any, hidden_size: int, top_k: int) -> None:
@@ -206,6 +201,18 @@ class ModelHost:
         w = torch.zeros(0, top_k, dtype=torch.float32, device=self.device)
         for layer in range(self.moe_layers):
             executor.moe_forward(layer, h, ids, w)
+
+
+def _outside_step(layer: int, *args: Any) -> torch.Tensor:
+    raise RuntimeError(f"ModelHost: MoE layer {layer} ran outside a step")
+
+
+class _StepSeam:
+    """What the experts modules are bound to: ``moe_forward(layer, hidden [T, d], ids [T, k], gates [T, k])``
+    is re-pointed at each step's layer entry (a plain attribute: no call of this object's own on the path)."""
+
+    def __init__(self) -> None:
+        self.moe_forward: Any = _outside_step
 
 
 __all__ = ["ModelHost"]

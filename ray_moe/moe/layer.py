@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher
-from ray_moe.moe.dispatch.records import DispatchOutput
+from ray_moe.moe.dispatch.records import DispatchOutput, DispatchOutputFormat
 from ray_moe.core.routes import RouteBatch
 from ray_moe.moe.experts.runners.base import ExpertRunner
 from ray_moe.moe.experts.weights import SlotWeights
@@ -27,15 +27,15 @@ from ray_moe.moe.stats import LayerStats, layer_stats, merge_layer_stats
 
 
 def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights | None, hidden_size: int) -> torch.Tensor:
-    """The expert runner boundary: flat expert-major rows with host counts, or the bucket's capacity layout."""
+    """The expert runner boundary: the runner entry the dispatch output's declared format names."""
+    fmt = out.format
     rows = out.rows
     if weights is None:  # this rank hosts no slot of the layer: nothing was received
-        return rows if rows.dim() == 3 else rows.new_zeros((0, hidden_size))
-    offsets = getattr(out, "offsets", None)
-    if offsets is not None:  # expert-major rows with device-side offsets (the one-rank path)
-        return runner.run_offsets(rows, offsets, weights)
-    if rows.dim() == 3:
-        return runner.run_capacity(rows, weights, getattr(out, "valid", None))
+        return rows if fmt is DispatchOutputFormat.SLOT_CAPACITY else rows.new_zeros((0, hidden_size))
+    if fmt is DispatchOutputFormat.EXPERT_MAJOR_DEVICE_OFFSETS:  # device-side offsets (the one-rank path)
+        return runner.run_offsets(rows, out.offsets, weights)
+    if fmt is DispatchOutputFormat.SLOT_CAPACITY:
+        return runner.run_capacity(rows, weights, out.valid)
     if rows.shape[0] == 0:
         return rows.new_zeros((0, hidden_size))
     return runner.run(rows, out.counts_list, weights)
@@ -76,6 +76,11 @@ class MoEStep:
         self.row_valid = row_valid  # [T] bool: padding rows of a static-shape step route nowhere
         self.checks = DeferredChecks()
         self._pending: list[tuple[int, Any, Any, Any]] = []  # (layer, sent slots, slot rows, overflow flag)
+
+    @property
+    def layer_entry(self):
+        """What a MoE block calls (the model host binds its experts modules to it for the step)."""
+        return self.moe_forward
 
     def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor) -> torch.Tensor:
@@ -139,3 +144,33 @@ class MoEStep:
 
 
 __all__ = ["LayerStats", "MoEStep", "GenerationView", "layer_stats", "merge_layer_stats", "run_experts"]
+
+
+class SplitMoE:
+    """Spec 0x05E inside a model step: each MoE layer's decode rows go through the decode unit, the other
+    rows through the prefill unit, outputs back in packed order. Units run in a fixed order on every rank."""
+
+    def __init__(self, prefill: MoEStep | None, decode: MoEStep | None, decode_rows: torch.Tensor,
+                 prefill_rows: torch.Tensor) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.decode_rows, self.prefill_rows = decode_rows, prefill_rows
+
+    @property
+    def layer_entry(self):
+        """What a MoE block calls: the one unit's own entry when the step has one unit, else the split."""
+        if self.decode is None:
+            return self.prefill.moe_forward
+        if self.prefill is None:
+            return self.decode.moe_forward
+        return self.moe_forward
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.decode is None:
+            return self.prefill.moe_forward(layer, hidden, topk_ids, topk_weights)
+        if self.prefill is None:
+            return self.decode.moe_forward(layer, hidden, topk_ids, topk_weights)
+        out = torch.empty_like(hidden)
+        for unit, rows in ((self.prefill, self.prefill_rows), (self.decode, self.decode_rows)):
+            out[rows] = unit.moe_forward(layer, hidden[rows], topk_ids[rows], topk_weights[rows]).to(out.dtype)
+        return out

@@ -19,7 +19,8 @@ import pickle
 import threading
 import time
 import warnings
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import ray
 from pydantic import BaseModel
@@ -29,8 +30,12 @@ from ray_moe.control.restore import restore_plane
 from ray_moe.control.recovery import DurableRecord, load_summary, registry_from_bytes, registry_state_bytes
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.errors import RankDeadError
-from ray_moe.core.types import ExchangeKind
+from ray_moe.core.types import ExchangeKind, ReleaseState
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
+
+if TYPE_CHECKING:
+    from ray_moe.release.bundle import ReleaseBundle
+    from ray_moe.release.lifecycle import ReleaseRecord, ReleaseRegistry, TransitionEvent, Verdict
 
 
 def coordinator_name(deployment: str) -> str:
@@ -467,30 +472,73 @@ class CoordinatorActor:
         self._plane().log(event, generation, detail)
 
     # ---------------------------------------------------------------- release lifecycle (owned here)
-    def release(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call one ``ReleaseRegistry`` method (register, transition, begin_canary, promote, stop_new_dispatch,
-        activate, retire, get, records, timeline, active, candidate); pydantic results travel as JSON. Every
-        transition is written to the durable record before the call returns."""
-        if method not in _RELEASE_METHODS:
-            raise ValueError(f"method={method!r} is not one of {sorted(_RELEASE_METHODS)}")
+    # The ``ReleaseRegistry`` lives here; every write is in the durable record before the call returns, and
+    # only reads are retried across a restart (a write such as a transition must not run twice).
+    def _releases(self) -> ReleaseRegistry:
         from ray_moe.release.lifecycle import ReleaseRegistry
 
         if "releases" not in self.extra:
             self.extra["releases"] = ReleaseRegistry()
+        return self.extra["releases"]
+
+    @contextmanager
+    def _release_write(self) -> Iterator[ReleaseRegistry]:
         try:
-            return getattr(self.extra["releases"], method)(*args, **kwargs)
+            yield self._releases()
         finally:
-            if method in _RELEASE_WRITES:
-                self._persist_releases()
+            self._persist_releases()
 
+    def register_release(self, bundle: ReleaseBundle, reason: str = "built") -> ReleaseRecord:
+        with self._release_write() as reg:
+            return reg.register(bundle, reason)
 
-_RELEASE_WRITES = frozenset({"register", "transition", "begin_canary", "set_canary_fraction", "promote",
-                             "stop_new_dispatch", "activate", "retire"})
+    def transition_release(self, release_id: str, dst: ReleaseState, reason: str) -> ReleaseRecord:
+        with self._release_write() as reg:
+            return reg.transition(release_id, dst, reason)
 
+    def begin_canary(self, release_id: str, fraction: float, reason: str = "shadow gate passed") -> ReleaseRecord:
+        with self._release_write() as reg:
+            return reg.begin_canary(release_id, fraction, reason)
 
-_RELEASE_METHODS = frozenset({"register", "transition", "begin_canary", "set_canary_fraction", "promote",
-                              "stop_new_dispatch", "activate", "retire", "get", "records", "timeline", "active",
-                              "candidate", "canary_fraction"})
+    def set_canary_fraction(self, release_id: str, fraction: float) -> None:
+        with self._release_write() as reg:
+            reg.set_canary_fraction(release_id, fraction)
+
+    def promote_release(self, release_id: str, verdict: Verdict) -> str | None:
+        with self._release_write() as reg:
+            return reg.promote(release_id, verdict)
+
+    def stop_release_dispatch(self, release_id: str) -> None:
+        with self._release_write() as reg:
+            reg.stop_new_dispatch(release_id)
+
+    def activate_release(self, release_id: str) -> None:
+        with self._release_write() as reg:
+            reg.activate(release_id)
+
+    def retire_release(self, release_id: str) -> None:
+        with self._release_write() as reg:
+            reg.retire(release_id)
+
+    @_retried
+    def release_record(self, release_id: str) -> ReleaseRecord:
+        return self._releases().get(release_id)
+
+    @_retried
+    def release_records(self) -> tuple[ReleaseRecord, ...]:
+        return self._releases().records()
+
+    @_retried
+    def release_timeline(self) -> tuple[TransitionEvent, ...]:
+        return self._releases().timeline()
+
+    @_retried
+    def active_release(self) -> str | None:
+        return self._releases().active()
+
+    @_retried
+    def candidate_release(self) -> str | None:
+        return self._releases().candidate()
 
 
 def _report(rep) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_moe.moe.dispatch.local import LocalDispatcher
+from ray_moe.core.types import DispatchMode
 from ray_moe.moe.dispatch.protocol import ControlStatus
 from ray_moe.moe.experts.runners.grouped import device_tensor
 from ray_moe.core.errors import RayMoEError
@@ -43,7 +43,7 @@ from ray_moe.moe.decode.graphs import (
     decode_round,
     generation_digest,
 )
-from ray_moe.moe.layer import GenerationView, MoEStep
+from ray_moe.moe.layer import GenerationView, MoEStep, SplitMoE
 from ray_moe.moe.stats import merge_layer_stats
 from ray_moe.model.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.model.host import ModelHost
@@ -203,27 +203,6 @@ def _pow2(n: int) -> int:
 
 class DeferredTokenError(RayMoEError, ValueError):
     """A deferred decode item names a position this rank never sampled (the step is refused on every rank)."""
-
-
-class SplitMoE:
-    """Spec 0x05E inside a model step: each MoE layer's decode rows go through the decode unit, the other
-    rows through the prefill unit, outputs back in packed order. Units run in a fixed order on every rank."""
-
-    def __init__(self, prefill: MoEStep | None, decode: MoEStep | None, decode_rows: torch.Tensor,
-                 prefill_rows: torch.Tensor) -> None:
-        self.prefill, self.decode = prefill, decode
-        self.decode_rows, self.prefill_rows = decode_rows, prefill_rows
-
-    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.decode is None:
-            return self.prefill.moe_forward(layer, hidden, topk_ids, topk_weights)
-        if self.prefill is None:
-            return self.decode.moe_forward(layer, hidden, topk_ids, topk_weights)
-        out = torch.empty_like(hidden)
-        for unit, rows in ((self.prefill, self.prefill_rows), (self.decode, self.decode_rows)):
-            out[rows] = unit.moe_forward(layer, hidden[rows], topk_ids[rows], topk_weights[rows]).to(out.dtype)
-        return out
 
 
 class GenerationExecutor:
@@ -491,7 +470,7 @@ class GenerationExecutor:
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
                                 inp.get("last"))
-            logits = self.host.forward_layout(layout, inp["token_ids"], SplitMoE(None, ctx, None, None))
+            logits = self.host.forward_layout(layout, inp["token_ids"], ctx)
             # every layer's counts, overflow flags and handle checks in one device vector (in the graph)
             return (logits, ctx.device_summary()), ctx
 
@@ -575,7 +554,7 @@ class GenerationExecutor:
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, paths.bucket.token_cap,
                                         prefill=False, fills=fills)
             if (pre is not None and status == ControlStatus.OK and paths.exchange.size == 1
-                    and isinstance(paths.bucket, LocalDispatcher) and "prefill" not in self.capture_errors):
+                    and paths.bucket.mode is DispatchMode.LOCAL and "prefill" not in self.capture_errors):
                 # (a refused step takes the eager path, whose first dispatch raises the refusal)
                 # a group of one: every step (prefill, mixed) runs the local path; routes come from the
                 # model's own router, so the unchecked (capturable) local dispatcher serves the whole step
@@ -603,5 +582,5 @@ class GenerationExecutor:
         return tokens, tuple(stats), overflow
 
 
-__all__ = ["GenStepRequest", "GenStepResult", "GenerationExecutor", "SplitMoE", "DeferredTokenError", "DecodeLayout",
+__all__ = ["GenerationExecutor", "DeferredTokenError", "DecodeLayout",
            "PendingStep", "MultiPending"]

@@ -1,14 +1,17 @@
 """``ray-moe serve``: the OpenAI-compatible endpoint on 127.0.0.1 with a real client (httpx and the ``openai``
-package): completions from text and token ids equal transformers' greedy generate, streaming as server-sent
-events, bad requests (400 naming the field), a missing or wrong API key (401), an unknown model, and a bounded
-load test (a few hundred concurrent requests: every one answered, none lost)."""
+package), over a folder with a SentencePiece-style tokenizer (Metaspace: spaces) and no chat template:
+completions from text (BOS added as the tokenizer adds it) and token ids equal transformers' greedy generate,
+streaming as server-sent events with the streamed text equal to the non-streamed text, bad requests (400 naming
+the field), unknown fields ignored (named in a header), chat without a template (400), a missing or wrong API key
+(401; the bearer scheme in any case), an unknown model, and a bounded load test (a few hundred concurrent
+requests: every one answered, none lost). The byte-level tokenizer, chat and the other fields:
+test_openai_api.py."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import socket
 import threading
 
 import pytest
@@ -19,23 +22,18 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from ray_moe.apps.server import run_server  # noqa: E402
-from ray_moe_dev.testing.hf_models import save_char_tokenizer, tiny_model
+from ray_moe.apps.detokenize import CONTEXT_TOKENS
+from ray_moe_dev.testing.hf_models import save_sentencepiece_tokenizer, tiny_model
 
 KEY = "test-key-123"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_session, tmp_path_factory):
+def server(ray_session, tmp_path_factory, serve_port):
     model, folder = tiny_model("qwen3_moe", tmp_path_factory.mktemp("srv") / "tiny-qwen3")
-    save_char_tokenizer(folder)
+    save_sentencepiece_tokenizer(folder)
     model.eval()
-    port = _free_port()
+    port = serve_port
     args = argparse.Namespace(checkpoint=str(folder), ranks=2, device="cpu", dtype="float32", name="http-test",
                               host="127.0.0.1", port=port, api_key=KEY, model_name=None, kv_tokens=256,
                               block_size=8, step_tokens=64, max_running=64, max_queued=128)
@@ -88,14 +86,18 @@ def test_completions_from_token_ids_and_text_equal_greedy_generate(server):
     import openai
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY)
-    out = client.completions.create(model=name, prompt="hi there", max_tokens=5, temperature=0)
-    text_ids = [73, 74, 1, 85, 73, 70, 83, 70]  # the char tokenizer: printable ASCII -> ord - 31
-    want = _greedy(model, text_ids, 5)
-    assert out.choices[0].model_extra["token_ids"] == want
+    out = client.completions.create(model=name, prompt="hello world", max_tokens=5, temperature=0)
+    text_ids = [1, 7, 8]  # BOS <s>, then the pieces '▁hello' and '▁world'
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(server[3], local_files_only=True)
-    assert out.choices[0].text == tok.decode(want)
+    assert tok("hello world")["input_ids"] == text_ids
+    want = _greedy(model, text_ids, 5)
+    assert out.choices[0].model_extra["token_ids"] == want
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 5
+    # the completion's text as the whole sequence spells it after the prompt (special tokens skipped)
+    head = tok.decode(text_ids, skip_special_tokens=True)
+    assert out.choices[0].text == tok.decode(text_ids + want, skip_special_tokens=True)[len(head):]
     assert [m.id for m in client.models.list().data] == [name]
 
 
@@ -103,14 +105,54 @@ def test_streaming_sends_events_then_done(server):
     model, base, name, _ = server
     ids = [3, 3, 7]
     with httpx.stream("POST", f"{base}/v1/completions", headers=_auth(), timeout=60,
-                      json={"model": name, "prompt": ids, "max_tokens": 5, "temperature": 0, "stream": True}) as r:
+                      json={"model": name, "prompt": ids, "max_tokens": 5, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
-    tokens = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    tokens = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
     assert tokens == _greedy(model, ids, 5)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5,
+                                                                   "total_tokens": 8}
+
+
+def _stream_texts(base: str, body: dict) -> tuple[dict[int, str], dict[int, list[int]]]:
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {}
+    with httpx.stream("POST", f"{base}/v1/completions", headers=_auth(), timeout=120,
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for ln in r.iter_lines():
+            if ln.startswith("data: ") and ln != "data: [DONE]":
+                for ch in json.loads(ln[6:])["choices"]:
+                    texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+                    tokens.setdefault(ch["index"], []).extend(ch["token_ids"])
+    return texts, tokens
+
+
+def test_sentencepiece_streamed_text_equals_the_non_streamed_text(server):
+    _, base, name, folder = server
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    body = {"model": name, "prompt": "the model", "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 4}
+    r = httpx.post(f"{base}/v1/completions", headers=_auth(), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    whole = {c["index"]: c for c in r.json()["choices"]}
+    texts, tokens = _stream_texts(base, body)
+    assert sorted(whole) == sorted(texts) == [0, 1, 2, 3]
+    prompt = tok("the model")["input_ids"]
+    tail = prompt[-CONTEXT_TOKENS:]
+    head = tok.decode(tail, skip_special_tokens=True)
+    for i, c in whole.items():
+        assert tokens[i] == c["token_ids"]  # same seed, same samples
+        assert texts[i] == c["text"] == tok.decode(tail + c["token_ids"], skip_special_tokens=True)[len(head):]
+    # the Metaspace pieces put spaces between words: decoding token by token (the old stream) lost them
+    spaced = [i for i, c in whole.items() if " " in c["text"].strip()]
+    assert spaced, whole
+    assert any("".join(tok.decode([t]) for t in whole[i]["token_ids"]) != whole[i]["text"] for i in spaced)
 
 
 @pytest.mark.parametrize("body,field", [
@@ -120,13 +162,38 @@ def test_streaming_sends_events_then_done(server):
     ({"model": "tiny-qwen3", "prompt": []}, "prompt"),
     ({"model": "tiny-qwen3", "prompt": [1] * 200, "max_tokens": 4}, "prompt"),  # longer than the context
     ({"model": "tiny-qwen3", "prompt": [999], "max_tokens": 4}, "prompt"),     # outside the vocabulary
-    ({"model": "tiny-qwen3", "prompt": [1], "bogus": 1}, "bogus"),
+    ({"model": "tiny-qwen3", "prompt": [1], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "tiny-qwen3", "prompt": [1], "logprobs": 2}, "logprobs"),
+    ({"model": "tiny-qwen3", "prompt": [1], "logit_bias": {"5": 3}}, "logit_bias"),
+    ({"model": "tiny-qwen3", "prompt": [1], "n": 0}, "n"),
+    ({"model": "tiny-qwen3", "prompt": [[1, 2], []]}, "prompt"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, field):
     _, base, _, _ = server
     r = httpx.post(f"{base}/v1/completions", headers=_auth(), json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(server):
+    _, base, name, _ = server
+    r = httpx.post(f"{base}/v1/completions", headers=_auth(), timeout=60,
+                   json={"model": name, "prompt": [1, 2], "max_tokens": 2, "temperature": 0, "bogus": 1,
+                         "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
+                         "user": "u-1", "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ray-moe-ignored-fields"] == "best_of,bogus"
+    assert r.headers["x-ray-moe-unsupported-fields"] == "ignore_eos"
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_chat_without_a_template_is_400_naming_it(server):
+    _, base, name, _ = server
+    r = httpx.post(f"{base}/v1/chat/completions", headers=_auth(), timeout=30,
+                   json={"model": name, "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "no chat template" in msg and "tiny-qwen3" in msg and r.json()["error"]["param"] == "messages"
 
 
 def test_malformed_json_unknown_model_and_api_key(server):
@@ -136,9 +203,14 @@ def test_malformed_json_unknown_model_and_api_key(server):
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/completions", headers=_auth(), json={"model": "gpt-x", "prompt": [1]}, timeout=30)
     assert r.status_code == 404 and "gpt-x" in r.json()["error"]["message"]
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
         r = httpx.post(f"{base}/v1/completions", headers=headers, json={"model": name, "prompt": [1]}, timeout=30)
         assert r.status_code == 401
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive
+        r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"{scheme} {KEY}"}, timeout=30,
+                       json={"model": name, "prompt": [1], "max_tokens": 1})
+        assert r.status_code == 200, r.text
     assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
 

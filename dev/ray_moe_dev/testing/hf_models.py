@@ -172,3 +172,90 @@ def save_char_tokenizer(folder: str | os.PathLike) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(os.fspath(folder))
+
+
+#: a small chat template (roles in tags, one line per message) every tiny tokenizer here can encode
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+#: the whole words the SentencePiece-style tokenizer has pieces for (the rest is spelled in letters)
+SP_WORDS = ("experts", "machines", "the", "hello", "world", "mixture", "of", "model", "tokens", "serve", "ray",
+            "and", "a", "is", "to", "in")
+
+
+def save_chat_template(folder: str | os.PathLike, template: str = CHAT_TEMPLATE) -> None:
+    """Add ``template`` as the chat template of the tokenizer saved in ``folder`` (``apply_chat_template``)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.fspath(folder), local_files_only=True)
+    tok.chat_template = template
+    tok.save_pretrained(os.fspath(folder))
+
+
+def save_sentencepiece_tokenizer(folder: str | os.PathLike, *, vocab_size: int = VOCAB) -> None:
+    """A SentencePiece-style tokenizer (Unigram pieces, ``Metaspace`` pre-tokenizer and decoder: ``▁`` marks a
+    space, dropped at the start of the text) of exactly ``vocab_size`` ids: ``<unk>`` 0, ``<s>`` 1 (BOS, added
+    to text by ``add_special_tokens=True``), ``</s>`` 2 (EOS), then whole words (``SP_WORDS``) with ``▁``,
+    single letters with and without ``▁``, digits and punctuation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁"] + [f"▁{w}" for w in SP_WORDS]
+    pieces += [c for c in "abcdefghijklmnopqrstuvwxyz"] + [f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    pieces += [c for c in "0123456789.,!?'-:<>/\n"] + [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+    pieces = list(dict.fromkeys(pieces))[:vocab_size]
+    pieces += [f"<extra_{i}>" for i in range(vocab_size - len(pieces))]
+    # whole words score higher than their letters, so Viterbi picks them
+    vocab = [(p, 0.0 if i < 3 else (-1.0 if len(p) > 2 else -8.0)) for i, p in enumerate(pieces)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            add_bos_token=True).save_pretrained(os.fspath(folder))
+
+
+def save_byte_level_tokenizer(folder: str | os.PathLike) -> None:
+    """A byte-level BPE tokenizer (GPT-2 style ``ByteLevel`` pre-tokenizer and decoder) whose ids below
+    ``VOCAB`` (the tiny models' vocabulary) hold ``<|endoftext|>`` 0, printable ASCII, and the lone bytes of
+    ``é`` (0xC3 0xA9), ``€`` (0xE2 0x82 0xAC) and ``日`` (0xE6 0x97 0xA5) with merges for ``é``, ``ca``, ``caf``
+    and ``café``: a tiny model's output then often splits a character over tokens. The other bytes sit at ids
+    from ``VOCAB`` up (the model never samples them)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_char = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
+    assert set(byte_char.values()) == set(alphabet)
+    low = [0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xE6, 0x97, 0xA5] + list(range(32, 127))
+    vocab: dict[str, int] = {"<|endoftext|>": 0}
+    for b in low:
+        vocab.setdefault(byte_char[b], len(vocab))
+    e_acute = byte_char[0xC3] + byte_char[0xA9]
+    merges = [(byte_char[0xC3], byte_char[0xA9]), ("c", "a"), ("ca", "f"), ("caf", e_acute)]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    assert len(vocab) <= VOCAB, len(vocab)
+    while len(vocab) < VOCAB:
+        vocab[f"<|extra_{len(vocab)}|>"] = len(vocab)
+    for b in range(256):
+        vocab.setdefault(byte_char[b], len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<|endoftext|>",
+                            bos_token="<|endoftext|>").save_pretrained(os.fspath(folder))
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order (what ``ByteLevel`` maps bytes to)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]

@@ -16,8 +16,6 @@ from ray_moe.release.bundle import ReleaseBundle
 from ray_moe.release.faults import FaultKind, FaultResult
 from ray_moe.release.gate import GateVerdict, PromotionGate
 
-_REGISTRY_VIEWS = frozenset({"get", "records", "timeline", "active", "candidate"})
-
 
 class StampedReleaseClient(ReleaseClient):
     """The release client, with each lifecycle event stamped with the driver's clock when it first saw it
@@ -29,11 +27,8 @@ class StampedReleaseClient(ReleaseClient):
         self._stamps: dict[int, float] = {}
         self._events: dict[int, Any] = {}
 
-    def _registry(self, method: str, *args: Any) -> Any:
-        out = super()._registry(method, *args)
-        if method not in _REGISTRY_VIEWS:
-            self._stamp()
-        return out
+    def _written(self) -> None:
+        self._stamp()
 
     def _stamp(self) -> None:
         now = self._clock()

@@ -27,7 +27,7 @@ import torch
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.plan import count_by
 from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher, fence
-from ray_moe.moe.dispatch.records import DispatchOutput, Handle
+from ray_moe.moe.dispatch.records import DispatchOutputFormat, DispatchOutput, Handle
 from ray_moe.core.routes import RouteBatch, SemanticRoutes
 from ray_moe.core.errors import RouteValidationError
 from ray_moe.placement.selector import ReplicaSelector
@@ -129,6 +129,8 @@ class BucketDispatchOutput(DispatchOutput):
     rows:  [Q_local, C_q, d] activation dtype; rows past ``valid[q]`` are zero padding
     valid: [Q_local] int64 device-side valid route rows per local slot (``masked_m``)
     """
+
+    format = DispatchOutputFormat.SLOT_CAPACITY
 
     valid: torch.Tensor | None = None
 

@@ -24,7 +24,7 @@ from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.kernels import gated_combine
 from ray_moe.moe.dispatch.plan import count_by
 from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher, fence
-from ray_moe.moe.dispatch.records import DispatchOutput, Handle
+from ray_moe.moe.dispatch.records import DispatchOutputFormat, DispatchOutput, Handle
 from ray_moe.core.routes import RouteBatch, SemanticRoutes
 from ray_moe.core.errors import RouteValidationError, StaleGenerationError
 from ray_moe.placement.selector import ReplicaSelector
@@ -50,6 +50,8 @@ class LocalHandle(Handle):
 class LocalDispatchOutput(DispatchOutput):
     """rows: [T*k, d] expert-major (rows past ``offsets[-1]`` are padding, never computed);
     offsets: [Q_local] int32 device-side inclusive prefix of the rows per local slot; valid: [Q_local] int64."""
+
+    format = DispatchOutputFormat.EXPERT_MAJOR_DEVICE_OFFSETS
 
     offsets: torch.Tensor | None = None
     valid: torch.Tensor | None = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
 
 import torch
 
@@ -88,15 +90,32 @@ class Handle:
     rank: int
 
 
+class DispatchOutputFormat(str, Enum):
+    """How a dispatch output lays out the rows it received (SGLang's ``DispatchOutputFormat``).
+
+    EXPERT_MAJOR:                [N, d] rows grouped by local slot, the per-slot counts on the host
+    EXPERT_MAJOR_DEVICE_OFFSETS: [N, d] rows grouped by local slot, [Q_local + 1] slot offsets on the device
+                                 (nothing read back: CUDA-graph capturable)
+    SLOT_CAPACITY:               [Q_local, C_q, d] fixed capacity per slot, [Q_local] valid rows per slot (device)
+    """
+
+    EXPERT_MAJOR = "expert_major"
+    EXPERT_MAJOR_DEVICE_OFFSETS = "expert_major_device_offsets"
+    SLOT_CAPACITY = "slot_capacity"
+
+
 @dataclass(frozen=True, eq=False)
 class DispatchOutput:
-    """What every dispatch mode returns (each mode has its own subclass with its extra fields).
+    """What every dispatch mode returns (each mode has its own subclass with its extra fields); ``format``
+    (a class attribute) declares the row layout, and the expert runner follows it (``moe.layer.run_experts``).
 
-    rows:        expert-major rows: [N, d] (normal modes) or [Q_local, C_q, d] (bucket capacity layout)
-    counts_list: rows per local slot on the host (normal modes); () when the counts stay on the device
+    rows:        expert-major rows: [N, d] (EXPERT_MAJOR, EXPERT_MAJOR_DEVICE_OFFSETS) or [Q_local, C_q, d]
+                 (SLOT_CAPACITY)
+    counts_list: rows per local slot on the host (EXPERT_MAJOR); () when the counts stay on the device
     handle:      the paired state for ``combine``
     """
 
+    format: ClassVar["DispatchOutputFormat"]
     rows: torch.Tensor
     counts_list: tuple[int, ...]
     handle: Handle
@@ -158,6 +177,8 @@ class NormalDispatchOutput(DispatchOutput):
     counts_list:   the same counts on the host
     handle:        the paired DispatchHandle for combine
     """
+
+    format = DispatchOutputFormat.EXPERT_MAJOR
 
     scales: torch.Tensor | None = None
     expert_counts: torch.Tensor | None = None

@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_moe.moe.dispatch.direct import DirectDispatcher, _HostMaps, build_layout, chunk_bounds, chunk_major_blocks, chunk_table
+from ray_moe.moe.dispatch.direct import DirectDispatcher
+from ray_moe.moe.dispatch.direct_layout import _HostMaps, build_layout, chunk_bounds, chunk_major_blocks, chunk_table
 from ray_moe.shard.fault_wrappers import FaultyExchange, ShardFault
 from ray_moe.moe.dispatch.engine import combine, dispatch
 from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks

@@ -1,0 +1,95 @@
+"""The request bodies (``ray_moe.apps.openai_protocol``) and the server's pure helpers, without Ray: unknown
+fields ignored and named, sampler-only fields refused by name at non-default values, prompts in every shape,
+``Choice`` (stop strings and stop token ids on the text, finish reasons), the bearer check and the key file."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from ray_moe.apps.openai_protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from ray_moe.apps.server import Choice, FinishReason, bearer_ok, read_api_key
+from ray_moe.core.env import EnvSettings
+from ray_moe.core.errors import ConfigError
+from ray_moe_dev.testing.hf_models import save_byte_level_tokenizer
+
+
+def test_unknown_fields_are_named_and_sampler_fields_refused_off_default():
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2, "suffix": "", "user": "u",
+                                            "presence_penalty": 0, "logprobs": None, "ignore_eos": True})
+    assert req.ignored_fields() == ["best_of", "suffix"] and req.unhonoured_fields() == ["ignore_eos"]
+    assert req.unsupported_sampler_field() is None
+    for field, value in (("presence_penalty", 0.1), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
+                         ("logit_bias", {"3": 1.0}), ("logprobs", 1), ("top_logprobs", 2)):
+        assert CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value}
+                                                ).unsupported_sampler_field() == field
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": False}).unsupported_sampler_field() is None
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).unsupported_sampler_field() == "logprobs"
+
+
+def test_prompts_stops_and_limits():
+    def req(**kw):
+        return CompletionRequest.model_validate({"model": "m", **kw})
+
+    assert req(prompt="a").prompts() == ["a"] and req(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert req(prompt=["a", "b"]).prompts() == ["a", "b"] and req(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    assert req(prompt="a", stop="x").stops() == ("x",) and req(prompt="a", stop=["x", "y"]).stops() == ("x", "y")
+    for bad in ({"prompt": []}, {"prompt": ["a", ""]}, {"prompt": "a", "n": 17}, {"prompt": "a", "stop": ["s"] * 17}):
+        with pytest.raises(ValidationError):
+            req(**bad)
+    chat = {"model": "m", "messages": [{"role": "system", "content": "s"},
+                                       {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                    {"type": "text", "text": "b"}]}]}
+    c = ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 7})
+    assert c.limit() == 7 and c.template_messages() == [{"role": "system", "content": "s"},
+                                                         {"role": "user", "content": "ab"}]
+    with pytest.raises(ValidationError, match="disagree"):
+        ChatCompletionRequest.model_validate({**chat, "max_tokens": 3, "max_completion_tokens": 4})
+    with pytest.raises(ValidationError, match="role"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "wizard", "content": "x"}]})
+    with pytest.raises(ValidationError, match="exactly one"):
+        TokenizeRequest.model_validate({"prompt": "a", "messages": [{"role": "user", "content": "x"}]})
+
+
+def test_choice_stop_strings_token_ids_and_finish(tmp_path):
+    from transformers import AutoTokenizer
+
+    save_byte_level_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    ids = tok(" café end more", add_special_tokens=False)["input_ids"]
+    c = Choice(0, 0, tok("x")["input_ids"], 50, tokenizer=tok, stops=("é e",), stop_ids=(), skip_special_tokens=True)
+    out = "".join(c.on_token(t) for t in ids)
+    assert out == c.text == " caf" and c.finish is FinishReason.STOP and c.stop_reason == "é e"
+    assert c.on_end() == "" and c.finish is FinishReason.STOP
+    n = len(tok(" café e", add_special_tokens=False)["input_ids"])
+    assert len(c.tokens) == n  # tokens after the one completing the stop string are not taken
+    c = Choice(0, 0, [], len(ids), tokenizer=tok, stops=("zzz",), stop_ids=(), skip_special_tokens=True)
+    assert "".join(c.on_token(t) for t in ids) + c.on_end() == " café end more" and c.finish is FinishReason.LENGTH
+    stop_id = ids[1]  # 'café' (the loop ends the request on it): its text is not part of the output
+    assert ids.index(stop_id) == 1
+    c = Choice(0, 0, [], 50, tokenizer=tok, stops=(), stop_ids=(stop_id,), skip_special_tokens=True)
+    text = "".join(c.on_token(t) for t in ids[:2]) + c.on_end()
+    assert text == " " and c.tokens == ids[:2] and c.stop_reason == stop_id and c.finish is FinishReason.STOP
+
+
+def test_bearer_scheme_any_case_and_the_key_file(tmp_path):
+    assert bearer_ok("Bearer k1", "k1") and bearer_ok("bearer k1", "k1") and bearer_ok("BEARER  k1 ", "k1")
+    assert not bearer_ok("Bearer k2", "k1") and not bearer_ok("k1", "k1") and not bearer_ok("Basic k1", "k1")
+    assert not bearer_ok("", "k1")
+    env = EnvSettings(ray_address=None, results_dir="r", namespace="n", ci=False, api_key="from-env")
+    f = tmp_path / "key"
+    f.write_text("secret-1\n")
+    ns = argparse.Namespace
+    assert read_api_key(ns(api_key=None, api_key_file=str(f)), env) == "secret-1"
+    assert read_api_key(ns(api_key="cli", api_key_file=None), env) == "cli"
+    assert read_api_key(ns(api_key=None, api_key_file=None), env) == "from-env"
+    with pytest.raises(ConfigError, match="pass one"):
+        read_api_key(ns(api_key="cli", api_key_file=str(f)), env)
+    with pytest.raises(ConfigError, match="api-key-file"):
+        read_api_key(ns(api_key=None, api_key_file=str(tmp_path / "missing")), env)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="one key"):
+        read_api_key(ns(api_key=None, api_key_file=str(tmp_path / "empty")), env)
