@@ -30,7 +30,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_moe.ray.coordinator import coordinator_name
 from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.ray.remote import call
-from ray_moe.ray.transport import RayTransport
+from ray_moe.ray.launch import topology_from_nodes
+from ray_moe.ray.transport import RayTransport, fetch_outputs
 from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.routes import RouteBatch
@@ -43,7 +44,7 @@ from ray_moe.core.errors import (
 )
 from ray_moe.moe.experts.weights import parse_dtype
 from ray_moe.placement.manifest import PlacementManifest
-from ray_moe.placement.topology import NodeInfo, ProcessGroupSpec, RankInfo, Topology
+from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.driver.books import RuntimeStats, StepBooks
 from ray_moe.core.telemetry.metrics import Telemetry, TelemetrySnapshot, merge_snapshots
 from ray_moe.core.types import Phase
@@ -282,7 +283,7 @@ class Runtime:
             return reqs
 
         ranks, results = self.transport.submit(requests, pinned)
-        out = torch.cat([wire_to_tensor(a, results[r].hidden_dtype) for r, a in zip(ranks, _fetch(results, ranks))], 0)
+        out = torch.cat([wire_to_tensor(a, results[r].hidden_dtype) for r, a in zip(ranks, fetch_outputs(results, ranks))], 0)
         self._account(results, ranks, phase, h.shape[0], (time.perf_counter() - t0) * 1e3)
         if return_routes:
             routes = []
@@ -593,36 +594,6 @@ class LayerExecutor:
         y = self.rt.forward(hidden.detach().cpu(), topk_ids.detach().cpu(), topk_weights.detach().float().cpu(),
                             layer=layer)
         return y.to(device=hidden.device, dtype=hidden.dtype)
-
-
-def _fetch(results: dict[int, Any], ranks: list[int]) -> list[np.ndarray]:
-    """Every rank's output array; CUDA shards hand large outputs over as object-store refs (one get)."""
-    refs = [(i, results[r].hidden) for i, r in enumerate(ranks) if isinstance(results[r].hidden, ray.ObjectRef)]
-    out = [results[r].hidden for r in ranks]
-    if refs:
-        for (i, _), arr in zip(refs, ray.get([ref for _, ref in refs])):
-            out[i] = arr
-    return out
-
-
-def topology_from_nodes(infos: Sequence[dict[str, Any]]) -> Topology:
-    """Ranks grouped by the Ray node their actor runs on; local rank in rank order; first rank relays."""
-    order: list[str] = []
-    for info in sorted(infos, key=lambda i: i["rank"]):
-        if info["node_id"] not in order:
-            order.append(info["node_id"])
-    names = {nid: f"node-{i}" for i, nid in enumerate(order)}
-    members: dict[str, list[int]] = {names[n]: [] for n in order}
-    ranks = []
-    for info in sorted(infos, key=lambda i: i["rank"]):
-        name = names[info["node_id"]]
-        local = len(members[name])
-        members[name].append(info["rank"])
-        ranks.append(RankInfo(rank=info["rank"], node_id=name, local_rank=local, intra_domain=f"{name}-fabric",
-                              nic=f"{name}-nic", nic_via_rank=None if local == 0 else members[name][0],
-                              ray_node_id=info["node_id"]))
-    nodes = tuple(NodeInfo(node_id=n, ranks=tuple(rs), relay_rank=rs[0]) for n, rs in members.items())
-    return Topology(version="topology-v0", ranks=tuple(ranks), nodes=nodes)
 
 
 __all__ = ["Runtime", "RuntimeConfig", "RuntimeStats", "topology_from_nodes", "ExchangeTimeoutError"]

@@ -494,7 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--step-tokens", type=int, default=2048)
-    p.add_argument("--decode-steps", type=int, default=None)
+    p.add_argument("--decode-steps", type=int, default=None, help="ray-moe multi-step decode (default: its own)")
+    p.add_argument("--decode-capacity", type=int, default=None,
+                   help="ray-moe decode_token_capacity (default: requests in flight / ranks)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="ray-moe KV tokens per rank (default: every request's prompt + new tokens, plus slack)")
     p.add_argument("--systems", nargs="+", type=System, choices=list(System), default=list(System),
                    metavar="SYSTEM", help="of " + ", ".join(s.value for s in System) + " (default: all)")
     p.add_argument("--vllm-tp", type=int, default=None, help="vLLM tensor_parallel_size (default: --ranks)")
@@ -551,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "seed": a.seed}, workdir, a.timeout, in_process=a.in_process)
             if built.get("status") == "error":
                 raise RuntimeError(f"writing the random model failed: {built}")
-            res["model"] = {"folder": folder, "random": True, "config": conf, **built}
+            res["model"] = {"folder": folder if a.keep_model else None, "random": True, "config": conf, **built}
         with open(os.path.join(folder, "config.json")) as fh:
             cfg_json = json.load(fh)
         vocab = int(cfg_json.get("vocab_size") or cfg_json.get("text_config", {})["vocab_size"])
@@ -561,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       max(map(len, prompts))]
         spec = {"folder": folder, "prompts": prompts, "new_tokens": work.new_tokens, "device": device,
                 "dtype": dtype, "ranks": ranks, "max_running": a.max_running, "step_tokens": a.step_tokens,
-                "decode_steps": a.decode_steps, "warmup": not a.no_warmup, "timeout_s": a.timeout,
+                "decode_steps": a.decode_steps, "decode_capacity": a.decode_capacity, "kv_tokens": a.kv_tokens,
+                "warmup": not a.no_warmup, "timeout_s": a.timeout,
                 "vllm_tp": a.vllm_tp or ranks, "vllm_args": a.vllm_args}
         systems: dict[str, dict[str, Any]] = {}
         for system in a.systems:

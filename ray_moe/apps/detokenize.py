@@ -19,8 +19,9 @@ of a stop string is held back until it is known not to be one; a match ends the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
 CONTEXT_TOKENS = 5  # prompt tokens the decoded window starts with (vLLM's initial offset)
@@ -120,4 +121,4 @@ class StopMatcher:
         return out
 
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "decode_completion", "REPLACEMENT", "CONTEXT_TOKENS"]
+__all__ = ["CONTEXT_TOKENS", "REPLACEMENT", "IncrementalDetokenizer", "StopMatcher", "decode_completion"]

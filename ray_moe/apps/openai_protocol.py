@@ -204,5 +204,15 @@ class DetokenizeRequest(BaseModel):
     skip_special_tokens: bool = True
 
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TokenizeRequest", "DetokenizeRequest",
-           "Role", "IGNORED_HEADER", "UNSUPPORTED_HEADER", "MAX_N", "CHAT_DEFAULT_MAX_TOKENS"]
+__all__ = [
+    "CHAT_DEFAULT_MAX_TOKENS",
+    "IGNORED_HEADER",
+    "MAX_N",
+    "UNSUPPORTED_HEADER",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "Role",
+    "TokenizeRequest",
+]

@@ -42,9 +42,15 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from ray_moe.apps.detokenize import IncrementalDetokenizer, StopMatcher
-from ray_moe.apps.openai_protocol import (CHAT_DEFAULT_MAX_TOKENS, IGNORED_HEADER, UNSUPPORTED_HEADER,
-                                          ChatCompletionRequest,
-                                          CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from ray_moe.apps.openai_protocol import (
+    CHAT_DEFAULT_MAX_TOKENS,
+    IGNORED_HEADER,
+    UNSUPPORTED_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from ray_moe.core.errors import ConfigError, RayMoEError
 
 
@@ -485,8 +491,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     import ray
     from ray import serve
 
-    from ray_moe.model.config import RuntimeConfig
     from ray_moe.core.env import read_env
+    from ray_moe.model.config import RuntimeConfig
     from ray_moe.runtime import Runtime
 
     decode_steps = getattr(args, "decode_steps", None)
@@ -548,5 +554,15 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     return 0
 
 
-__all__ = ["build_app", "run_server", "bearer_ok", "read_api_key", "serve_http_conflict", "Choice", "Endpoint",
-           "FinishReason", "CompletionRequest", "ChatCompletionRequest"]
+__all__ = [
+    "ChatCompletionRequest",
+    "Choice",
+    "CompletionRequest",
+    "Endpoint",
+    "FinishReason",
+    "bearer_ok",
+    "build_app",
+    "read_api_key",
+    "run_server",
+    "serve_http_conflict",
+]

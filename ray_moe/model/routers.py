@@ -145,7 +145,7 @@ class CheckpointRouter:
         try:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
-        except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; name the family
+        except Exception as exc:  # transformers raises many kinds; name the family
             raise self._refuse(f"transformers cannot build the model ({exc})") from exc
         return model.eval()
 
@@ -166,7 +166,7 @@ class CheckpointRouter:
         found: dict[str, tuple[str, str]] = {}
         for fname in self.index.files:
             with safe_open(fname, framework="pt") as fh:
-                for key in fh.keys():
+                for key in fh.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                     name = key if key in wanted else rename_source_key(key, renamings, [])[0]
                     if name in wanted:
                         found.setdefault(name, (key, fname))
@@ -208,7 +208,7 @@ class CheckpointRouter:
         with torch.no_grad():
             try:
                 out = module(probe.view(-1, spec.hidden_size))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # any failure of the model's own code is a refusal
                 raise self._refuse(f"MoE layer {layer}: router {path} ({type(module).__name__}) fails on a "
                                    f"[T, d] hidden ({exc})") from exc
             try:

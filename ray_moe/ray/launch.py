@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_moe.ray.coordinator import DurableStore, coordinator_class, coordinator_name
 from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.model.config import RuntimeConfig
+from ray_moe.placement.topology import NodeInfo, RankInfo, Topology
 from ray_moe.core.errors import (
     ConfigError,
     DeploymentExistsError,
@@ -411,6 +412,26 @@ class Launch:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise self.failed(exc) from (root_cause(exc) if root_cause(exc) is not exc else exc)
+
+
+def topology_from_nodes(infos: Sequence[dict[str, Any]]) -> Topology:
+    """Ranks grouped by the Ray node their actor runs on; local rank in rank order; first rank relays."""
+    order: list[str] = []
+    for info in sorted(infos, key=lambda i: i["rank"]):
+        if info["node_id"] not in order:
+            order.append(info["node_id"])
+    names = {nid: f"node-{i}" for i, nid in enumerate(order)}
+    members: dict[str, list[int]] = {names[n]: [] for n in order}
+    ranks = []
+    for info in sorted(infos, key=lambda i: i["rank"]):
+        name = names[info["node_id"]]
+        local = len(members[name])
+        members[name].append(info["rank"])
+        ranks.append(RankInfo(rank=info["rank"], node_id=name, local_rank=local, intra_domain=f"{name}-fabric",
+                              nic=f"{name}-nic", nic_via_rank=None if local == 0 else members[name][0],
+                              ray_node_id=info["node_id"]))
+    nodes = tuple(NodeInfo(node_id=n, ranks=tuple(rs), relay_rank=rs[0]) for n, rs in members.items())
+    return Topology(version="topology-v0", ranks=tuple(ranks), nodes=nodes)
 
 
 __all__ = ["DEFAULT_START_TIMEOUT_S", "Launch", "claim_name", "deployment_pgs", "pg_name", "resource_report",

@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import ray
 
 from ray_moe.core.errors import RankDeadError, StaleGenerationError, root_cause
@@ -175,4 +176,14 @@ class RayTransport(StepTransport):
         self.generation = rep["new_generation"]
 
 
-__all__ = ["RayTransport"]
+def fetch_outputs(results: dict[int, Any], ranks: list[int]) -> list[np.ndarray]:
+    """Every rank's output array; CUDA shards hand large outputs over as object-store refs (one get)."""
+    refs = [(i, results[r].hidden) for i, r in enumerate(ranks) if isinstance(results[r].hidden, ray.ObjectRef)]
+    out = [results[r].hidden for r in ranks]
+    if refs:
+        for (i, _), arr in zip(refs, ray.get([ref for _, ref in refs])):
+            out[i] = arr
+    return out
+
+
+__all__ = ["RayTransport", "fetch_outputs"]

@@ -47,7 +47,8 @@ from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.core.types import GenerationState
 
 if TYPE_CHECKING:
-    from ray_moe.shard.generation import GenerationExecutor, PendingStep
+    from ray_moe.shard.generation import GenerationExecutor
+    from ray_moe.shard.pending import PendingStep
 
 
 @dataclass

@@ -27,8 +27,8 @@ def test_closed_stdout_ends_quietly():
 
 @pytest.mark.parametrize("failure", [None, ClusterConnectionError("no running Ray cluster found on this machine")])
 def test_serve_joins_this_machines_cluster_else_goes_local(monkeypatch, failure):
-    import ray_moe.apps.server as server
-    import ray_moe.ray.connection as connection
+    from ray_moe.apps import server
+    from ray_moe.ray import connection
 
     calls: list = []
 
@@ -50,8 +50,8 @@ def test_serve_joins_this_machines_cluster_else_goes_local(monkeypatch, failure)
 
 
 def test_serve_with_a_refused_token_still_fails(monkeypatch, capsys):
-    import ray_moe.apps.server as server
-    import ray_moe.ray.connection as connection
+    from ray_moe.apps import server
+    from ray_moe.ray import connection
 
     def join(address=None, *a, **kw):
         raise ClusterAuthError("this machine's Ray cluster requires token authentication")

@@ -7,9 +7,16 @@ from __future__ import annotations
 import random
 
 import pytest
+from ray_moe_dev.testing.hf_models import (
+    save_byte_level_tokenizer,
+    save_sentencepiece_tokenizer,
+)
 
-from ray_moe.apps.detokenize import IncrementalDetokenizer, StopMatcher, decode_completion
-from ray_moe_dev.testing.hf_models import save_byte_level_tokenizer, save_sentencepiece_tokenizer
+from ray_moe.apps.detokenize import (
+    IncrementalDetokenizer,
+    StopMatcher,
+    decode_completion,
+)
 
 
 @pytest.fixture(scope="module")

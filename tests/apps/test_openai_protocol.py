@@ -8,12 +8,16 @@ import argparse
 
 import pytest
 from pydantic import ValidationError
+from ray_moe_dev.testing.hf_models import save_byte_level_tokenizer
 
-from ray_moe.apps.openai_protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from ray_moe.apps.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
 from ray_moe.apps.server import Choice, FinishReason, bearer_ok, read_api_key
 from ray_moe.core.env import EnvSettings
 from ray_moe.core.errors import ConfigError
-from ray_moe_dev.testing.hf_models import save_byte_level_tokenizer
 
 
 def test_unknown_fields_are_named_and_sampler_fields_refused_off_default():

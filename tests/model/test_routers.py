@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from ray_moe_dev.testing.inprocess import InProcessDeployment
 
 from ray_moe.core.errors import ConfigError
 from ray_moe.core.wire import tensor_to_wire, wire_to_tensor
@@ -17,15 +18,14 @@ from ray_moe.model.routers import CheckpointRouter, checkpoint_router
 from ray_moe.model.source import weight_source
 from ray_moe.moe.router import Router
 from ray_moe.shard.pipeline import StepRequest
-from ray_moe_dev.testing.inprocess import InProcessDeployment
 
 T = 37
 
 
 def _router(folder: str, **kw) -> CheckpointRouter:
     index = CheckpointIndex(folder)
-    args = dict(num_layers=index.spec.num_moe_layers, top_k=index.spec.top_k, hidden_size=index.spec.hidden_size,
-                dtype=torch.float32, device=torch.device("cpu"))
+    args = {"num_layers": index.spec.num_moe_layers, "top_k": index.spec.top_k,
+            "hidden_size": index.spec.hidden_size, "dtype": torch.float32, "device": torch.device("cpu")}
     return CheckpointRouter(index, **{**args, **kw})
 
 
@@ -222,7 +222,7 @@ def test_refusals_name_what_cannot_be_reproduced(hf_checkpoint, tmp_path):
 
 def test_routeless_step_of_an_unroutable_checkpoint_fails_with_the_reason(hf_checkpoint):
     """The refusal reaches the caller of the first routeless step (explicit routes keep working)."""
-    model, folder = hf_checkpoint("deepseek_v3")
+    _, folder = hf_checkpoint("deepseek_v3")
     dep = InProcessDeployment(config_from_pretrained(folder, num_ranks=2, top_k=1))
     h = torch.randn(5, 32, generator=torch.Generator().manual_seed(6))
     _, results = dep.step(h)

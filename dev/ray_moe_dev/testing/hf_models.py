@@ -217,7 +217,7 @@ def save_sentencepiece_tokenizer(folder: str | os.PathLike, *, vocab_size: int =
 
 def save_byte_level_tokenizer(folder: str | os.PathLike) -> None:
     """A byte-level BPE tokenizer (GPT-2 style ``ByteLevel`` pre-tokenizer and decoder) whose ids below
-    ``VOCAB`` (the tiny models' vocabulary) hold ``<|endoftext|>`` 0, printable ASCII, and the lone bytes of
+    ``VOCAB`` (the tiny models' vocabulary) hold ``<|endoftext|>`` 0, printable ASCII and newline, the lone bytes of
     ``é`` (0xC3 0xA9), ``€`` (0xE2 0x82 0xAC) and ``日`` (0xE6 0x97 0xA5) with merges for ``é``, ``ca``, ``caf``
     and ``café``: a tiny model's output then often splits a character over tokens. The other bytes sit at ids
     from ``VOCAB`` up (the model never samples them)."""
@@ -227,7 +227,7 @@ def save_byte_level_tokenizer(folder: str | os.PathLike) -> None:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_char = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
     assert set(byte_char.values()) == set(alphabet)
-    low = [0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xE6, 0x97, 0xA5] + list(range(32, 127))
+    low = [0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xE6, 0x97, 0xA5] + list(range(32, 127)) + [0x0A]
     vocab: dict[str, int] = {"<|endoftext|>": 0}
     for b in low:
         vocab.setdefault(byte_char[b], len(vocab))

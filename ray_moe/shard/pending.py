@@ -1,0 +1,128 @@
+"""Launched generation steps of one rank, not completed yet: ``PendingStep`` (one step; a captured step of a
+group of one completes behind the next step's launch), ``MultiPending`` (the sub-steps of a multi-step decode
+request) and ``_GraphPending`` (the device-side outputs of a captured-shape step). Pure: no Ray."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ray_moe.moe.layer import MoEStep
+from ray_moe.moe.stats import merge_layer_stats
+from ray_moe.shard.records import GenStepRequest, GenStepResult, WorkItem
+
+
+@dataclass(eq=False)
+class _GraphPending:
+    """A captured-shape step whose graph and sampling were queued on the device: ``finish`` waits for them.
+    want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled);
+    host_picked / host_summary: their copies queued to (pinned) host memory right behind the step, so reading
+    them never waits for steps launched after this one. ``done``: an event recorded after those copies."""
+
+    ctx: MoEStep
+    want: tuple[WorkItem, ...]
+    picked: torch.Tensor | None
+    host_summary: torch.Tensor | None
+    device: torch.device
+    host_picked: torch.Tensor | None = None
+    done: Any = None
+
+    def finish(self) -> tuple[dict[str, int], tuple, bool]:
+        tokens = {}
+        if self.done is not None:
+            self.done.synchronize()
+        if self.picked is not None:
+            src = self.host_picked if self.host_picked is not None else self.picked
+            tokens = {it.seq_id: int(t) for it, t in zip(self.want, src.tolist())}
+        elif self.device.type == "cuda" and self.done is None:
+            torch.cuda.current_stream(self.device).synchronize()
+        stats, overflow = self.ctx.finish(None if self.host_summary is None else self.host_summary.numpy())
+        return tokens, stats, overflow
+
+
+class PendingStep:
+    """A launched step of one rank: ``complete`` returns its result (reads a still-running captured step's
+    tokens and statistics). ``wait`` blocks, without the GIL, until the device finished it."""
+
+    def __init__(self, executor: Any, req: GenStepRequest, generation: int,
+                 items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
+                 graph: _GraphPending | None = None, result: tuple[dict[str, int], tuple] | None = None,
+                 decision: Any = None) -> None:
+        self.executor, self.req, self.generation, self.items = executor, req, generation, items
+        self.decision = decision  # the decode unit's agreed decision (None: no decode round)
+        self.t0, self.path, self.reason = t0, path, reason
+        self.graph, self.result = graph, result
+        self.event = None
+        if executor._start is not None:  # on CUDA: the step's device span, [start, event]
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        self.start, executor._start = executor._start, None
+
+    @property
+    def ready(self) -> bool:
+        """Complete on launch (its tokens are already this rank's ``sampled``)."""
+        return self.graph is None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def abandon(self) -> None:
+        """A step that will not be completed: later steps no longer read its tokens."""
+        self.executor._picks.pop(self.req.step_id, None)
+
+    def complete(self) -> GenStepResult:
+        ex = self.executor
+        if self.graph is not None:
+            try:
+                tokens, stats, _ = self.graph.finish()  # a group of one: nothing overflows
+            finally:
+                ex._picks.pop(self.req.step_id, None)
+            ex.finished(self.items, tokens)
+            self.result, self.graph = (tokens, stats), None
+        tokens, stats = self.result
+        device_s, idle_s = ex.device_span(self.start, self.event)
+        return GenStepResult(ex.rank, self.req.step_id, self.generation, {k: (v,) for k, v in tokens.items()}, stats,
+                             time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s)
+
+
+class MultiPending:
+    """A multi-step decode request's sub-steps (``PendingStep`` each, launched back to back): the same
+    interface; ``complete`` returns one result with every sequence's tokens in position order."""
+
+    def __init__(self, req: GenStepRequest, parts: list[PendingStep]) -> None:
+        self.req, self.parts = req, parts
+
+    @property
+    def ready(self) -> bool:
+        return all(p.ready for p in self.parts)
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()
+
+    def abandon(self) -> None:
+        for p in self.parts:
+            p.abandon()
+
+    def complete(self) -> GenStepResult:
+        results = []
+        try:
+            for p in self.parts:
+                results.append(p.complete())
+        except BaseException:
+            for p in self.parts[len(results):]:
+                p.abandon()
+            raise
+        first = results[0]
+        tokens = {k: tuple(r.tokens[k][0] for r in results) for k in first.tokens}
+        return GenStepResult(first.rank, self.req.step_id, first.generation, tokens,
+                             merge_layer_stats([ls for r in results for ls in r.layers]),
+                             time.perf_counter() - self.parts[0].t0, first.decode_path, first.fallback_reason,
+                             device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results))
+
+
+__all__ = ["PendingStep", "MultiPending"]
