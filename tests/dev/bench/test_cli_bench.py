@@ -18,8 +18,8 @@ import pytest
 
 from ray_moe_bench import available
 
-REPO = Path(__file__).resolve().parents[2]
-EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate",
+REPO = Path(__file__).resolve().parents[3]
+EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate", "serving",
             "overlap", "runners", "skinny"}
 
 
@@ -51,12 +51,16 @@ def test_available_lists_every_benchmark_with_a_plain_description():
     assert benches["eplb"].startswith("EPLB solver benchmark: vectorised rebalance_experts vs the loop-form oracle")
 
 
-def test_the_package_is_installed_by_a_plain_pip_install():
-    """pyproject's package discovery (what ``pip install .`` copies) includes ray_moe_bench."""
+def test_the_benchmarks_are_not_in_the_installed_package_but_found_from_a_checkout():
+    """pyproject's package discovery (what ``pip install .`` copies) holds the product only; ``ray-moe bench``
+    finds the benchmarks beside the package in a checkout (``pip install -e .``)."""
     from setuptools import find_packages
 
-    assert "ray_moe_bench" in find_packages(str(REPO), include=["ray_moe*"])
-    assert not (REPO / "bench" / "__init__.py").exists()  # bench/ holds the recorded results and logs only
+    from ray_moe.apps.cli import bench_package
+
+    found = find_packages(str(REPO), include=["ray_moe*"])
+    assert "ray_moe" in found and not any(p.startswith(("ray_moe_bench", "ray_moe_dev")) for p in found)
+    assert Path(bench_package().__file__).resolve().parent == REPO / "bench" / "ray_moe_bench"
 
 
 def test_listing_and_help_from_any_directory(tmp_path):
