@@ -8,6 +8,13 @@ import pytest
 
 from ray_moe.moe.decode.graphs import CapturedStep
 
+# pytest's `pythonpath` ini puts dev/ and bench/ on this process's path only; the subprocesses some tests start
+# and the Ray workers (which inherit the environment of the process that starts the local instance) need them too
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DEV_PATHS = [os.path.join(_ROOT, "dev"), os.path.join(_ROOT, "bench"), _ROOT]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    _DEV_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in _DEV_PATHS])
+
 
 def pytest_collection_modifyitems(config, items):
     try:
