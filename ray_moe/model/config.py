@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -15,6 +16,42 @@ from ray_moe.core.types import DispatchPath, ExchangeKind, ExchangeSchedule, Pay
 
 if TYPE_CHECKING:
     from ray_moe.model.spec import ModelSpec
+
+
+class EplbMode(str, Enum):
+    """When the coordinator rebalances by itself (``ray_moe.control.autopilot``)."""
+
+    OFF = "off"  # only on command (``rt.rebalance()``, ``ray-moe rebalance``)
+    AUTO = "auto"  # when the predicted gain of an EPLB solve passes the threshold (with budget and hysteresis)
+    PERIODIC = "periodic"  # every ``periodic_steps`` load steps, as vLLM's ``step_interval``
+
+
+class AutopilotPolicy(BaseModel):
+    """The ``eplb`` field group of a RuntimeConfig: the automatic-rebalance policy (``control/autopilot.py``).
+
+    A *step* here is one load observation in the coordinator's load window (one driver's load report,
+    covering ``flush_every`` served steps), the unit ``LoadWindow`` counts. ``gain`` is the relative drop of
+    the bottleneck rank's routed rows an EPLB solve predicts: ``1 - imbalance_after / imbalance_now``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: EplbMode = EplbMode.OFF
+    threshold_gain: float = Field(default=0.10, ge=0.0, lt=1.0, description="AUTO: rebalance when gain >= this")
+    byte_budget: int | None = Field(default=None, ge=1, description=(
+        "most bytes one rebalance may write (copies + checkpoint loads, analytical); None: no limit"))
+    min_interval_s: float = Field(default=30.0, ge=0.0, description="AUTO: seconds since the last rebalance")
+    min_interval_steps: int = Field(default=16, ge=0, description="AUTO: load steps since the last rebalance")
+    periodic_steps: int | None = Field(default=None, ge=1, description="PERIODIC: rebalance every N load steps")
+    min_window_steps: int = Field(default=8, ge=1, description="load steps the window must hold to decide")
+    tick_s: float = Field(default=1.0, gt=0.0, description="the coordinator evaluates at most this often")
+    history: int = Field(default=64, ge=1, description="decisions the coordinator keeps")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutopilotPolicy":
+        if self.mode is EplbMode.PERIODIC and self.periodic_steps is None:
+            raise ValueError("periodic_steps=None: mode=periodic needs periodic_steps >= 1 (--eplb periodic:N)")
+        return self
 
 
 class RuntimeConfig(BaseModel):
@@ -61,12 +98,16 @@ class RuntimeConfig(BaseModel):
         "known only at rebalance time, and the solver uses the groups (and requires them to divide "
         "num_experts) only when num_groups is a multiple of it; otherwise it falls back to the global policy"))
     memory_budget_bytes: int | None = Field(default=None, ge=1, description="per-rank weight budget")
+    staging_slots: int = Field(default=2, ge=0, description=(
+        "spare rows per layer in a shard's expert slot buffers (migration staging); more grow the buffer"))
     decode_token_capacity: int = Field(default=32, ge=1, description="C_T: decode tokens per rank in the bucket")
     decode_slot_capacity: int | None = Field(default=None, ge=1, description="C_q per slot (None: 2x even share)")
     decode_buckets: bool = Field(default=True, description="decode steps use the fixed-capacity bucket path")
     cuda_graphs: bool = Field(default=True, description="capture and replay decode buckets as CUDA graphs")
     rebuild_from_checkpoint: bool = Field(
         default=True, description="when a rank dies, rebuild experts with no surviving copy from the checkpoint")
+    eplb: AutopilotPolicy = Field(default_factory=AutopilotPolicy,
+                                  description="automatic rebalance (off by default; ray-moe serve: auto)")
 
     @model_validator(mode="after")
     def _check(self) -> "RuntimeConfig":
@@ -78,6 +119,9 @@ class RuntimeConfig(BaseModel):
             )
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.eplb.mode is not EplbMode.OFF and self.eplb.min_window_steps > self.load_window:
+            raise ValueError(f"eplb.min_window_steps={self.eplb.min_window_steps} exceeds load_window="
+                             f"{self.load_window}: the window never holds enough steps for the autopilot to decide")
         if self.dispatch_path is DispatchPath.DIRECT and (
                 self.payload_format is not PayloadFormat.NATIVE or self.exchange_schedule is not ExchangeSchedule.FLAT):
             raise ValueError(

@@ -20,6 +20,7 @@ import torch
 from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher
 from ray_moe.moe.dispatch.records import DispatchOutput, DispatchOutputFormat
 from ray_moe.core.routes import RouteBatch
+from ray_moe.moe.experts import slab
 from ray_moe.moe.experts.runners.base import ExpertRunner
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.placement.snapshot import PlacementSnapshot
@@ -27,18 +28,24 @@ from ray_moe.moe.stats import LayerStats, layer_stats, merge_layer_stats
 
 
 def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights | None, hidden_size: int) -> torch.Tensor:
-    """The expert runner boundary: the runner entry the dispatch output's declared format names."""
+    """The expert runner boundary: the runner entry the dispatch output's declared format names. Row-mapped
+    slot weights (a generation over a shard's slot buffers, ``SlotWeights.rows``) go through the buffer-order
+    translation of ``moe.experts.slab``; plain ones straight to the runner."""
     fmt = out.format
     rows = out.rows
     if weights is None:  # this rank hosts no slot of the layer: nothing was received
         return rows if fmt is DispatchOutputFormat.SLOT_CAPACITY else rows.new_zeros((0, hidden_size))
+    mapped = weights.row_mapped
     if fmt is DispatchOutputFormat.EXPERT_MAJOR_DEVICE_OFFSETS:  # device-side offsets (the one-rank path)
-        return runner.run_offsets(rows, out.offsets, weights)
+        return slab.run_offsets(runner, rows, out.offsets, weights) if mapped else \
+            runner.run_offsets(rows, out.offsets, weights)
     if fmt is DispatchOutputFormat.SLOT_CAPACITY:
-        return runner.run_capacity(rows, weights, out.valid)
+        return slab.run_capacity(runner, rows, out.valid, weights) if mapped else \
+            runner.run_capacity(rows, weights, out.valid)
     if rows.shape[0] == 0:
         return rows.new_zeros((0, hidden_size))
-    return runner.run(rows, out.counts_list, weights)
+    return slab.run_counts(runner, rows, out.counts_list, weights) if mapped else \
+        runner.run(rows, out.counts_list, weights)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ exchange endpoint. Tests drive ShardCores directly over the in-process exchange 
 State owned here:
 * expert weights by (layer, logical expert) in an ``ExpertStore`` (content-addressed, shared by every
   generation that places that expert on this rank);
-* per generation: the manifest, one PlacementSnapshot per layer and the stacked SlotWeights per layer;
+* per generation: the manifest, one PlacementSnapshot per layer and the SlotWeights per layer (views of the
+  store's slot buffers: a slot map, not a copy);
 * a local GenerationRegistry mirror: a step pins its generation here (exact per-step refcounts), the
   coordinator publishes / drains / retires through it and reads the refcounts back;
 * the data paths picked once when the exchange is set (``DataPaths``) and the step executor
@@ -73,7 +74,7 @@ class ShardCore:
         self.selector = make_selector(cfg.replica_policy)
         self.paths: DataPaths | None = None
         self.faults = ShardFaults()
-        self.store = ExpertStore(rank, self.device, self.dtype)
+        self.store = ExpertStore(rank, self.device, self.dtype, staging_slots=cfg.staging_slots)
         self._gens: dict[int, _Generation] = {}
         self.decode_keys = DecodeKeys(cfg, self.dtype)
         self._lock = threading.RLock()
@@ -250,7 +251,9 @@ class ShardCore:
                 "generations": {g: {"state": self.registry.state(g).value, "refcount": self.registry.refcount(g)}
                                 for g in self._gens},
                 "experts_held": len(self.store),
-                "weight_bytes": self.store.nbytes,
+                "weight_bytes": self.store.nbytes,  # the slot buffers' bytes (held and free rows)
+                "slot_buffers": self.store.slab_info(),  # per layer: capacity, used, free rows
+                "slot_buffer_grows": self.store.grows,
                 "counters": {**self.counters, **self.executor.counters, **self.faults.fired,
                              **({} if self.generator is None else self.generator.counters)},
                 "graphs": len(self.executor.graphs) + (0 if self.generator is None else len(self.generator.graphs)),
@@ -340,11 +343,14 @@ class ShardCore:
                           time.perf_counter() - t0, marks.done())
 
     # ================================================================ serving generation
-    def load_model(self, *, kv_tokens: int, block_size: int = 16, random_model: dict | None = None,
-                   fused_kernels: bool = True) -> dict[str, Any]:
+    def load_model(self, *, kv_tokens: int | None, block_size: int = 16, random_model: dict | None = None,
+                   fused_kernels: bool = True, attention: str = "auto",
+                   memory_fraction: float | None = None) -> dict[str, Any]:
         """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
         config dict ``random_model``); routed experts stay this shard's slots. ``fused_kernels``: the model's
         RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``).
+        ``attention``: an ``AttentionBackend`` value. ``kv_tokens`` None: the cache is sized from the memory
+        ``memory_fraction`` of the GPU leaves after the weights (``GenerationExecutor.load``).
         Returns the model's limits."""
         from ray_moe.shard.generation import GenerationExecutor
 
@@ -354,7 +360,9 @@ class ShardCore:
                 self.generator = GenerationExecutor.load(
                     self.rank, checkpoint=cfg.checkpoint, random_model=random_model, num_layers=cfg.num_layers,
                     hidden_size=cfg.hidden_size, top_k=cfg.top_k, seed=cfg.seed, device=self.device,
-                    dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels)
+                    dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels,
+                    attention=_backend(attention),
+                    **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
             return self.generator.info()
 
     def generate_step(self, req: "GenStepRequest") -> "GenStepResult":
@@ -420,6 +428,16 @@ class ShardCore:
         if active is not None and active in self._gens:
             return self._gens[active]
         return next(iter(self._gens.values()), None)
+
+
+def _backend(value: str) -> "AttentionBackend":
+    """An ``AttentionBackend`` from its value; raises ``ValueError`` naming ``attention`` otherwise."""
+    from ray_moe.core.types import AttentionBackend
+
+    try:
+        return AttentionBackend(value)
+    except ValueError:
+        raise ValueError(f"attention={value!r}: must be one of {[b.value for b in AttentionBackend]}") from None
 
 
 __all__ = ["ShardCore", "StepRequest", "StepResult"]

@@ -1,117 +1,312 @@
-"""ExpertStore: the expert weights one rank holds, by (layer, logical expert), content-addressed by digest.
+"""ExpertStore: the expert weights one rank holds, by (layer, logical expert), each held exactly once.
 
-A weight is held once however many generations place that expert on the rank (a retained copy is never
-duplicated); a generation's stacked slot tensors are built from the store (``stack``) and verified against
-the manifest's parameter digests. Freeing is by liveness: whatever no prepared generation uses can go.
+Per layer one preallocated slot buffer per weight (``w_gate`` [C, f, d], ``w_up`` [C, f, d], ``w_down``
+[C, d, f] on the store's device and dtype); every held (layer, expert) occupies one buffer row. ``load`` /
+``put`` write into a free row and compute the parameter digest there, once; ``drop`` / ``drop_unreferenced``
+free rows (by liveness: whatever no prepared generation uses). C is sized by the first write of a layer: the
+rows it needs plus ``staging_slots`` spare rows (what a migration copies into); a write needing more rows
+than are free grows the buffer (reallocate, copy, counted in ``grows``).
+
+A generation is a slot map over the buffers (``stack``): per layer a SlotWeights of views (rows in local slot
+order) or a row-mapped one (``SlotWeights.rows``; ``moe.experts.slab`` translates at the runner boundary),
+never a copy. A buffer no generation has been stacked over yet (fresh, or just grown) is first reordered so
+the generation's slots sit in local slot order (the plain layout). A grown buffer is a new tensor: generations
+stacked before keep the old one alive until they are retired.
 No Ray, no locking: the owner (``ShardCore``) serialises control calls.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from ray_moe.moe.experts.slab import slab_index
 from ray_moe.moe.experts.weights import ExpertWeights, SlotWeights, WeightSource
 from ray_moe.placement.manifest import PlacementManifest
 
 Key = tuple[int, int]  # (layer, logical expert id)
+_NAMES = ("w_gate", "w_up", "w_down")
 
 
 def _key(k: Sequence[int]) -> Key:
     return (int(k[0]), int(k[1]))
 
 
-class ExpertStore:
-    """Weights by (layer, logical expert) on one device and dtype."""
+@dataclass(eq=False)
+class _Slab:
+    """One layer's slot buffers: w_gate [C, f, d], w_up [C, f, d], w_down [C, d, f]; ``free`` rows ascending;
+    ``stacked``: a generation's SlotWeights reference these tensors (their rows may no longer move)."""
 
-    def __init__(self, rank: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.rank = rank
-        self.device = device
-        self.dtype = dtype
-        self._weights: dict[Key, ExpertWeights] = {}
-        self._digests: dict[Key, str] = {}
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    free: list[int] = field(default_factory=list)
+    stacked: bool = False
 
-    def __len__(self) -> int:
-        return len(self._weights)
+    @property
+    def capacity(self) -> int:
+        return int(self.w_gate.shape[0])
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self._weights.values())
+        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w_gate, self.w_up, self.w_down
+
+
+class ExpertStore:
+    """Weights by (layer, logical expert) on one device and dtype, one slot-buffer row each.
+
+    staging_slots: spare rows a layer's buffer gets beyond the rows its first write needs (and keeps after
+    a grow).
+    """
+
+    def __init__(self, rank: int, device: torch.device, dtype: torch.dtype, *, staging_slots: int = 2) -> None:
+        if isinstance(staging_slots, bool) or int(staging_slots) != staging_slots or staging_slots < 0:
+            raise ValueError(f"staging_slots={staging_slots!r} must be an integer >= 0")
+        self.rank = rank
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.staging_slots = int(staging_slots)
+        self.grows = 0
+        self._slabs: dict[int, _Slab] = {}
+        self._rows: dict[Key, int] = {}
+        self._digests: dict[Key, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's slot buffers (held rows and free rows)."""
+        return sum(s.nbytes for s in self._slabs.values())
 
     def held(self) -> list[Key]:
-        return sorted(self._weights)
+        return sorted(self._rows)
+
+    def slab_info(self) -> dict[int, dict[str, int]]:
+        """Per layer with a buffer: {"capacity": C, "used": held rows, "free": free rows}."""
+        return {l: {"capacity": s.capacity, "used": s.capacity - len(s.free), "free": len(s.free)}
+                for l, s in sorted(self._slabs.items())}
+
+    def row(self, key: Sequence[int]) -> int | None:
+        """The buffer row of a held (layer, expert), or None."""
+        return self._rows.get(_key(key))
+
+    def _views(self, key: Key) -> ExpertWeights:
+        s, r = self._slabs[key[0]], self._rows[key]
+        return ExpertWeights(key[0], key[1], s.w_gate[r], s.w_up[r], s.w_down[r])
 
     def get(self, key: Key) -> ExpertWeights | None:
-        return self._weights.get(_key(key))
+        """A copy of a held expert's weights on the store's device (never aliasing a buffer row), or None."""
+        key = _key(key)
+        if key not in self._rows:
+            return None
+        w = self._views(key)
+        return ExpertWeights(w.layer, w.expert, w.w_gate.clone(), w.w_up.clone(), w.w_down.clone())
 
-    # ---------------------------------------------------------------- in
-    def _put(self, key: Key, w: ExpertWeights) -> str:
-        w = w.to(self.device, self.dtype)
-        self._weights[key] = w
-        self._digests[key] = w.digest()
+    # ---------------------------------------------------------------- rows
+    def _reserve(self, layer: int, n: int, like: ExpertWeights) -> None:
+        """Make ``n`` rows free in ``layer``'s buffers: allocate them (n + staging rows, shapes of ``like``) or
+        grow to used + n + staging rows (copy the held rows, count the grow)."""
+        f, d = int(like.w_gate.shape[0]), int(like.w_gate.shape[1])
+        slab = self._slabs.get(layer)
+        if slab is not None and len(slab.free) >= n:
+            return
+        used = 0 if slab is None else slab.capacity - len(slab.free)
+        c = used + n + self.staging_slots
+        kw: dict[str, Any] = {"device": self.device, "dtype": self.dtype}
+        bufs = (torch.zeros(c, f, d, **kw), torch.zeros(c, f, d, **kw), torch.zeros(c, d, f, **kw))
+        if slab is None:
+            self._slabs[layer] = _Slab(*bufs, free=list(range(c)))
+            return
+        old = slab.capacity
+        for new, cur in zip(bufs, slab.tensors()):
+            new[:old].copy_(cur)
+        self._slabs[layer] = _Slab(*bufs, free=slab.free + list(range(old, c)))  # a fresh tensor: not stacked
+        self.grows += 1
+
+    def _check_shapes(self, key: Key, w: ExpertWeights) -> None:
+        slab = self._slabs[key[0]]
+        for name, buf in zip(_NAMES, slab.tensors()):
+            got = tuple(getattr(w, name).shape)
+            if got != tuple(buf.shape[1:]):
+                raise ValueError(f"{name}: expert {key} has shape {got} but layer {key[0]}'s slot buffer holds "
+                                 f"{tuple(buf.shape[1:])} rows")
+
+    def _write(self, key: Key, w: ExpertWeights) -> str:
+        """Copy ``w`` into a free row of its layer (rows reserved) and digest the row, on the device."""
+        self._check_shapes(key, w)
+        slab = self._slabs[key[0]]
+        r = slab.free.pop(0)
+        for name, buf in zip(_NAMES, slab.tensors()):
+            buf[r].copy_(getattr(w, name))
+        self._rows[key] = r
+        self._digests[key] = self._views(key).digest()
         return self._digests[key]
 
+    def _write_all(self, items: Iterable[tuple[Key, Any]], resolve) -> None:
+        """Write every (key, item) (keys not held); ``resolve(key, item)`` gives its ExpertWeights. The rows a
+        layer needs are reserved at its first item (one grow at most per layer and call)."""
+        items = list(items)
+        need = Counter(k[0] for k, _ in items)
+        for key, item in items:
+            w = resolve(key, item)
+            if need[key[0]]:
+                if key[0] in self._slabs:
+                    self._check_shapes(key, w)
+                self._reserve(key[0], need[key[0]], w)
+                need[key[0]] = 0
+            self._write(key, w)
+
     def load(self, keys: Iterable[Sequence[int]], source: WeightSource) -> dict[Key, str]:
-        """Read missing (layer, expert) weights from ``source``; returns every key's parameter digest."""
-        out = {}
-        for k in keys:
-            key = _key(k)
-            out[key] = self._digests[key] if key in self._weights else self._put(key, source.expert(*key))
-        return out
+        """Read missing (layer, expert) weights from ``source`` into free rows; returns every key's digest."""
+        keys = list(dict.fromkeys(_key(k) for k in keys))
+        missing = [(k, None) for k in keys if k not in self._rows]
+        self._write_all(missing, lambda k, _: source.expert(*k))
+        return {k: self._digests[k] for k in keys}
 
     def put(self, weights: Mapping[Sequence[int], ExpertWeights]) -> dict[Key, str]:
-        """Store copied weights; returns the digests computed from the bytes that arrived."""
-        return {_key(k): self._put(_key(k), w) for k, w in weights.items()}
+        """Store copied weights in free rows; returns the digests computed from the bytes that arrived. A key
+        already held keeps its row: the arriving copy must carry the same digest (ValueError otherwise,
+        before anything is written: a live generation may be reading that row)."""
+        items = {_key(k): w for k, w in weights.items()}
+        shapes: dict[int, tuple] = {}
+        for k, w in items.items():
+            f, d = (tuple(w.w_gate.shape) + (0, 0))[:2]
+            got_shapes = tuple(tuple(getattr(w, n).shape) for n in _NAMES)
+            want = shapes.setdefault(k[0], tuple(tuple(t.shape[1:]) for t in self._slabs[k[0]].tensors())
+                                     if k[0] in self._slabs else ((f, d), (f, d), (d, f)))
+            if got_shapes != want:
+                raise ValueError(f"weights: expert {k} has shapes {got_shapes}, expected {want} (w_gate [f, d], "
+                                 f"w_up [f, d], w_down [d, f] of layer {k[0]})")
+            if k in self._rows:
+                got = ExpertWeights(k[0], k[1], w.w_gate, w.w_up, w.w_down).to(self.device, self.dtype).digest()
+                if got != self._digests[k]:
+                    raise ValueError(f"weights: rank {self.rank} already holds expert {k} with digest "
+                                     f"{self._digests[k][:12]}; the arriving copy's is {got[:12]} (drop it first)")
+        new = [(k, w) for k, w in items.items() if k not in self._rows]
+        self._write_all(new, lambda _, w: w)
+        return {k: self._digests[k] for k in items}
 
     # ---------------------------------------------------------------- out
     def export(self, keys: Sequence[Sequence[int]], *, device: bool = False) -> dict[Key, ExpertWeights]:
-        """Held weights for an actor-to-actor copy (CPU tensors, or the device tensors for NCCL)."""
-        missing = [_key(k) for k in keys if _key(k) not in self._weights]
+        """Held weights for an actor-to-actor copy: CPU copies, or (``device``) views of the buffer rows for an
+        NCCL send made before the next control call."""
+        missing = [_key(k) for k in keys if _key(k) not in self._rows]
         if missing:
             raise ValueError(f"keys: rank {self.rank} holds no weights for (layer, expert) {missing[0]}")
-        return {_key(k): (self._weights[_key(k)] if device else self._weights[_key(k)].to("cpu")) for k in keys}
+        out = {}
+        for k in keys:
+            w = self._views(_key(k))
+            if not device:
+                w = ExpertWeights(w.layer, w.expert, *(getattr(w, n).to("cpu", copy=True) for n in _NAMES))
+            out[_key(k)] = w
+        return out
+
+    def _settle(self, layer: int, order: Sequence[Key]) -> None:
+        """Reorder an unstacked buffer so the distinct keys of ``order`` take rows 0, 1, ... (other held keys
+        after them), moving rows in place along permutation cycles (one row of scratch per weight)."""
+        slab = self._slabs[layer]
+        first = list(dict.fromkeys(order))
+        taken = set(first)
+        rest = sorted(k for k in self._rows if k[0] == layer and k not in taken)
+        want = first + rest
+        if all(self._rows[k] == i for i, k in enumerate(want)):
+            return
+        c = slab.capacity
+        src = [-1] * c  # new row i takes old row src[i]
+        for i, k in enumerate(want):
+            src[i] = self._rows[k]
+        spare = iter(sorted(set(range(c)) - set(src)))
+        src = [s if s >= 0 else next(spare) for s in src]
+        done = [False] * c
+        for start in range(c):
+            if done[start] or src[start] == start:
+                done[start] = True
+                continue
+            scratch = [t[start].clone() for t in slab.tensors()]
+            i = start
+            while True:
+                done[i] = True
+                j = src[i]
+                if j == start:
+                    for t, s in zip(slab.tensors(), scratch):
+                        t[i].copy_(s)
+                    break
+                for t in slab.tensors():
+                    t[i].copy_(t[j])
+                i = j
+        for i, k in enumerate(want):
+            self._rows[k] = i
+        slab.free = list(range(len(want), c))
 
     def stack(self, manifest: PlacementManifest) -> tuple[tuple[SlotWeights | None, ...], frozenset[Key]]:
-        """This rank's stacked slot weights per layer of ``manifest`` (None where it hosts no slot) and the keys
-        they use. Raises ``ValueError`` naming the slot when a weight is missing or its digest differs from the
-        manifest's (nothing is published from a mismatch)."""
-        weights: list[SlotWeights | None] = []
+        """This rank's slot weights per layer of ``manifest`` (None where it hosts no slot) and the keys they
+        use: views of the slot buffers (no copy). Raises ``ValueError`` naming the slot when a weight is
+        missing or its digest differs from the manifest's, before anything moves (nothing is published from
+        a mismatch)."""
+        plan: list[tuple[int, list, list[Key]] | None] = []
         keys: set[Key] = set()
         mismatches = []
         for layer in range(manifest.num_layers):
             slots = manifest.rank_slots(self.rank, layer)
             if not slots:
-                weights.append(None)
+                plan.append(None)
                 continue
-            experts = []
+            order = []
             for s in slots:
                 key = (layer, s.logical_expert_id)
-                if key not in self._weights:
+                if key not in self._rows:
                     raise ValueError(f"manifest: slot q{s.physical_slot_id} of layer {layer} needs expert "
                                      f"{s.logical_expert_id} which rank {self.rank} does not hold")
                 if self._digests[key] != s.parameter_digest:
                     mismatches.append((layer, s.physical_slot_id, s.logical_expert_id))
-                experts.append(self._weights[key])
-                keys.add(key)
-            weights.append(SlotWeights.stack(layer, [s.physical_slot_id for s in slots], experts,
-                                             [s.parameter_digest for s in slots]))
+                order.append(key)
+            keys.update(order)
+            plan.append((layer, slots, order))
         if mismatches:
             raise ValueError(f"parameter_digest: rank {self.rank} slots {mismatches} hold weights whose digest differs "
                              f"from the manifest of generation {manifest.generation}; not published")
+        weights: list[SlotWeights | None] = []
+        for item in plan:
+            if item is None:
+                weights.append(None)
+                continue
+            layer, slots, order = item
+            slab = self._slabs[layer]
+            if not slab.stacked:
+                self._settle(layer, order)
+            w = SlotWeights.over_buffer(layer, [s.physical_slot_id for s in slots], [k[1] for k in order],
+                                        *slab.tensors(), [self._rows[k] for k in order],
+                                        [s.parameter_digest for s in slots])
+            if w.row_mapped:
+                slab_index(w)  # the device indices, now (never under a CUDA graph capture)
+            slab.stacked = True
+            weights.append(w)
         return tuple(weights), frozenset(keys)
 
     # ---------------------------------------------------------------- freeing
     def drop(self, keys: Iterable[Sequence[int]], live: set[Key]) -> None:
-        """Free ``keys`` that no live generation uses (an aborted migration's staged copies)."""
+        """Free the rows of ``keys`` that no live generation uses (an aborted migration's staged copies); a
+        layer left with no held row releases its buffers."""
         for k in keys:
             key = _key(k)
-            if key not in live:
-                self._weights.pop(key, None)
-                self._digests.pop(key, None)
+            if key in live or key not in self._rows:
+                continue
+            slab = self._slabs[key[0]]
+            bisect.insort(slab.free, self._rows.pop(key))
+            self._digests.pop(key, None)
+            if len(slab.free) == slab.capacity:
+                del self._slabs[key[0]]
 
     def drop_unreferenced(self, live: set[Key]) -> int:
-        """Free every weight outside ``live``; returns how many were freed."""
-        stale = [k for k in self._weights if k not in live]
+        """Free every row outside ``live``; returns how many (layer, expert) weights were freed."""
+        stale = [k for k in self._rows if k not in live]
         self.drop(stale, live)
         return len(stale)

@@ -106,11 +106,16 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
 
 @dataclass(eq=False)
 class SlotWeights:
-    """Weights of the physical slots of one rank for one layer, stacked in local slot order.
+    """Weights of the physical slots of one rank for one layer.
 
-    w_gate: [Q_local, f, d]   w_up: [Q_local, f, d]   w_down: [Q_local, d, f]
+    rows None (the plain layout): w_gate [Q_local, f, d], w_up [Q_local, f, d], w_down [Q_local, d, f] in local
+    slot order (``stack`` copies, or views ``buf[:Q_local]`` of a shard's slot buffer).
+    rows set (row-mapped over a slot buffer): w_gate [C, f, d], w_up [C, f, d], w_down [C, d, f] are the
+    layer's whole slot buffer and local slot i lives at buffer row ``rows[i]`` (len Q_local, values in [0, C),
+    two slots may share a row). Runners take only the plain layout: ``moe.layer.run_experts`` translates a
+    row-mapped one (``moe.experts.slab``).
     experts: logical expert per local slot; digests: parameter digest per local slot.
-    ``cache`` holds runner-specific derived layouts (fused or transposed copies), built once.
+    ``cache`` holds derived layouts and indices (runner layouts, the slab index), built once.
     """
 
     layer: int
@@ -121,6 +126,7 @@ class SlotWeights:
     w_down: torch.Tensor
     digests: tuple[str, ...] = ()
     cache: dict[str, Any] = field(default_factory=dict)
+    rows: tuple[int, ...] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -134,8 +140,18 @@ class SlotWeights:
     def ffn_size(self) -> int:
         return int(self.w_gate.shape[1])
 
+    @property
+    def row_mapped(self) -> bool:
+        """Whether w_gate / w_up / w_down are a whole slot buffer indexed through ``rows``."""
+        return self.rows is not None
+
+    def row_of(self, local: int) -> int:
+        """The row of ``w_gate`` / ``w_up`` / ``w_down`` holding local slot ``local``."""
+        return local if self.rows is None else self.rows[local]
+
     @staticmethod
     def stack(layer: int, slot_ids: Sequence[int], experts: Sequence[ExpertWeights], digests: Sequence[str] = ()) -> "SlotWeights":
+        """A plain SlotWeights holding copies of ``experts`` stacked in local slot order."""
         if len(slot_ids) != len(experts):
             raise ValueError(f"slot_ids: {len(slot_ids)} slots but {len(experts)} expert weights")
         if not experts:
@@ -150,8 +166,39 @@ class SlotWeights:
             digests=tuple(digests),
         )
 
+    @staticmethod
+    def over_buffer(layer: int, slot_ids: Sequence[int], experts: Sequence[int], w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor, rows: Sequence[int],
+                    digests: Sequence[str] = ()) -> "SlotWeights":
+        """Slot weights over a slot buffer without a copy: buffers w_gate [C, f, d], w_up [C, f, d],
+        w_down [C, d, f], local slot i at buffer row ``rows[i]``. Where rows == (0, ..., Q_local - 1) the
+        result is plain (views ``buf[:Q_local]``), else row-mapped over the whole buffer."""
+        rows = tuple(int(r) for r in rows)
+        q, c = len(rows), int(w_gate.shape[0])
+        if not rows:
+            raise ValueError("rows: a rank with no slot has no SlotWeights")
+        if len(slot_ids) != q or len(experts) != q:
+            raise ValueError(f"rows: {q} rows but {len(slot_ids)} slot ids and {len(experts)} experts")
+        if any(not 0 <= r < c for r in rows):
+            raise ValueError(f"rows={list(rows)}: every row must lie in the buffer's [0, {c})")
+        if tuple(w_up.shape) != tuple(w_gate.shape) or tuple(w_down.shape) != (c, w_gate.shape[2], w_gate.shape[1]):
+            raise ValueError(f"w_up / w_down: shapes {tuple(w_up.shape)} / {tuple(w_down.shape)} do not match "
+                             f"w_gate {tuple(w_gate.shape)}")
+        ident = rows == tuple(range(q))
+        return SlotWeights(
+            layer=layer,
+            slot_ids=tuple(int(s) for s in slot_ids),
+            experts=tuple(int(e) for e in experts),
+            w_gate=w_gate[:q] if ident else w_gate,
+            w_up=w_up[:q] if ident else w_up,
+            w_down=w_down[:q] if ident else w_down,
+            digests=tuple(digests),
+            rows=None if ident else rows,
+        )
+
     def expert_weights(self, local: int) -> ExpertWeights:
-        return ExpertWeights(self.layer, self.experts[local], self.w_gate[local], self.w_up[local], self.w_down[local])
+        r = self.row_of(local)
+        return ExpertWeights(self.layer, self.experts[local], self.w_gate[r], self.w_up[r], self.w_down[r])
 
 
 class WeightSource(ABC):
