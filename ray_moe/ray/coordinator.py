@@ -10,6 +10,9 @@ every change (``DurableStore``; what is in it and how the rebuild decides: ``rec
 are retried by Ray across a restart (``max_task_retries``); so are ``scale`` and ``rebalance``, which
 are declarative (a target replica count; a placement for the current load): the rebuild first
 completes or abandons the interrupted attempt, the retry then runs once more.
+
+With ``cfg.eplb.mode`` not OFF the autopilot (``control/autopilot.py``) evaluates its policy every ``eplb.tick_s``
+seconds on a thread and takes ``rebalance()``'s path when it says so; decisions: ``status()``, Prometheus.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import ray
 from pydantic import BaseModel
 
+from ray_moe.control.autopilot import Autopilot, AutopilotEvent, EplbMode
 from ray_moe.control.plane import ControlPlane, Fleet
 from ray_moe.control.restore import restore_plane
 from ray_moe.control.recovery import DurableRecord, load_summary, registry_from_bytes, registry_state_bytes
@@ -32,6 +36,7 @@ from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.errors import RankDeadError
 from ray_moe.core.types import ExchangeKind, ReleaseState
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
+from ray_moe.ray.prometheus import AutopilotExporter
 
 if TYPE_CHECKING:
     from ray_moe.release.bundle import ReleaseBundle
@@ -153,6 +158,9 @@ class CoordinatorActor:
         self.actor_id: str | None = None
         self._persist_lock = threading.Lock()
         self._load_written = 0.0
+        self.autopilot = Autopilot(self.cfg.eplb)  # automatic rebalance: load steps, decisions, last rebalance
+        self._rebalance_lock = threading.Lock()  # one rebalance at a time (manual or automatic)
+        self._autopilot_metrics: Any = None
         if namespace is None or not ray.is_initialized():
             return  # constructed outside a Ray actor (tools, tests): no durable record
         ctx = ray.get_runtime_context()
@@ -165,9 +173,12 @@ class CoordinatorActor:
             restarted = ctx.was_current_actor_reconstructed
         if restarted:
             self._rebuild()
+            self.autopilot.rebalanced(0)  # hysteresis across a restart: the interval starts again
         else:
             self.store.clear()  # a record of an earlier deployment under this name is not ours
             self._persist()
+        if self.cfg.eplb.mode is not EplbMode.OFF:
+            self.autopilot.start(self._autopilot_tick, lambda exc: self.log("autopilot-error", None, repr(exc)))
 
     # ---------------------------------------------------------------- durability
     def _persist(self, *, handles: bool = False) -> None:
@@ -337,11 +348,13 @@ class CoordinatorActor:
             out.update(active=plane.active_generation(), generations=plane.generation_states(),
                        floors=plane.floor_list(), group=list(plane.group.peer_order), group_epoch=plane.group.epoch,
                        dead_ranks=sorted(plane.dead_ranks), rebuild=plane.rebuild_report)
+        out["eplb"] = self.autopilot.status(8)  # mode, policy, last rebalance, the last 8 decisions
         return out
 
     @_retried  # a batch in flight at the kill may count twice; losing every batch of the restart is worse
     def record_load(self, counts: Any, phase: str, generation: int) -> None:
         self._plane().record_load(counts, phase=phase, generation=generation)
+        self.autopilot.observe_step()
         self._persist_load()
 
     @_retried
@@ -374,12 +387,36 @@ class CoordinatorActor:
 
     @_retried  # declarative, as scale
     def rebalance(self, migration_aware: bool = True) -> dict[str, Any]:
+        with self._rebalance_lock:
+            return self._rebalance(migration_aware, reason="EPLB rebalance")
+
+    def _rebalance(self, migration_aware: bool, reason: str) -> dict[str, Any]:
+        """EPLB, published live (caller holds ``_rebalance_lock``); ``publish_s``: solve to publish, drain not counted."""
         plane = self._plane()
+        t0 = time.perf_counter()
         new = plane.propose_rebalance(migration_aware=migration_aware)
         b0 = plane.fleet.bytes_copied
-        out = _report(plane.apply(new, reason="EPLB rebalance"))
+        out = _report(rep := plane.apply(new, reason=reason))
         out["copied_bytes"] = plane.fleet.bytes_copied - b0
+        out["publish_s"] = time.perf_counter() - t0 - rep.timings_s.get("drain_retire", 0.0)
+        self.autopilot.rebalanced()
         return out
+
+    @_retried
+    def autopilot_history(self, last: int | None = None) -> list[dict[str, Any]]:
+        return self.autopilot.history(last)  # the autopilot's decisions, oldest first, as JSON-able dicts
+
+    def _autopilot_tick(self) -> AutopilotEvent | None:
+        """One evaluation (``Autopilot.tick``) under the rebalance lock; every event goes to the metrics."""
+        with self._rebalance_lock:
+            event = self.autopilot.tick(self.plane, lambda why: self._rebalance(True, reason=why))
+        try:
+            if event is not None:
+                self._autopilot_metrics = self._autopilot_metrics or AutopilotExporter()  # Ray metrics, lazily
+                self._autopilot_metrics.record(self.cfg.name, event)
+        except Exception:  # noqa: BLE001 - metrics never fail a decision
+            pass
+        return event
 
     def apply_manifest(self, manifest_json: str, reason: str) -> dict[str, Any]:
         from ray_moe.placement.manifest import PlacementManifest

@@ -24,6 +24,12 @@ Numerator and denominator gauges carry cumulative counts, so ``rate(num) / rate(
 ratio in PromQL. Counters are cumulative in the snapshot; the exporter increments each Ray counter by the
 growth since its previous export (Ray counters only take positive increments, so a counter that is still 0
 appears after its first increment).
+
+The coordinator's autopilot (automatic rebalance) has its own metrics (``AUTOPILOT_METRICS``, recorded by
+``AutopilotExporter`` in the coordinator's process): ``moe_eplb_imbalance_ratio`` (gauge, current / predicted),
+``moe_eplb_decisions_total``, ``moe_eplb_rebalances_total`` and ``moe_eplb_rebalance_failures_total`` (by
+reason), ``moe_eplb_migrated_bytes_total`` and ``moe_eplb_time_to_publish_seconds``; each counter grows by
+what one decision did.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_moe.core.telemetry.metrics import METRIC_SPECS, MetricType, TelemetrySnapshot
+
+if TYPE_CHECKING:
+    from ray_moe.control.autopilot import AutopilotEvent
 
 RAY_METRIC_PREFIX = "ray_"
 
@@ -180,16 +189,104 @@ class PrometheusExporter:
         return points
 
 
+# ---------------------------------------------------------------- automatic rebalance (the coordinator's autopilot)
+AUTOPILOT_METRICS: tuple[ExportedMetric, ...] = (
+    ExportedMetric("moe_eplb_imbalance_ratio", PointKind.GAUGE, ("deployment", "estimate"),
+                   "routed rows of the busiest rank over the mean (sum over layers), at the last decision; "
+                   "estimate=current: the active placement, predicted: after the EPLB solve"),
+    ExportedMetric("moe_eplb_decisions_total", PointKind.COUNTER, ("deployment", "action", "reason"),
+                   "autopilot decisions (rebalance or hold) by reason"),
+    ExportedMetric("moe_eplb_rebalances_total", PointKind.COUNTER, ("deployment", "reason"),
+                   "rebalances the autopilot published, by reason (gain, periodic)"),
+    ExportedMetric("moe_eplb_rebalance_failures_total", PointKind.COUNTER, ("deployment", "reason"),
+                   "rebalances the autopilot decided that failed (the prior generation kept serving)"),
+    ExportedMetric("moe_eplb_migrated_bytes_total", PointKind.COUNTER, ("deployment",),
+                   "expert bytes measured crossing between shards in autopilot rebalances"),
+    ExportedMetric("moe_eplb_time_to_publish_seconds", PointKind.GAUGE, ("deployment",),
+                   "last autopilot rebalance: seconds from the decision to the published generation"),
+)
+
+
+def autopilot_points(deployment: str, event: AutopilotEvent) -> tuple[ExportPoint, ...]:
+    """The values one recorded autopilot decision maps to (pure). Counter points carry the increment this
+    event adds (what happened), not a cumulative value.
+
+    1. Imbalance gauges: current (and predicted, when the decision solved) overall imbalance.
+    2. One decision, by action and reason.
+    3. A taken rebalance: one rebalance by reason, its measured bytes, its time to publish; a failed one: one
+       failure by reason.
+    """
+    from ray_moe.control.autopilot import AutopilotEvent
+
+    if not isinstance(event, AutopilotEvent):
+        raise ValueError(f"event={type(event).__name__} is not an AutopilotEvent")
+    d = event.decision
+    dep = (("deployment", deployment),)
+    pts: list[ExportPoint] = []
+    # 1.
+    if d.imbalance_now is not None:
+        pts.append(ExportPoint("moe_eplb_imbalance_ratio", PointKind.GAUGE, dep + (("estimate", "current"),),
+                               float(d.imbalance_now)))
+    if d.imbalance_predicted is not None:
+        pts.append(ExportPoint("moe_eplb_imbalance_ratio", PointKind.GAUGE, dep + (("estimate", "predicted"),),
+                               float(d.imbalance_predicted)))
+    # 2.
+    pts.append(ExportPoint("moe_eplb_decisions_total", PointKind.COUNTER,
+                           dep + (("action", d.action.value), ("reason", d.reason.value)), 1.0))
+    # 3.
+    if event.taken:
+        pts.append(ExportPoint("moe_eplb_rebalances_total", PointKind.COUNTER, dep + (("reason", d.reason.value),), 1.0))
+        if event.copied_bytes:
+            pts.append(ExportPoint("moe_eplb_migrated_bytes_total", PointKind.COUNTER, dep, float(event.copied_bytes)))
+        if event.publish_s is not None:
+            pts.append(ExportPoint("moe_eplb_time_to_publish_seconds", PointKind.GAUGE, dep, float(event.publish_s)))
+    elif event.error is not None:
+        pts.append(ExportPoint("moe_eplb_rebalance_failures_total", PointKind.COUNTER,
+                               dep + (("reason", d.reason.value),), 1.0))
+    return tuple(pts)
+
+
+class AutopilotExporter:
+    """The autopilot's Ray metric objects in the coordinator's process (``metrics_module`` as for
+    ``PrometheusExporter``). ``record`` sets the gauges and increments the counters by what one event did."""
+
+    def __init__(self, metrics_module: Any = None):
+        if metrics_module is None:
+            from ray.util import metrics as metrics_module  # lazy, as PrometheusExporter
+        self._lock = threading.Lock()
+        self._metrics: dict[str, Any] = {}
+        for m in AUTOPILOT_METRICS:
+            if m.kind is PointKind.GAUGE:
+                self._metrics[m.name] = metrics_module.Gauge(m.name, description=m.description, tag_keys=m.tag_keys)
+            else:  # Ray appends "_total" itself
+                self._metrics[m.name] = metrics_module.Counter(m.name.removesuffix("_total"), description=m.description,
+                                                               tag_keys=m.tag_keys)
+
+    def record(self, deployment: str, event: AutopilotEvent) -> tuple[ExportPoint, ...]:
+        points = autopilot_points(deployment, event)
+        with self._lock:
+            for p in points:
+                obj = self._metrics[p.name]
+                if p.kind is PointKind.GAUGE:
+                    obj.set(p.value, tags=dict(p.tags))
+                elif p.value > 0:
+                    obj.inc(p.value, tags=dict(p.tags))
+        return points
+
+
 def scraped_names() -> tuple[str, ...]:
     """Names as they appear in a Prometheus scrape of Ray's metrics endpoint."""
     return tuple(RAY_METRIC_PREFIX + m.name for m in exported_metrics())
 
 
 __all__ = [
+    "AUTOPILOT_METRICS",
+    "AutopilotExporter",
     "ExportPoint",
     "ExportedMetric",
     "PointKind",
     "PrometheusExporter",
+    "autopilot_points",
     "export_points",
     "exported_metrics",
     "scraped_names",
