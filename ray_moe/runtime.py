@@ -514,17 +514,15 @@ class Runtime:
         return rep["new_generation"]
 
     # ================================================================ serving generation
-    def serving(self, *, kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
+    def serving(self, *, kv_tokens: int | None = None, block_size: int = 16, step_tokens: int = 2048,
                 max_running: int = 256, max_queued: int = 4096, random_model: dict[str, Any] | None = None,
-                decode_steps: int | None = None, fused_kernels: bool = True) -> "GenerationLoop":
+                decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
+                memory_fraction: float | None = None) -> "GenerationLoop":
         """The deployment's generation loop (started on first use: every shard loads the model's non-expert
-        modules and a paged KV cache of ``kv_tokens`` per rank). The arguments apply to the first call.
+        modules and a paged KV cache; the arguments are ``GenerationLoop``'s and apply to the first call).
         ``random_model`` (a transformers config dict): seeded random non-expert weights of that model instead
         of the checkpoint's, for benchmarks of checkpoint-sized shapes (the experts come from the config's
-        weight source as always). ``decode_steps``: multi-step decode, the most decode tokens per sequence one
-        step may run when every sequence is decoding and no request waits (1: one token per step; default 4
-        on CUDA, 1 on CPU). ``fused_kernels``: the model's RMSNorm layers and rotary embedding take fused kernels
-        on CUDA where they reproduce transformers' own (``models.norms``, ``models.rotary``; False: its own)."""
+        weight source as always)."""
         with self._lock:
             if self._engine is None:
                 from ray_moe.driver.loop import GenerationLoop
@@ -535,7 +533,8 @@ class Runtime:
                 self._engine = GenerationLoop(self.transport, device=self.cfg.device, kv_tokens=kv_tokens, block_size=block_size,
                                                 step_tokens=step_tokens, max_running=max_running,
                                                 max_queued=max_queued, random_model=random_model,
-                                                decode_steps=decode_steps, fused_kernels=fused_kernels)
+                                                decode_steps=decode_steps, fused_kernels=fused_kernels,
+                                                attention=attention, memory_fraction=memory_fraction)
             return self._engine
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,

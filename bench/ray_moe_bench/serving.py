@@ -216,7 +216,9 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = ray_moe.Runtime.start(cfg)
     try:
-        engine = rt.serving(kv_tokens=spec.get("kv_tokens") or busiest + 64 * len(prompts), block_size=16,
+        # kv_tokens None: the product's default, a cache sized from the memory the weights leave (on CUDA)
+        engine = rt.serving(kv_tokens=spec.get("kv_tokens") or (None if spec["device"] == "cuda" else busiest + 64 * len(prompts)),
+                            block_size=16, attention=spec.get("attention") or "auto",
                             step_tokens=spec["step_tokens"], max_running=spec["max_running"],
                             max_queued=max(4096, len(prompts)), decode_steps=spec.get("decode_steps"))
         start_s = time.perf_counter() - t0
@@ -245,6 +247,7 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         res = token_metrics(prompts, outs, wall, sent, stamps)
         res.update(start_s=start_s, engine_steps=engine.steps - steps0, decode_steps=engine.scheduler.decode_steps,
                    settings={"ranks": ranks, "decode_token_capacity": cap, "kv_tokens_per_rank": engine.kv_tokens,
+                             "attention": engine.attention_backend,
                              "step_tokens": spec["step_tokens"], "max_running": spec["max_running"]},
                    latency_note="host timestamps of the generation loop's token events in the driver; with "
                                 "multi-step decode (decode_steps > 1) tokens arrive in bursts (ITL ~0 inside one)",
@@ -499,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ray-moe decode_token_capacity (default: requests in flight / ranks)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="ray-moe KV tokens per rank (default: every request's prompt + new tokens, plus slack)")
+    p.add_argument("--attention", choices=["auto", "varlen", "masked"], default=None, help="ray-moe attention backend")
     p.add_argument("--systems", nargs="+", type=System, choices=list(System), default=list(System),
                    metavar="SYSTEM", help="of " + ", ".join(s.value for s in System) + " (default: all)")
     p.add_argument("--vllm-tp", type=int, default=None, help="vLLM tensor_parallel_size (default: --ranks)")
@@ -565,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       max(map(len, prompts))]
         spec = {"folder": folder, "prompts": prompts, "new_tokens": work.new_tokens, "device": device,
                 "dtype": dtype, "ranks": ranks, "max_running": a.max_running, "step_tokens": a.step_tokens,
-                "decode_steps": a.decode_steps, "decode_capacity": a.decode_capacity, "kv_tokens": a.kv_tokens,
+                "decode_steps": a.decode_steps, "decode_capacity": a.decode_capacity, "kv_tokens": a.kv_tokens, "attention": a.attention,
                 "warmup": not a.no_warmup, "timeout_s": a.timeout,
                 "vllm_tp": a.vllm_tp or ranks, "vllm_args": a.vllm_args}
         systems: dict[str, dict[str, Any]] = {}

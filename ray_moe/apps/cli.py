@@ -177,6 +177,16 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
+def eplb_flag(text: str):
+    """``--eplb off|auto|periodic:N`` as the deployment's ``eplb`` policy (``RuntimeConfig.eplb``)."""
+    from ray_moe.control.autopilot import parse_eplb
+
+    try:
+        return parse_eplb(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("eplb=", "--eplb=", 1)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Join ``--address`` / ``RAY_ADDRESS``, else the cluster ``ray start`` left on this machine, else start a
     local instance (``run_server`` does, and says where it is)."""
@@ -321,7 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
     sv.add_argument("--address", default=None, help="Ray address; 'local' starts a local instance "
                     "(default: RAY_ADDRESS, else the cluster `ray start` left on this machine, else a local instance)")
-    sv.add_argument("--kv-tokens", type=int, default=8192, help="KV cache tokens per rank")
+    sv.add_argument("--kv-tokens", type=int, default=None,
+                    help="KV cache tokens per rank (default: what --gpu-memory-utilization of each GPU leaves after "
+                         "the weights; 8192 on cpu)")
+    sv.add_argument("--gpu-memory-utilization", dest="memory_fraction", type=float, default=None,
+                    help="the share of each GPU the shard may take, weights + KV cache + step workspace (default 0.9)")
+    sv.add_argument("--attention", choices=["auto", "varlen", "masked"], default="auto",
+                    help="attention over the paged cache: FlashAttention varlen per sequence (cuda, bf16/fp16), or "
+                         "SDPA with a block mask (the reference); auto: varlen where its check passes")
     sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     sv.add_argument("--step-tokens", type=int, default=2048, help="prefill tokens per rank per step")
     sv.add_argument("--max-running", type=int, default=256, help="sequences in flight over every rank")
@@ -333,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "each taken only where it reproduces transformers' own)")
     sv.add_argument("--max-queued", type=int, default=1024,
                     help="requests in flight before new ones get 503 (overload)")
+    sv.add_argument("--eplb", type=eplb_flag, default="auto", metavar="off|auto|periodic:N",
+                    help="automatic rebalance: auto (default) when an EPLB solve predicts a gain worth its copies, "
+                         "with hysteresis; periodic:N every N load steps; off only on `ray-moe rebalance`")
     sv.set_defaults(fn=cmd_serve)
 
     dr = sub.add_parser("drill", help="operational drills")

@@ -501,8 +501,9 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     env = read_env()
     api_key = read_api_key(args, env)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    eplb = {"eplb": args.eplb} if getattr(args, "eplb", None) is not None else {}  # ray-moe serve --eplb
     cfg = RuntimeConfig.from_pretrained(args.checkpoint, num_ranks=args.ranks, device=args.device, dtype=dtype,
-                                        name=args.name)
+                                        name=args.name, **eplb)
     address = getattr(args, "address", None) or env.ray_address
     started_ray = False
     if not ray.is_initialized():
@@ -521,7 +522,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
                    max_running=args.max_running, max_queued=args.max_queued,
-                   decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True))
+                   decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True),
+                   attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None))
     app_name = f"ray-moe-{args.name}"
     try:
         # one proxy, on the head node, at --host only (never every node's interfaces)

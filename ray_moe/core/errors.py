@@ -67,6 +67,23 @@ class RankDeadError(RayMoEError):
         return (_rebuild_dead, (str(self), self.ranks))
 
 
+class StepMemoryError(RayMoEError):
+    """A generation step ran out of device memory on a rank. The step failed alone: the shard freed its cached
+    blocks and keeps serving; the driver gives the step's sequences back to the queue (re-prefilled later, what
+    they generated kept) and makes its steps smaller."""
+
+    def __init__(self, message: str, *, rank: int = -1, step_id: str = ""):
+        super().__init__(message)
+        self.rank, self.step_id = int(rank), str(step_id)
+
+    def __reduce__(self):
+        return (_rebuild_memory, (str(self), self.rank, self.step_id))
+
+
+def _rebuild_memory(message: str, rank: int, step_id: str) -> "StepMemoryError":
+    return StepMemoryError(message, rank=rank, step_id=step_id)
+
+
 class AdmissionError(RayMoEError, ValueError):
     """A plan was refused before anything moved (memory budget, layout change under one generation)."""
 

@@ -139,6 +139,19 @@ class DispatchMode(str, Enum):
     LOCAL = "local"  # a group of one: no exchange (``local.py``), prefill and decode
 
 
+class AttentionBackend(str, Enum):
+    """How a shard's model attends over its paged KV cache (``model/attention.py``).
+
+    MASKED: SDPA over the gathered packed contexts with a block-diagonal mask (CPU, fp32: the reference).
+    VARLEN: FlashAttention-2 variable-length forward, per sequence, no mask (CUDA, fp16 / bf16).
+    AUTO: VARLEN where its kernel check passes on the shard's device and dtype, else MASKED.
+    """
+
+    MASKED = "masked"
+    VARLEN = "varlen"
+    AUTO = "auto"
+
+
 class ExchangeSchedule(str, Enum):
     """Flat all-to-all-v or hierarchical through node relays (spec 0x07E)."""
 

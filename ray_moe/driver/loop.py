@@ -20,7 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from ray_moe.core.errors import RayMoEError, root_cause
+import torch
+
+from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
 from ray_moe.shard.records import GenStepRequest
 from ray_moe.model.sampling import SamplingParams
 from ray_moe.driver.scheduler import Scheduler, StepPlan
@@ -77,7 +79,9 @@ class GenerationLoop:
     """The driver's generation loop over a deployment's ranks, reached through a ``StepTransport`` (one
     thread; requests join between steps). ``device``: where the shards run ("cpu" | "cuda").
 
-    kv_tokens: KV cache tokens per rank; block_size: tokens per cache block; step_tokens: prefill tokens per
+    kv_tokens: KV cache tokens per rank (None: each rank's cache takes what ``memory_fraction``, default 0.9,
+    of its GPU leaves after the weights; 8192 on CPU); attention: an ``AttentionBackend`` value (auto:
+    FlashAttention varlen where it runs, else the masked SDPA path); block_size: tokens per cache block; step_tokens: prefill tokens per
     rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
     ``submit`` refuses new ones (overload); decode_steps: decode sub-steps one step may run when every
     sequence is decoding and none waits (multi-step decode: one actor call per rank for that many tokens
@@ -87,9 +91,10 @@ class GenerationLoop:
     RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
     keeps transformers' own)."""
 
-    def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int = 8192, block_size: int = 16, step_tokens: int = 2048,
+    def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int | None = 8192, block_size: int = 16, step_tokens: int = 2048,
                  max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
-                 decode_steps: int | None = None, fused_kernels: bool = True) -> None:
+                 decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
+                 memory_fraction: float | None = None) -> None:
         if decode_steps is None:
             decode_steps = DEFAULT_DECODE_STEPS_CUDA if device == "cuda" else 1
         if not 1 <= int(decode_steps) <= 64:  # before any shard loads the model
@@ -97,10 +102,15 @@ class GenerationLoop:
         self.transport = transport
         self.random_model = random_model
         self.fused_kernels = bool(fused_kernels)
-        self.kv_tokens, self.block_size = int(kv_tokens), int(block_size)
+        self.attention, self.memory_fraction = str(getattr(attention, "value", attention)), memory_fraction
+        self.block_size = int(block_size)
+        self.kv_tokens = None if kv_tokens is None else int(kv_tokens)
         self.max_queued = int(max_queued)
         self._loaded: set[int] = set()
         info = self._load(transport.members())
+        if self.kv_tokens is None:  # sized from memory on each rank: the cache tokens the first rank holds
+            self.kv_tokens = int(info["kv_blocks"]) * int(info["block_size"])
+        self.attention_backend = info.get("attention")
         self.vocab_size = int(info["vocab_size"])
         self.max_context = int(info["max_context"])
         self.scheduler = Scheduler(transport.members(), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
@@ -112,6 +122,8 @@ class GenerationLoop:
         self._stop = False
         self.steps = 0
         self.overlapped = 0  # steps launched while the previous one was still in flight
+        # steps that ran out of device memory (contained: preempted, budgets halved), the last ones
+        self.memory_events: deque = deque(maxlen=64)
         self._last_done = 0.0  # when the last step's results were collected (perf_counter)
         self.failed: BaseException | None = None
         # where a step's time goes, last steps only (ms): plan, launch (the actor calls sent), wait (blocked
@@ -158,9 +170,11 @@ class GenerationLoop:
     def _load(self, ranks: list[int]) -> dict:
         todo = [r for r in ranks if r not in self._loaded]
         infos = self.transport.load_model(todo, kv_tokens=self.kv_tokens, block_size=self.block_size,
-                                          random_model=self.random_model, fused_kernels=self.fused_kernels)
+                                          random_model=self.random_model, fused_kernels=self.fused_kernels,
+                                          attention=self.attention, memory_fraction=self.memory_fraction)
         self._loaded.update(todo)
-        return infos[0] if infos else {}
+        # the scheduler plans one cache size for every rank: the smallest (memory-sized caches may differ)
+        return min(infos, key=lambda i: int(i["kv_blocks"])) if infos else {}
 
     def _loop(self) -> None:
         while True:
@@ -244,7 +258,17 @@ class GenerationLoop:
                     tr.gather(nxt.step_id, nxt.reqs, nxt.refs)
                 except BaseException:  # noqa: BLE001 - its outcome is dropped either way
                     pass
-            tr.recover(root_cause(exc))
+            cause = root_cause(exc)
+            if isinstance(cause, (StepMemoryError, torch.OutOfMemoryError)):
+                # contained: the step's sequences are recomputed later, steps get smaller, nothing else fails
+                with self._lock:
+                    back = self.scheduler.preempt(step.plan)
+                    budgets = self.scheduler.memory_backoff()
+                self.memory_events.append({"step": step.step_id, "preempted": len(back),
+                                           "step_tokens": budgets[0], "max_running": budgets[1],
+                                           "error": str(cause)[:300]})
+                return False
+            tr.recover(cause)
             ranks, results = tr.submit(lambda rs, sid, gen: _requests(step.plan, rs, sid, gen))
             recovered = True
         t1 = time.perf_counter()
@@ -262,6 +286,7 @@ class GenerationLoop:
         sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
         with self._lock:
             events = self.scheduler.commit(plan, sampled)
+            self.scheduler.step_succeeded()
             self.steps += 1
             for ev in events:
                 h = self._handles.get(ev.request_id)

@@ -9,7 +9,10 @@ each sampled token back as the next input; bounded by the fewest tokens any of i
 no sequence runs past its reservation; tokens after an end-of-sequence are dropped). A request that can never fit
 a rank's KV budget or the model's context is refused at submission with an error naming the numbers; the
 others are unaffected. Sequences of a rank that leaves (removed or killed) go back to the queue head with
-what they generated so far and are re-prefilled elsewhere.
+what they generated so far and are re-prefilled elsewhere. A step that ran out of device memory gives its
+sequences back the same way (``preempt``: recompute) and halves the step's prefill budget and the running
+sequences (``memory_backoff``); each budget doubles back towards its configured value after
+``RECOVER_AFTER_STEPS`` clean steps.
 
     sched = Scheduler(ranks=[0, 1], kv_blocks=256, block_size=16, max_context=4096)
     rid = sched.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
@@ -104,6 +107,9 @@ class TokenEvent:
     finished: bool
 
 
+RECOVER_AFTER_STEPS = 64  # clean steps after a memory backoff before the budgets double back
+
+
 class Scheduler:
     """kv_blocks / block_size: every rank's cache; max_context: the model's positions; step_tokens: the
     prefill token budget of one rank in one step (decode tokens always run); decode_steps: the most decode
@@ -138,6 +144,11 @@ class Scheduler:
         self._to_free: dict[int, list[str]] = {r: [] for r in self.ranks}
         self._ids = itertools.count()
         self._steps = itertools.count()
+        # memory backoff: the configured budgets, and the clean steps since the last backoff
+        self.configured = (self.step_tokens, self.max_running)
+        self.preempted = 0  # sequences given back to the queue by a failed (out of memory) step
+        self.backoffs = 0
+        self._clean = 0
 
     # ------------------------------------------------------------------ requests
     def blocks(self, tokens: int) -> int:
@@ -208,6 +219,47 @@ class Scheduler:
         self._to_free = {r: self._to_free.get(r, []) for r in self.ranks}  # departed ranks took their caches
         return moved
 
+    # ------------------------------------------------------------------ memory pressure
+    def preempt(self, plan: StepPlan) -> list[str]:
+        """The running sequences of a failed ``plan`` go back to the queue head in plan order (recompute: their
+        KV reservation is released and their ranks drop the cache with the next step; what they generated is
+        kept and re-prefilled). Returns their ids."""
+        back = []
+        for r, items in plan.items.items():
+            for it in items:
+                s = self.seqs.get(it.seq_id)
+                if s is None or s.state is not SeqState.RUNNING or s.request_id in back:
+                    continue
+                if s.rank in self._used:
+                    self._used[s.rank] -= self.blocks(s.reserve_tokens)
+                    self._to_free[s.rank].append(s.request_id)
+                s.rank, s.cached, s.state = None, 0, SeqState.WAITING
+                back.append(s.request_id)
+        for rid in reversed(back):
+            self._queue.appendleft(rid)
+        self.preempted += len(back)
+        return back
+
+    def memory_backoff(self) -> tuple[int, int]:
+        """Halve the prefill budget of a step (not below one block) and the running sequences (not below one);
+        returns the new (step_tokens, max_running)."""
+        self.step_tokens = max(self.block_size, self.step_tokens // 2)
+        self.max_running = max(1, self.max_running // 2)
+        self.backoffs += 1
+        self._clean = 0
+        return self.step_tokens, self.max_running
+
+    def step_succeeded(self) -> None:
+        """A step committed: after ``RECOVER_AFTER_STEPS`` clean ones the budgets double back (up to their
+        configured values)."""
+        if (self.step_tokens, self.max_running) == self.configured:
+            return
+        self._clean += 1
+        if self._clean >= RECOVER_AFTER_STEPS:
+            self._clean = 0
+            self.step_tokens = min(self.configured[0], self.step_tokens * 2)
+            self.max_running = min(self.configured[1], self.max_running * 2)
+
     # ------------------------------------------------------------------ steps
     def _admit(self) -> None:
         if not self._queue:
@@ -272,7 +324,10 @@ class Scheduler:
                 spec = SampleSpec(p.temperature, p.top_p, s.seed, end)
             tokens = () if deferred else s.token_slice(cached, end)
             items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred))
-        free = {r: tuple(v) for r, v in self._to_free.items()}
+        # caches the step in flight already drops stay out of this one (a preempted sequence keeps its id: a
+        # second drop would hit its new cache)
+        freeing = {x for v in ahead.free.values() for x in v} if ahead is not None else set()
+        free = {r: tuple(x for x in v if x not in freeing) for r, v in self._to_free.items()}
         steps = max(1, steps) if all_decode else 1
         return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free, steps)
 

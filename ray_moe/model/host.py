@@ -19,9 +19,11 @@ from typing import Any, Sequence
 import torch
 
 from ray_moe.core.errors import ConfigError
+from ray_moe.core.types import AttentionBackend
+from ray_moe.model import attention as attn
 from ray_moe.model.norms import FusedNorms, fuse_rms_norms
 from ray_moe.model.rotary import FusedRotary, fuse_rotary
-from ray_moe.model.kv import PagedKVCache, SeqChunk, StepLayout
+from ray_moe.model.kv import PagedKVCache, SeqChunk, StepLayout, kv_blocks_for_memory
 
 
 def _safetensors_files(folder: str) -> dict[str, str]:
@@ -49,7 +51,8 @@ class ModelHost:
     block reaches its dispatcher in two calls, and outside a step it raises."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, kv_tokens: int,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, attention: AttentionBackend = AttentionBackend.AUTO,
+                 varlen_kernel: "attn.VarlenKernel | None" = None) -> None:
         from ray_moe.model.seam import bind, register
 
         self.model = model
@@ -57,6 +60,11 @@ class ModelHost:
         self.device = device
         self.dtype = dtype
         register()
+        self.attention, self.attention_reason = self._pick_attention(AttentionBackend(attention), varlen_kernel)
+        self.varlen_kernel = varlen_kernel or attn.flash_varlen
+        if self.attention is AttentionBackend.VARLEN:
+            attn.register()
+            self.model.config._attn_implementation = attn.VARLEN_NAME
         self.seam = _StepSeam()
         self.moe_layers = len(bind(model, self.seam, drop_weights=True))
         self.kv = PagedKVCache(max(1, -(-kv_tokens // block_size)), block_size, device=device, dtype=dtype)
@@ -65,6 +73,19 @@ class ModelHost:
         self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
 
     # ------------------------------------------------------------------ construction
+    def _pick_attention(self, want: AttentionBackend, kernel: Any) -> tuple[AttentionBackend, str | None]:
+        """(the backend, why not VARLEN when MASKED). VARLEN asked for explicitly with no kernel of the
+        caller's must pass the kernel check here, else ``ConfigError`` names the reason."""
+        if want is AttentionBackend.MASKED:
+            return want, "asked for"
+        heads, kv_heads, dq, dv = _attention_dims(self.config)
+        why = None if kernel is not None else attn.check_flash(self.device, self.dtype, heads, kv_heads, dq, dv)
+        if why is None:
+            return AttentionBackend.VARLEN, None
+        if want is AttentionBackend.VARLEN:
+            raise ConfigError(f"attention={want.value}: {why}")
+        return AttentionBackend.MASKED, why
+
     @staticmethod
     def skeleton(config: Any, dtype: torch.dtype) -> torch.nn.Module:
         """The transformers model on the meta device (no memory), eager attention over packed sequences."""
@@ -77,13 +98,14 @@ class ModelHost:
 
     @classmethod
     def from_checkpoint(cls, folder: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                        kv_tokens: int = 4096, block_size: int = 16) -> "ModelHost":
-        """Every non-expert tensor read from ``folder`` (names mapped with transformers' own renamings)."""
+                        kv_tokens: int = 4096, block_size: int = 16, **kw: Any) -> "ModelHost":
+        """Every non-expert tensor read from ``folder`` (names mapped with transformers' own renamings).
+        ``kw``: the attention backend (``attention``, ``varlen_kernel``)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         host = cls(cls.skeleton(config, dtype), device=torch.device(device), dtype=dtype, kv_tokens=kv_tokens,
-                   block_size=block_size)
+                   block_size=block_size, **kw)
         host._materialize()
         host._load(folder)
         if os.path.exists(os.path.join(folder, "generation_config.json")):
@@ -94,10 +116,10 @@ class ModelHost:
 
     @classmethod
     def random(cls, config: Any, *, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-               kv_tokens: int = 4096, block_size: int = 16) -> "ModelHost":
+               kv_tokens: int = 4096, block_size: int = 16, **kw: Any) -> "ModelHost":
         """Seeded random non-expert weights for a config (benchmarks of checkpoint-sized shapes)."""
         host = cls(cls.skeleton(config, dtype), device=torch.device(device), dtype=dtype, kv_tokens=kv_tokens,
-                   block_size=block_size)
+                   block_size=block_size, **kw)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             host._materialize()  # transformers' own initialisation, seeded
@@ -149,6 +171,35 @@ class ModelHost:
         if tied:
             self.model.tie_weights()
 
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token takes over every attention layer (analytical, from the config: keys and values
+        of every key/value head; MLA: its query-sized keys and its values, per head)."""
+        _, kv_heads, dq, dv = _attention_dims(self.config)
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return int(self.config.num_hidden_layers) * kv_heads * (dq + dv) * elem
+
+    def size_kv(self, memory_fraction: float, workspace_bytes: int) -> int:
+        """Re-make the (still empty) cache as large as this process's share of the GPU allows: ``memory_fraction``
+        of the device's memory, less what is in use now (weights: this rank's non-expert modules and expert
+        slots; other processes), less ``workspace_bytes`` kept for a step's activations and captured graphs.
+        Returns the tokens it holds. Raises ``ConfigError`` when not one block fits."""
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ConfigError(f"memory_fraction={memory_fraction}: must be in (0, 1]")
+        if self.device.type != "cuda":
+            raise ConfigError(f"device {self.device.type}: a memory-sized KV cache needs CUDA (give kv_tokens)")
+        if self.kv.sequences():
+            raise RuntimeError("size_kv: the cache already holds sequences")
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(memory_fraction * total) - (total - free) - int(workspace_bytes)
+        per_token = self.kv_bytes_per_token()
+        blocks = kv_blocks_for_memory(budget, per_token, self.kv.block_size)
+        if blocks < 1:
+            raise ConfigError(f"memory_fraction={memory_fraction}: {(total - free) / 2**30:.1f} GiB of "
+                              f"{total / 2**30:.1f} GiB are in use and {workspace_bytes / 2**30:.1f} GiB are kept for "
+                              f"steps; no KV cache block of {per_token * self.kv.block_size} bytes fits")
+        self.kv = PagedKVCache(blocks, self.kv.block_size, device=self.device, dtype=self.dtype)
+        return self.kv.capacity_tokens
+
     def eos_token_ids(self) -> list[int]:
         """The model's end-of-sequence ids (``generation_config`` first, as ``generate`` uses them)."""
         gc = getattr(self.model, "generation_config", None)
@@ -172,7 +223,12 @@ class ModelHost:
     def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
         """chunks: the step's sequences in packed order; token_ids: [N] int64 their new tokens (packed).
         Returns [S, V] float32 logits at each sequence's last new token. Positions must be reserved."""
-        return self.forward_layout(self.kv.plan(chunks, self.dtype), token_ids, executor)
+        return self.forward_layout(self.kv.plan(chunks, self.dtype, varlen=self.varlen), token_ids, executor)
+
+    @property
+    def varlen(self) -> bool:
+        """Steps are planned for the varlen backend (per-sequence offsets, no mask)."""
+        return self.attention is AttentionBackend.VARLEN
 
     @torch.no_grad()
     def forward_layout(self, layout: StepLayout, token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
@@ -181,6 +237,14 @@ class ModelHost:
         with static shapes runs inside a CUDA graph capture as well."""
         self.seam.moe_forward = executor.layer_entry
         self.kv.layout = layout
+        kw: dict[str, Any] = {}
+        if layout.cu_q is not None:
+            if not self.varlen:
+                raise ValueError("layout: a varlen plan, but this host attends with the masked backend")
+            kw[attn.VARLEN_NAME] = attn.VarlenPlan(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+                                                   self.varlen_kernel)
+        elif self.varlen:
+            raise ValueError("layout: the varlen backend needs a varlen plan (cu_q / cu_k)")
         try:
             if layout.read_index.dim() == 2:  # a batched decode step: [B, 1] tokens, one sequence per row
                 out = self.model(input_ids=token_ids.to(self.device)[:, None], position_ids=layout.positions[:, None],
@@ -188,7 +252,7 @@ class ModelHost:
                 return out.logits[:, -1].float()
             out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=layout.positions[None],
                              attention_mask=layout.mask, cache=self.kv, use_cache=True,
-                             logits_to_keep=0 if layout.last is None else layout.last)
+                             logits_to_keep=0 if layout.last is None else layout.last, **kw)
             return out.logits[0].float()
         finally:
             self.seam.moe_forward = _outside_step
@@ -201,6 +265,18 @@ class ModelHost:
         w = torch.zeros(0, top_k, dtype=torch.float32, device=self.device)
         for layer in range(self.moe_layers):
             executor.moe_forward(layer, h, ids, w)
+
+
+def _attention_dims(config: Any) -> tuple[int, int, int, int]:
+    """(query heads, key/value heads, query/key head size, value head size) of a transformers config (MLA:
+    the nope + rope query size and its own value size)."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    if getattr(config, "qk_rope_head_dim", None) is not None:  # DeepSeek's MLA
+        dq = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+        return heads, heads, dq, int(getattr(config, "v_head_dim", dq))
+    d = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, d, d
 
 
 def _outside_step(layer: int, *args: Any) -> torch.Tensor:

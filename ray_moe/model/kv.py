@@ -8,7 +8,9 @@ writes the new tokens at their slots and returns every sequence's whole context 
 order; a block-diagonal causal mask ``[1, 1, N, K]`` (``StepLayout.mask``) keeps sequences apart. The two
 tensors are whatever the layer caches (keys and values; DeepSeek's MLA caches its compressed latent and rotary
 key), allocated at the first update with the shapes that arrive. No attention kernel is written here:
-transformers' own eager / SDPA attention runs on the gathered context.
+transformers' own SDPA attention runs on the gathered context with the mask (the MASKED backend), or the
+varlen backend (``model/attention.py``) runs FlashAttention per sequence from the plan's ``cu_q`` / ``cu_k``
+(no mask is built: ``plan(..., varlen=True)``).
 
 Writes are positional, so a step that is rerun (a stale generation, an overflowed bucket) rewrites the same
 slots with the same values: sequence bookkeeping only changes through ``reserve`` and ``free``.
@@ -50,6 +52,9 @@ class StepLayout:
                  for one sequence from position 0 (transformers builds its causal mask)
     last:        [S] packed index of each sequence's last new token (where its next token is sampled), or
                  None: every row is one sequence's only new token (a decode step)
+    cu_q, cu_k:  [S' + 1] int32 query-row / context offsets of each sequence (a varlen plan; mask is then None;
+                 a padded plan counts its padding sequences in S'), or None
+    max_q, max_k: the longest query run and context of a varlen plan (host ints, upper bounds)
     """
 
     write_index: torch.Tensor
@@ -57,6 +62,10 @@ class StepLayout:
     positions: torch.Tensor
     mask: torch.Tensor | None
     last: torch.Tensor | None
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
 
 
 class PagedKVCache:
@@ -135,11 +144,23 @@ class PagedKVCache:
         """A slot no sequence owns: padding tokens of a captured step write and read it."""
         return self.capacity_tokens
 
-    def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype) -> StepLayout:
+    def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype, *, varlen: bool = False) -> StepLayout:
         """The layout of one step (reserve every chunk's positions first): index vectors built on the host
-        (numpy, no per-token Python), uploaded once; the mask is built on the device."""
+        (numpy, no per-token Python), uploaded once; the mask is built on the device. ``varlen``: no mask, the
+        per-sequence offsets instead (one sequence per chunk)."""
         v = self._host_plan(chunks)
         dev = self.device
+        if varlen:
+            lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+            ends = np.asarray([c.start + c.num_tokens for c in chunks], dtype=np.int64)
+            up = _upload({"write": v["write"], "read": v["read"], "q_pos": v["q_pos"], "last": v["last"],
+                          "cu_q": np.concatenate([[0], np.cumsum(lens)]), "cu_k": np.concatenate([[0], np.cumsum(ends)])},
+                         dev)
+            layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"], mask=None,
+                                last=up["last"], cu_q=up["cu_q"].to(torch.int32), cu_k=up["cu_k"].to(torch.int32),
+                                max_q=int(lens.max(initial=1)), max_k=int(ends.max(initial=1)))
+            self.layout = layout
+            return layout
         up = {k: torch.from_numpy(x).to(dev) for k, x in v.items()}
         # one sequence from its first position: the plain causal case, left to transformers' own mask (SDPA
         # then runs its causal kernels instead of a dense additive mask)
@@ -151,7 +172,7 @@ class PagedKVCache:
         return layout
 
     def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
-                    last_rows: int | None = None, plain: bool = False,
+                    last_rows: int | None = None, plain: bool = False, varlen: bool = False,
                     extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """A step padded to ``rows`` tokens and ``keys`` context slots: the static shapes of a captured step.
         Padding tokens write the trash slot and attend only to key 0 (their outputs are never read; their
@@ -161,12 +182,17 @@ class PagedKVCache:
         transformers' causal mask; padding rows then come after every real one). ``last_rows``: also
         ``last`` [last_rows], the packed row of each sequence's last new token (padding entries row 0);
         None: one token per sequence, every row is sampled (a decode step). ``extra``: more int64 host vectors
-        to upload with the plan (one host-to-device copy for all of them)."""
+        to upload with the plan (one host-to-device copy for all of them). ``varlen``: no mask; ``cu_q`` /
+        ``cu_k`` [S' + 1] int32 instead, of a static sequence count S' (see ``varlen_offsets``)."""
         v = self._host_plan(chunks)
         n, k = v["write"].size, v["read"].size
-        if n > rows or k > keys or (last_rows is not None and len(chunks) > last_rows):
+        pad_keys = (rows - n) if (varlen and last_rows is None) else 0  # a decode row of padding reads one key
+        if n > rows or k + pad_keys > keys or (last_rows is not None and len(chunks) > last_rows):
             raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}: the step has {n} tokens, {k} "
-                             f"context slots and {len(chunks)} sequences")
+                             f"context slots{f' (+{pad_keys} padding keys)' if pad_keys else ''} and "
+                             f"{len(chunks)} sequences")
+        if varlen:
+            return self._plan_padded_varlen(chunks, v, rows, keys, last_rows, extra)
         if plain and not (len(chunks) == 1 and chunks[0].start == 0 and rows == keys):
             raise ValueError("plain: one sequence from position 0 with keys == rows")
 
@@ -197,6 +223,27 @@ class PagedKVCache:
             allowed = _allowed(up["q_seq"], up["positions"], up["k_seq"], up["k_pos"])
             allowed[:, 0] |= ~row_valid  # a padding query attends key 0 only (no empty softmax row)
             out["mask"] = _additive(allowed, mask_dtype)[None, None]
+        return out
+
+    def _plan_padded_varlen(self, chunks: Sequence[SeqChunk], v: dict[str, np.ndarray], rows: int, keys: int,
+                            last_rows: int | None, extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
+        """``plan_padded`` for the varlen backend: padding tokens write and read the trash slot; the offsets
+        come from ``varlen_offsets``; no mask."""
+        n = v["write"].size
+        lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+        ends = np.asarray([c.start + c.num_tokens for c in chunks], dtype=np.int64)
+        cu_q, cu_k = varlen_offsets(lens, ends, rows, keys, last_rows)
+        host = {"write_index": _pad(v["write"], rows, self.trash_slot), "read_index": _pad(v["read"], keys, self.trash_slot),
+                "positions": _pad(v["q_pos"], rows, 0), "cu_q": cu_q, "cu_k": cu_k}
+        if last_rows is not None:
+            host["last"] = _pad(v["last"], last_rows, 0)
+        host.update(extra or {})
+        up = _upload(host, self.device)
+        out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
+               "row_valid": torch.arange(rows, device=self.device) < n, "cu_q": up["cu_q"].to(torch.int32),
+               "cu_k": up["cu_k"].to(torch.int32), **{k: up[k] for k in extra or {}}}
+        if last_rows is not None:
+            out["last"] = up["last"]
         return out
 
     def plan_batched(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
@@ -284,6 +331,41 @@ class PagedKVCache:
         return sum(t.shape[1] * t.shape[2] * t.element_size() for s in self._store.values() for t in s)
 
 
+def kv_blocks_for_memory(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """Cache blocks that ``budget_bytes`` hold at ``bytes_per_token`` (every layer's two tensors) -> >= 0."""
+    if bytes_per_token < 1 or block_size < 1:
+        raise ValueError(f"bytes_per_token={bytes_per_token}, block_size={block_size}: both must be >= 1")
+    return max(0, int(budget_bytes) // (int(bytes_per_token) * int(block_size)))
+
+
+def varlen_offsets(lens: np.ndarray, ends: np.ndarray, rows: int, keys: int,
+                   last_rows: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sequence offsets of a padded varlen step with a static sequence count (a captured shape).
+
+    lens / ends: [S] new tokens / context length of each real sequence (packed order); rows / keys: the padded
+    query rows and gathered keys. Returns (cu_q, cu_k) int64 host arrays:
+      1. the real sequences first, in packed order;
+      2. decode (``last_rows`` None, one token per sequence): each padding row is a sequence of its own with one
+         padding key (the trash slot): S' = rows, so the kernel's one-query-per-sequence shape holds;
+      3. prefill (``last_rows`` = the padded sampled rows): one padding sequence takes every padding row and key,
+         then empty sequences up to S' = last_rows + 1 (a query with no key of its own comes out zero)."""
+    n, k = int(lens.sum()), int(ends.sum())
+    if last_rows is None:
+        q = np.concatenate([lens, np.ones(rows - n, dtype=np.int64)])
+        kk = np.concatenate([ends, np.ones(rows - n, dtype=np.int64)])
+    else:
+        fill = last_rows - lens.size
+        q = np.concatenate([lens, [rows - n], np.zeros(fill, dtype=np.int64)])
+        kk = np.concatenate([ends, [keys - k], np.zeros(fill, dtype=np.int64)])
+    return np.concatenate([[0], np.cumsum(q)]), np.concatenate([[0], np.cumsum(kk)])
+
+
+def _pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, dtype=np.int64)
+    out[: x.size] = x
+    return out
+
+
 def _upload(host: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Int64 host vectors -> device tensors through ONE copy (pinned and non-blocking on CUDA)."""
     sizes = [x.size for x in host.values()]
@@ -311,4 +393,4 @@ def _mask(q_seq, q_pos, k_seq, k_pos, dtype: torch.dtype) -> torch.Tensor:
     return _additive(_allowed(q_seq, q_pos, k_seq, k_pos), dtype)[None, None]
 
 
-__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError"]
+__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError", "varlen_offsets", "kv_blocks_for_memory"]

@@ -236,10 +236,9 @@ class ExpertShardActor:
             self.mailbox.forget(req.step_id + "/")
 
     # ---------------------------------------------------------------- serving generation
-    def load_model(self, kv_tokens: int, block_size: int = 16, random_model: dict | None = None,
-                   fused_kernels: bool = True) -> dict[str, Any]:
-        return self.core.load_model(kv_tokens=kv_tokens, block_size=block_size, random_model=random_model,
-                                    fused_kernels=fused_kernels)
+    def load_model(self, **options: Any) -> dict[str, Any]:
+        """``ShardCore.load_model`` (keyword options)."""
+        return self.core.load_model(**options)
 
     # ---------------------------------------------------------------- diagnostics
     def status(self) -> dict[str, Any]:

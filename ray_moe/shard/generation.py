@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_moe.core.types import DispatchMode
+from ray_moe.core.types import AttentionBackend, DispatchMode
 from ray_moe.moe.dispatch.protocol import ControlStatus
 from ray_moe.moe.experts.runners.grouped import device_tensor
-from ray_moe.core.errors import RayMoEError
+from ray_moe.core.errors import RayMoEError, StepMemoryError
 from ray_moe.moe.decode.admission import FallbackReason
 from ray_moe.moe.decode.graphs import (
     CapturedStep,
@@ -85,6 +85,14 @@ def _packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndar
     return out
 
 
+# a cache sized from memory (``kv_tokens=None``): the default share of the GPU, and what is kept beside weights
+# and cache for a step's activations, gathered contexts and captured graphs (a heuristic: the larger of the two)
+DEFAULT_MEMORY_FRACTION = 0.9
+WORKSPACE_MIN_BYTES = 2 << 30
+WORKSPACE_SHARE = 0.05
+CPU_KV_TOKENS = 8192  # kv_tokens=None on a CPU: no device memory to size from
+
+
 def _pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
@@ -121,26 +129,38 @@ class GenerationExecutor:
 
     @classmethod
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
-             top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int,
-             block_size: int, fused_kernels: bool = True) -> "GenerationExecutor":
+             top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int | None,
+             block_size: int, fused_kernels: bool = True, attention: AttentionBackend = AttentionBackend.AUTO,
+             memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> "GenerationExecutor":
         """A shard's model: the non-expert modules (transformers classes) from ``checkpoint``, or seeded random
         ones of the transformers config dict ``random_model`` (benchmarks). Routed experts stay the shard's
         slots. ``num_layers`` must equal the model's MoE layer count. ``fused_kernels``: the model's RMSNorm layers
         and rotary embedding take fused kernels where they reproduce transformers' own (CUDA; ``models.norms``,
-        ``models.rotary``)."""
+        ``models.rotary``). ``attention``: the attention backend (``model/attention.py``; AUTO: FlashAttention
+        varlen where its check passes on this device and dtype). ``kv_tokens`` None: on CUDA the cache takes
+        what ``memory_fraction`` of the GPU leaves after the weights (``ModelHost.size_kv``), else
+        ``CPU_KV_TOKENS``."""
+        sized = kv_tokens is None
+        if sized and not 0.0 < float(memory_fraction) <= 1.0:
+            raise ValueError(f"memory_fraction={memory_fraction}: must be in (0, 1]")
+        if sized:
+            kv_tokens = block_size if device.type == "cuda" else CPU_KV_TOKENS
         if random_model is not None:
             from transformers import AutoConfig
 
             conf = dict(random_model)
             host = ModelHost.random(AutoConfig.for_model(conf.pop("model_type"), **conf), seed=seed, device=device,
-                                    dtype=dtype, kv_tokens=kv_tokens, block_size=block_size)
+                                    dtype=dtype, kv_tokens=kv_tokens, block_size=block_size, attention=attention)
         else:
             host = ModelHost.from_checkpoint(checkpoint, device=device, dtype=dtype, kv_tokens=kv_tokens,
-                                             block_size=block_size)
+                                             block_size=block_size, attention=attention)
         if host.moe_layers != num_layers:
             raise ValueError(f"num_layers={num_layers} but the model has {host.moe_layers} MoE layers")
         if fused_kernels:
             host.fuse_kernels()
+        if sized and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            host.size_kv(float(memory_fraction), max(WORKSPACE_MIN_BYTES, int(WORKSPACE_SHARE * total)))
         executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype)
         if host.norms.modules:
             executor.count("fused_norm_layers", host.norms.modules)
@@ -159,10 +179,12 @@ class GenerationExecutor:
         """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids."""
         host = self.host
         return {"rank": self.rank, "kv_blocks": host.kv.num_blocks, "block_size": host.kv.block_size,
+                "kv_bytes_per_token": host.kv_bytes_per_token(),
                 "vocab_size": host.vocab_size,
                 "max_context": int(getattr(host.config, "max_position_embeddings", 1 << 20)),
                 "eos_token_ids": host.eos_token_ids(), "fused_norm_layers": host.norms.modules,
-                "fused_rotary_modules": len(host.rotary.modules)}
+                "fused_rotary_modules": len(host.rotary.modules), "attention": host.attention.value,
+                "attention_reason": host.attention_reason}
 
     def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                decode_key: int) -> "PendingStep | MultiPending":
@@ -171,6 +193,26 @@ class GenerationExecutor:
         (its deferred tokens are read on the device). Every other step is complete on return.
         A multi-step decode request (``steps`` > 1) launches its sub-steps back to back: sub-step j's items
         are deferred on sub-step j - 1's samples (on the device while those are still running)."""
+        try:
+            return self._launch(req, view, paths, status, decode_key)
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(req, exc) from None
+
+    def _out_of_memory(self, req: GenStepRequest, exc: BaseException) -> StepMemoryError:
+        """The step's device memory error, contained: the allocator's cached blocks go back to the device
+        (captured graphs keep their pools), the event is counted, and the step fails alone."""
+        self.count("oom_steps")
+        held = 0.0
+        if self.host.device.type == "cuda":
+            torch.cuda.empty_cache()
+            held = torch.cuda.memory_allocated(self.host.device) / 2**30
+        tokens = sum(len(it.tokens) or 1 for it in req.items) * req.steps
+        return StepMemoryError(f"rank {self.rank}: step {req.step_id!r} ({tokens} tokens) ran out of device memory "
+                               f"({held:.1f} GiB still allocated): {str(exc).splitlines()[0][:200]}",
+                               rank=self.rank, step_id=req.step_id)
+
+    def _launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+                decode_key: int) -> "PendingStep | MultiPending":
         if req.steps == 1:
             return self._launch_one(req, view, paths, status, decode_key)
         if req.units != (False, True) or any(not it.decode or it.sample is None for it in req.items):
@@ -321,22 +363,26 @@ class GenerationExecutor:
         per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask.
         keys = the next power of two of the rank's context (>= 64). Sampling runs on the logits."""
         kv, dev = self.host.kv, self.host.device
+        varlen = self.host.varlen
         chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
         n = sum(c.num_tokens for c in chunks)
         context = sum(c.start + c.num_tokens for c in chunks)
         plain = prefill and len(chunks) == 1 and chunks[0].start == 0
-        keys = rows if plain else max(64, _pow2(context))
+        # varlen decode: each padding row reads one padding key of its own
+        keys = rows if plain else max(64, _pow2(context + (rows - n if varlen and not prefill else 0)))
         last_rows = max(1, _pow2(len(chunks))) if prefill else None
         extra = {"token_ids": _packed_ids(items, rows)}
         layout = DecodeLayout.PACKED
-        if not prefill:
+        if not prefill and not varlen:  # (varlen attends per sequence over the packed contexts already)
             longest = max(64, _pow2(max(c.start + 1 for c in chunks)))
             layout = self.decode_layout.pick(rows, longest, keys)
         if layout is DecodeLayout.BATCHED:
             keys = longest
             staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
         else:
-            staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, extra=extra)
+            staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, varlen=varlen,
+                                    extra=extra)
+        max_q = rows if prefill else 1
         if self._start is not None:  # the step's device work starts here (its host planning came first)
             self._start.record()  # re-recorded: the later record is the one that counts
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
@@ -358,7 +404,7 @@ class GenerationExecutor:
                           hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", fallback_reason=reason,
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
-                                inp.get("last"))
+                                inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys)
             logits = self.host.forward_layout(layout, inp["token_ids"], ctx)
             # every layer's counts, overflow flags and handle checks in one device vector (in the graph)
             return (logits, ctx.device_summary()), ctx

@@ -47,3 +47,42 @@ def test_cuda_generation_replays_whole_step_graphs(ray_session, tmp_path, family
         assert timings["device"] > 0 and timings["device"] <= timings["shard"] + 1e-6, timings
     finally:
         rt.shutdown()
+
+
+def _prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of new tokens before the first divergence of each pair (greedy bf16 runs drift apart after one)."""
+    same = 0
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            if s != t:
+                break
+            same += 1
+    return same / max(1, sum(len(x) for x in a))
+
+
+def test_bf16_generation_on_the_varlen_backend_matches_the_masked_one(ray_session, tmp_path):
+    """bf16 on CUDA takes FlashAttention varlen (captured decode steps included); the masked SDPA backend on the
+    same weights gives the same greedy tokens up to bf16 drift."""
+    _, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 40, 3, 17, 9, 64)]
+    outs, infos = {}, {}
+    for backend in ("auto", "masked"):
+        cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, device="cuda", dtype="bfloat16",
+                                                    decode_token_capacity=8, name=f"gpu-attn-{backend}")
+        rt = ray_moe.Runtime.start(cfg)
+        try:
+            eng = rt.serving(attention=backend)
+            outs[backend] = rt.generate(prompts, max_new_tokens=16)
+            st = rt.shard_status()[0]
+            infos[backend] = (eng.attention_backend, st["capture_error"], st["counters"].get("graph_replays", 0),
+                              eng.kv_tokens)
+        finally:
+            rt.shutdown()
+    assert infos["auto"][0] == "varlen" and infos["masked"][0] == "masked", infos
+    assert infos["auto"][1] is None and infos["auto"][2] >= 5, infos
+    # kv_tokens=None: the cache was sized from the GPU's memory (far beyond the old 8192 default)
+    assert infos["auto"][3] > 100_000, infos
+    agree = _prefix_agreement(outs["auto"], outs["masked"])
+    print("varlen vs masked greedy prefix agreement:", agree)
+    assert agree >= 0.75, (agree, outs)
