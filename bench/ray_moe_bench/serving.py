@@ -177,9 +177,12 @@ def save_word_tokenizer(folder: str, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
 
 
-def prepare_random_model(conf: dict, folder: str, device: str, dtype: str, seed: int) -> dict[str, Any]:
+def prepare_random_model(conf: dict, folder: str, device: str, dtype: str, seed: int,
+                         weights: bool = True) -> dict[str, Any]:
     """Build ``conf`` (a transformers config dict) with random weights on ``device`` and ``save_pretrained`` it
-    with no EOS token (every request runs to its token budget) and a word-level tokenizer."""
+    with no EOS token (every request runs to its token budget) and a word-level tokenizer. ``weights`` False:
+    the config and tokenizer only (ray-moe builds the random model in its shards, vLLM takes dummy weights:
+    the whole 48-layer shape is 61 GB, near the GPU machine's disk)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -188,6 +191,10 @@ def prepare_random_model(conf: dict, folder: str, device: str, dtype: str, seed:
     config.eos_token_id = config.bos_token_id = None
     torch.manual_seed(seed)
     t0 = time.perf_counter()
+    if not weights:
+        config.save_pretrained(folder)
+        save_word_tokenizer(folder, conf["vocab_size"])
+        return {"parameters": None, "weights_saved": False, "build_and_save_s": time.perf_counter() - t0}
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
@@ -210,15 +217,23 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
     ranks = spec["ranks"]
     busiest = sum(len(p) + new for p in prompts)
     cap = spec.get("decode_capacity") or max(1, math.ceil(min(len(prompts), spec["max_running"]) / ranks))
-    cfg = ray_moe.RuntimeConfig.from_pretrained(spec["folder"], num_ranks=ranks, device=spec["device"],
-                                                dtype=spec["dtype"], decode_token_capacity=cap, seed=0,
-                                                name="bench-serving")
+    conf = spec.get("random_model")  # no weights in the folder: seeded experts, random non-expert modules
+    if conf is not None:
+        cfg = ray_moe.RuntimeConfig(num_ranks=ranks, num_experts=conf["num_experts"], hidden_size=conf["hidden_size"],
+                                    ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
+                                    slots_per_rank=-(-conf["num_experts"] // ranks),
+                                    num_layers=conf["num_hidden_layers"], device=spec["device"], dtype=spec["dtype"],
+                                    seed=0, decode_token_capacity=cap, name="bench-serving")
+    else:
+        cfg = ray_moe.RuntimeConfig.from_pretrained(spec["folder"], num_ranks=ranks, device=spec["device"],
+                                                    dtype=spec["dtype"], decode_token_capacity=cap, seed=0,
+                                                    name="bench-serving")
     t0 = time.perf_counter()
     rt = ray_moe.Runtime.start(cfg)
     try:
         # kv_tokens None: the product's default, a cache sized from the memory the weights leave (on CUDA)
         engine = rt.serving(kv_tokens=spec.get("kv_tokens") or (None if spec["device"] == "cuda" else busiest + 64 * len(prompts)),
-                            block_size=16, attention=spec.get("attention") or "auto",
+                            block_size=16, attention=spec.get("attention") or "auto", random_model=conf,
                             step_tokens=spec["step_tokens"], max_running=spec["max_running"],
                             max_queued=max(4096, len(prompts)), decode_steps=spec.get("decode_steps"))
         start_s = time.perf_counter() - t0
@@ -351,7 +366,7 @@ def worker_main(role: Role, spec_path: str) -> int:
     with open(spec_path) as fh:
         spec = json.load(fh)
     if role is Role.PREPARE:
-        res = prepare_random_model(spec["model"], spec["folder"], spec["device"], spec["dtype"], spec["seed"])
+        res = prepare_random_model(spec["model"], spec["folder"], spec["device"], spec["dtype"], spec["seed"], spec.get("weights", True))
     else:
         res = {"status": "ok", **WORKERS[role](spec)}
     with open(spec["result_path"], "w") as fh:
@@ -370,7 +385,7 @@ def run_worker(role: Role, spec: dict, workdir: str, timeout_s: float, *, in_pro
         t0 = time.perf_counter()
         try:
             fn = WORKERS.get(role)
-            res = (prepare_random_model(spec["model"], spec["folder"], spec["device"], spec["dtype"], spec["seed"])
+            res = (prepare_random_model(spec["model"], spec["folder"], spec["device"], spec["dtype"], spec["seed"], spec.get("weights", True))
                    if fn is None else {"status": "ok", **fn(spec)})
         except Exception as exc:  # noqa: BLE001 - recorded in the result like a failed subprocess
             return {"status": "error", "error": f"{role.value}: {exc!r}",
@@ -511,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process", action="store_true",
                    help="run every system in this process (tests; start times and memory are then shared)")
     p.add_argument("--keep-model", metavar="DIR", help="write the random model here and keep it")
+    p.add_argument("--config-only", action="store_true",
+                   help="random model: write no weights (ray-moe builds them in its shards, vLLM takes "
+                        "load_format=dummy; transformers is skipped)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
     p.add_argument("--online", action="store_true", help="HTTP against a running ray-moe serve (--url)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -556,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             folder = a.keep_model or os.path.join(workdir, "model")
             conf = dict(QUICK if a.quick else QWEN3_30B_A3B, num_hidden_layers=2 if a.quick else a.layers)
             built = run_worker(Role.PREPARE, {"model": conf, "folder": folder, "device": device, "dtype": dtype,
-                                              "seed": a.seed}, workdir, a.timeout, in_process=a.in_process)
+                                              "seed": a.seed, "weights": not a.config_only}, workdir, a.timeout,
+                               in_process=a.in_process)
             if built.get("status") == "error":
                 raise RuntimeError(f"writing the random model failed: {built}")
             res["model"] = {"folder": folder if a.keep_model else None, "random": True, "config": conf, **built}
@@ -571,9 +590,14 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": dtype, "ranks": ranks, "max_running": a.max_running, "step_tokens": a.step_tokens,
                 "decode_steps": a.decode_steps, "decode_capacity": a.decode_capacity, "kv_tokens": a.kv_tokens, "attention": a.attention,
                 "warmup": not a.no_warmup, "timeout_s": a.timeout,
-                "vllm_tp": a.vllm_tp or ranks, "vllm_args": a.vllm_args}
+                "vllm_tp": a.vllm_tp or ranks,
+                "vllm_args": {**({"load_format": "dummy"} if a.config_only else {}), **a.vllm_args},
+                "random_model": res["model"]["config"] if a.config_only and not a.model else None}
         systems: dict[str, dict[str, Any]] = {}
         for system in a.systems:
+            if system is System.TRANSFORMERS and spec["random_model"] is not None:
+                systems[system.value] = {"status": "skipped", "reason": "--config-only: no weights to load"}
+                continue
             if system is System.VLLM and importlib.util.find_spec("vllm") is None:
                 systems[system.value] = {"status": "skipped", "reason": "vllm is not installed (import vllm fails)"}
                 continue
