@@ -192,6 +192,9 @@ def prepare_random_model(conf: dict, folder: str, device: str, dtype: str, seed:
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     if not weights:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]  # vLLM picks its model by it
         config.save_pretrained(folder)
         save_word_tokenizer(folder, conf["vocab_size"])
         return {"parameters": None, "weights_saved": False, "build_and_save_s": time.perf_counter() - t0}
