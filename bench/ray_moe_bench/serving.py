@@ -273,6 +273,14 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
                                                   "in the shard actors, whose allocator peak ray-moe does not "
                                                   "report; see nvidia_smi"})
         res["outputs_digest"] = _digest(outs)
+        # where a step's time goes (median ms per step: plan, launch, wait, shard, device, idle, ...) and what the
+        # shards counted (graphs captured / replayed, fallbacks, out-of-memory steps), for the next profile
+        res["step_timings_ms"] = engine.timing_summary()
+        shards = rt.shard_status()
+        res["shards"] = {str(r): {"counters": st.get("counters"), "capture_error": st.get("capture_error"),
+                                  "weight_bytes": st.get("weight_bytes"), "slot_buffers": st.get("slot_buffers")}
+                         for r, st in shards.items()}
+        res["memory_events"] = list(engine.memory_events)
         return res
     finally:
         rt.shutdown()
