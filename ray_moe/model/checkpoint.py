@@ -112,13 +112,14 @@ class CheckpointIndex:
                     self._where.setdefault(key, path)
 
     def _handle(self, path: str) -> Any:
+        """The open file (one per path per process; threads that read experts at once share it)."""
         h = self._handles.get(path)
         if h is None:
             try:
                 h = safe_open(path, framework="pt")
             except (SafetensorError, OSError) as exc:
                 raise ConfigError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from exc
-            self._handles[path] = h
+            h = self._handles.setdefault(path, h)  # a thread that opened it too keeps the first handle
         return h
 
     def __getstate__(self) -> dict[str, Any]:  # open handles stay with the process that opened them

@@ -29,7 +29,10 @@ class HFWeightSource(WeightSource):
     the checkpoint's dtype). ``index``: an existing CheckpointIndex to reuse.
 
     expert(l, e) -> ExpertWeights(w_gate [f, d], w_up [f, d], w_down [d, f]); router(l) -> [E, d] float32.
+    Experts are read by several threads at once (safetensors reads of one memory-mapped file each).
     """
+
+    concurrent_reads = True
 
     def __init__(self, folder: str | None = None, *, dtype: torch.dtype | None = None, spec: ModelSpec | None = None,
                  index: CheckpointIndex | None = None) -> None:

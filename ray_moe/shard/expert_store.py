@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -30,6 +31,7 @@ from ray_moe.placement.manifest import PlacementManifest
 
 Key = tuple[int, int]  # (layer, logical expert id)
 _NAMES = ("w_gate", "w_up", "w_down")
+LOAD_THREADS = 8  # experts read (generated, or read from safetensors) at once from a source that allows it
 
 
 def _key(k: Sequence[int]) -> Key:
@@ -167,8 +169,12 @@ class ExpertStore:
     def load(self, keys: Iterable[Sequence[int]], source: WeightSource) -> dict[Key, str]:
         """Read missing (layer, expert) weights from ``source`` into free rows; returns every key's digest."""
         keys = list(dict.fromkeys(_key(k) for k in keys))
-        missing = [(k, None) for k in keys if k not in self._rows]
-        self._write_all(missing, lambda k, _: source.expert(*k))
+        missing = [k for k in keys if k not in self._rows]
+        threads = min(LOAD_THREADS, len(missing)) if getattr(source, "concurrent_reads", False) else 1
+        if threads <= 1:
+            self._write_all([(k, None) for k in missing], lambda k, _: source.expert(*k))
+        else:
+            self._write_all(_prefetched(missing, source, threads), lambda _, w: w)
         return {k: self._digests[k] for k in keys}
 
     def put(self, weights: Mapping[Sequence[int], ExpertWeights]) -> dict[Key, str]:
@@ -310,3 +316,18 @@ class ExpertStore:
         stale = [k for k in self._rows if k not in live]
         self.drop(stale, live)
         return len(stale)
+
+
+def _prefetched(keys: list[Key], source: WeightSource, threads: int) -> Iterable[tuple[Key, ExpertWeights]]:
+    """(key, weights) in ``keys`` order, read by ``threads`` threads at most ``2 * threads`` ahead of the
+    consumer (the host memory in flight stays bounded; the rows are still written one at a time, in order)."""
+    ahead = 2 * threads
+    with ThreadPoolExecutor(threads, thread_name_prefix="expert-load") as pool:
+        futs = [pool.submit(source.expert, *k) for k in keys[:ahead]]
+        for i, k in enumerate(keys):
+            w = futs[i].result()
+            futs[i] = None  # type: ignore[call-overload]  # released as soon as it is written
+            if i + ahead < len(keys):
+                futs.append(pool.submit(source.expert, *keys[i + ahead]))
+            yield k, w
+

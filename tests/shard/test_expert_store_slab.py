@@ -209,3 +209,43 @@ def test_one_rank_replicas_share_a_row_on_the_device_offsets_path():
         y, res = dep.step(h, ids, wt, phase=phase)
         assert dep.paths(res) == {path} and not dep.errors(res)
         assert _err(y, cfg, h, ids, wt) < 1e-4
+
+
+def test_parallel_load_equals_one_at_a_time(tmp_path):
+    """A source that allows concurrent reads is read by several threads: the same rows and digests as one
+    thread, in key order; bounded prefetch (the test source counts reads in flight)."""
+    import threading
+
+    from ray_moe.moe.experts.weights import SeededWeightSource
+    from ray_moe.shard import expert_store as es
+
+    class Counting(SeededWeightSource):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.lock, self.now, self.peak = threading.Lock(), 0, 0
+
+        def expert(self, layer, expert):
+            with self.lock:
+                self.now += 1
+                self.peak = max(self.peak, self.now)
+            try:
+                return super().expert(layer, expert)
+            finally:
+                with self.lock:
+                    self.now -= 1
+
+    kw = dict(num_layers=2, num_experts=24, hidden_size=16, ffn_size=8, seed=3)
+    keys = [(layer, e) for layer in range(2) for e in range(24)]
+    par_src = Counting(**kw)
+    assert par_src.concurrent_reads
+    par = es.ExpertStore(0, torch.device("cpu"), torch.float32)
+    got = par.load(keys, par_src)
+    seq_src = SeededWeightSource(**kw)
+    seq_src.concurrent_reads = False
+    seq = es.ExpertStore(0, torch.device("cpu"), torch.float32)
+    want = seq.load(keys, seq_src)
+    assert got == want and list(got) == keys
+    for k in keys:
+        a, b = par.get(k), seq.get(k)
+        assert torch.equal(a.w_gate, b.w_gate) and torch.equal(a.w_down, b.w_down)
+    assert 1 <= par_src.peak <= es.LOAD_THREADS

@@ -208,6 +208,8 @@ class WeightSource(ABC):
     ffn_size: int
     num_experts: int
     num_layers: int
+    # ``expert`` may be called from several threads at once (a shard reads its experts in parallel)
+    concurrent_reads: bool = False
 
     @abstractmethod
     def expert(self, layer: int, expert: int) -> ExpertWeights:
@@ -222,12 +224,15 @@ class WeightSource(ABC):
 
 
 class SeededWeightSource(WeightSource):
-    """Deterministic random weights: expert (layer, e) depends only on (seed, layer, e).
+    """Deterministic random weights: expert (layer, e) depends only on (seed, layer, e) (each call its own
+    generator: safe to call from several threads).
 
     With ``tagged=True`` the down projection of expert e is scaled by ``(e + 1)``: every expert shares
     one base function and its output magnitude encodes its own id, so a misplaced slot is visible in the
     output (used by migration tests).
     """
+
+    concurrent_reads = True
 
     def __init__(self, *, num_layers: int, num_experts: int, hidden_size: int, ffn_size: int, seed: int = 0,
                  dtype: torch.dtype = torch.float32, tagged: bool = False) -> None:
