@@ -31,6 +31,7 @@ from ray_moe.ray.coordinator import coordinator_name
 from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.ray.remote import call
 from ray_moe.ray.launch import topology_from_nodes
+from ray_moe.ray.healer import RankHealer
 from ray_moe.ray.transport import RayTransport, fetch_outputs
 from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
@@ -85,6 +86,8 @@ class Runtime:
         self._engine = None  # the generation loop (serving)
         # how steps reach the ranks: shard handles, the process group, the cached ACTIVE generation
         self.transport = RayTransport(cfg, coordinator, shards, group, self.books, self._account)
+        self.healer = RankHealer(self.add_rank, retries=cfg.heal_retries) if cfg.heal_retries else None
+        self.transport.on_lost = None if self.healer is None else self.healer.lost
 
     # the transport's state, as the deployment's own
     shards = property(lambda self: self.transport.shards)
@@ -98,17 +101,10 @@ class Runtime:
     def group(self, group: ProcessGroupSpec) -> None:
         self.transport.group = group
 
-    @property
-    def _generation(self) -> int | None:
-        return self.transport.generation
+    _generation = property(lambda self: self.transport.generation,
+                           lambda self, generation: setattr(self.transport, "generation", generation))
 
-    @_generation.setter
-    def _generation(self, generation: int | None) -> None:
-        self.transport.generation = generation
-
-    @property
-    def _step_lock(self):
-        return self.transport.gate
+    _step_lock = property(lambda self: self.transport.gate)
 
     # ================================================================ lifecycle
     @classmethod
@@ -208,6 +204,8 @@ class Runtime:
         and its name (waited for, bounded)."""
         from ray_moe.ray import launch
 
+        if self.healer is not None:  # (a replacement starting now finishes first, then is torn down)
+            self.healer.close()
         if self._engine is not None:
             self._engine.close()
             self._engine = None

@@ -92,6 +92,9 @@ class RuntimeConfig(BaseModel):
     placement_strategy: str = Field(default="PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     actor_cpus: float = Field(default=0.5, gt=0)
     exchange_timeout_s: float = Field(default=60.0, gt=0)
+    heal_retries: int = Field(default=0, ge=0, le=10, description=(
+        "self-healing ranks: a dead shard is replaced by a new one (start attempts per lost rank, and the "
+        "replacements one line of ranks may lose before it is left out); 0: off (the deployment runs short)"))
     load_window: int = Field(default=64, ge=1)
     num_groups: int = Field(default=1, ge=1, description=(
         "expert groups for hierarchical EPLB. Not checked against num_experts here: the node count is "

@@ -40,6 +40,7 @@ class RayTransport(StepTransport):
         self.on_step = on_step
         self.generation: int | None = None
         self.lost_ranks: list[int] = []
+        self.on_lost: Callable[[Sequence[int]], None] | None = None  # told after dead ranks were removed
         self._step_ids = itertools.count()
 
     # ---------------------------------------------------------------- StepTransport
@@ -174,6 +175,8 @@ class RayTransport(StepTransport):
         self.lost_ranks.extend(dead)
         self.group = group
         self.generation = rep["new_generation"]
+        if self.on_lost is not None:
+            self.on_lost(list(dead))
 
 
 def fetch_outputs(results: dict[int, Any], ranks: list[int]) -> list[np.ndarray]:
