@@ -1,10 +1,11 @@
 """The OpenAI request bodies ``ray-moe serve`` accepts (completions, chat completions, tokenize, detokenize).
 
 Unknown fields are accepted and ignored, as the OpenAI API does: ``ignored_fields`` names them (the server sends
-them back in ``X-Ray-MoE-Ignored-Fields``). Fields that need the shard's sampler (``logprobs``,
-``top_logprobs``, the penalties, ``logit_bias``) are accepted at their default values; another value is a 400
-naming the field (``unsupported_sampler_field``), never a silent ignore. ``ignore_eos`` and ``min_tokens`` are
-accepted but not honoured by the generation loop yet (``unhonoured_fields``: ``X-Ray-MoE-Unsupported-Fields``).
+them back in ``X-Ray-MoE-Ignored-Fields``). The shard's sampler honours ``logprobs`` (completions: 0..20
+alternatives; chat: ``logprobs`` true with ``top_logprobs`` 0..20), ``presence_penalty`` / ``frequency_penalty``
+([-2, 2], over the generated tokens), ``repetition_penalty`` (> 0, over prompt and generated tokens),
+``min_tokens`` and ``ignore_eos``. ``logit_bias`` is accepted at its default only; another value is a 400 naming
+the field (``unsupported_sampler_field``), never a silent ignore.
 """
 
 # no ``from __future__ import annotations``: the models are rebuilt inside Serve's replica process
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 IGNORED_HEADER = "X-Ray-MoE-Ignored-Fields"
 UNSUPPORTED_HEADER = "X-Ray-MoE-Unsupported-Fields"
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's bound; OpenAI's is 20 for chat, 5 for completions)
 MAX_N = 16  # choices per prompt
 MAX_STOPS = 16  # stop strings per request
 CHAT_DEFAULT_MAX_TOKENS = 1024  # a chat request without max_tokens: this many, or what fits the context and KV budget
@@ -78,12 +80,11 @@ class _Generation(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    # the shard's sampler does not compute these yet: accepted at their defaults only (``unsupported_sampler_field``)
-    top_logprobs: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    min_tokens: int = Field(default=0, ge=0, le=1 << 16)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    # not computed by the shard's sampler: accepted at its default only (``unsupported_sampler_field``)
     logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
@@ -101,19 +102,22 @@ class _Generation(BaseModel):
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
-    def unhonoured_fields(self) -> list[str]:
-        return [f for f, default in (("ignore_eos", False), ("min_tokens", 0)) if getattr(self, f) != default]
-
-    def _sampler_fields(self) -> tuple[tuple[str, Any], ...]:
-        return (("top_logprobs", (None, 0)), ("presence_penalty", (None, 0.0)), ("frequency_penalty", (None, 0.0)),
-                ("repetition_penalty", (None, 1.0)), ("logit_bias", (None, {})))
-
     def unsupported_sampler_field(self) -> str | None:
-        """The first field set to a value only the shard's sampler could honour (not supported yet), or None."""
-        for name, defaults in self._sampler_fields():
-            if getattr(self, name) not in defaults:
-                return name
-        return None
+        """The first field set to a value the shard's sampler does not honour (``logit_bias``), or None."""
+        return "logit_bias" if self.logit_bias not in (None, {}) else None
+
+    def sampler_logprobs(self) -> int | None:
+        """Alternatives per sampled token for ``SamplingParams.logprobs`` (None: no logprobs)."""
+        raise NotImplementedError
+
+    def sampling(self, max_new_tokens: int, sample: int, stop_token_ids: tuple[int, ...]) -> dict[str, Any]:
+        """The ``SamplingParams`` fields of choice ``sample`` (seed + sample)."""
+        return dict(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    seed=None if self.seed is None else self.seed + sample, stop_token_ids=stop_token_ids,
+                    ignore_eos=self.ignore_eos, min_tokens=min(self.min_tokens, max_new_tokens),
+                    presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logprobs=self.sampler_logprobs())
 
     @property
     def include_usage(self) -> bool:
@@ -127,7 +131,7 @@ class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(default=16, ge=1, le=1 << 16)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -146,8 +150,8 @@ class CompletionRequest(_Generation):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def _sampler_fields(self) -> tuple[tuple[str, Any], ...]:
-        return (("logprobs", (None, 0)), *super()._sampler_fields())
+    def sampler_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionRequest(_Generation):
@@ -157,9 +161,12 @@ class ChatCompletionRequest(_Generation):
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 16)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 16)
     logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _one_limit(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
@@ -172,8 +179,8 @@ class ChatCompletionRequest(_Generation):
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role.value, "content": m.text()} for m in self.messages]
 
-    def _sampler_fields(self) -> tuple[tuple[str, Any], ...]:
-        return (("logprobs", (None, False)), *super()._sampler_fields())
+    def sampler_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):
@@ -207,6 +214,7 @@ class DetokenizeRequest(BaseModel):
 __all__ = [
     "CHAT_DEFAULT_MAX_TOKENS",
     "IGNORED_HEADER",
+    "MAX_LOGPROBS",
     "MAX_N",
     "UNSUPPORTED_HEADER",
     "ChatCompletionRequest",

@@ -4,9 +4,13 @@
 
     POST /v1/completions        {"model", "prompt": text | token ids | a list of either, "max_tokens", "temperature",
                                  "top_p", "seed", "n", "stop", "stop_token_ids", "echo", "stream", "stream_options",
-                                 "return_token_ids", "skip_special_tokens", "user"} -> choices with "text" (when the
-                                 folder has a tokenizer) and "token_ids"
-    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...} through the folder's chat template
+                                 "return_token_ids", "skip_special_tokens", "user", "logprobs" (0..20),
+                                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                                 "ignore_eos"} -> choices with "text" (when the folder has a tokenizer), "token_ids"
+                                 and "logprobs" ({"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "logprobs": true, "top_logprobs", ...}
+                                 through the folder's chat template; logprobs as {"content": [{"token", "logprob",
+                                 "bytes", "top_logprobs"}]}
     POST /tokenize              {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize            {"tokens"} -> {"prompt"}
     GET  /v1/models, /v1/models/{id}, /health
@@ -14,9 +18,11 @@
 Text is exact: streamed pieces concatenate to the non-streamed text (``detokenize.IncrementalDetokenizer``), special
 tokens are skipped unless ``skip_special_tokens`` is false, text prompts get BOS as the tokenizer adds it. ``stop``
 strings are matched on that text across token boundaries and cut (the request is cancelled there). ``n`` samples
-use seeds ``seed + i``. Unknown fields are ignored and named in ``X-Ray-MoE-Ignored-Fields``; ``ignore_eos`` /
-``min_tokens`` are accepted but not honoured yet (``X-Ray-MoE-Unsupported-Fields``); ``logprobs``,
-``top_logprobs``, the penalties and ``logit_bias`` at other than their defaults get 400 (not supported yet).
+use seeds ``seed + i``. Unknown fields are ignored and named in ``X-Ray-MoE-Ignored-Fields``; ``logit_bias`` at
+other than its default gets 400 (not supported). Logprobs are the raw ones (log-softmax of the model's logits,
+before penalties and temperature; ``model.sampling``), for the generated tokens (not the prompt's, with ``echo``);
+a token's text is its id decoded alone (``token_id:<id>`` without a tokenizer), its ``text_offset`` where the
+completion's text stood when it arrived.
 
 The Serve replica attaches to the deployment by name (``Runtime.connect``) and owns its generation loop; the
 process that ran ``ray-moe serve`` owns the shard actors (Ctrl-C tears both down). Bad requests get 400 with
@@ -41,11 +47,10 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from ray_moe.apps.detokenize import IncrementalDetokenizer, StopMatcher
+from ray_moe.apps.choices import Choice, FinishReason, chat_logprobs, completion_logprobs
 from ray_moe.apps.openai_protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
     IGNORED_HEADER,
-    UNSUPPORTED_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -59,11 +64,6 @@ class Endpoint(str, Enum):
 
     COMPLETION = "text_completion"
     CHAT = "chat.completion"
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"      # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens reached
 
 
 def bearer_ok(header: str, key: str) -> bool:
@@ -109,58 +109,6 @@ def serve_http_conflict(host: str, port: int) -> str | None:
 
 class GenerationFailed(RayMoEError):
     """The generation loop reported an error for a request."""
-
-
-class Choice:
-    """One sample being generated: its tokens in, its exact text out (stop token ids, stop strings).
-
-    index: the choice's index in the response (prompt-major: prompt i, sample s -> i * n + s); sample: s;
-    prompt: its prompt token ids; echo: text put before the completion's text (``echo``)."""
-
-    def __init__(self, index: int, sample: int, prompt: list[int], max_tokens: int, *, tokenizer: Any,
-                 stops: tuple[str, ...], stop_ids: tuple[int, ...], skip_special_tokens: bool, echo: str = "") -> None:
-        self.index, self.sample, self.prompt, self.max_tokens, self.echo = index, sample, prompt, max_tokens, echo
-        self.stop_ids = frozenset(stop_ids)
-        self.detok = (None if tokenizer is None else
-                      IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens))
-        self.stops = StopMatcher(stops)
-        self.tokens: list[int] = []
-        self.text = ""
-        self.stop_reason: str | int | None = None
-        self.finish: FinishReason | None = None
-        self.handle: Any = None
-
-    def on_token(self, tok: int) -> str:
-        """A generated token; returns the text it adds (after a stop string matched: finished, "")."""
-        if self.finish is not None:
-            return ""
-        self.tokens.append(tok)
-        if tok in self.stop_ids:  # its text is not part of the output (the loop ends the request on it)
-            self.stop_reason = tok
-            return ""
-        if self.detok is None:
-            return ""
-        new = self.stops.feed(self.detok.push(tok))
-        if self.stops.stopped is not None:
-            self.stop_reason, self.finish = self.stops.stopped, FinishReason.STOP
-        self.text += new
-        return new
-
-    def on_end(self) -> str:
-        """The request ended (EOS, a stop token, max_tokens); returns the text still held back."""
-        if self.finish is not None:
-            return ""
-        new = ""
-        if self.detok is not None:
-            new = self.stops.feed(self.detok.finish())
-            if self.stops.stopped is not None:
-                self.stop_reason = self.stops.stopped
-            else:
-                new += self.stops.flush()
-        self.text += new
-        self.finish = (FinishReason.LENGTH if self.stop_reason is None and len(self.tokens) >= self.max_tokens
-                       else FinishReason.STOP)
-        return new
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -232,7 +180,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             if hasattr(req, "unsupported_sampler_field"):
                 field = req.unsupported_sampler_field()
                 if field is not None:
-                    return None, _error(400, f"{field}={getattr(req, field)!r}: not supported yet (ray-moe's sampler "
+                    return None, _error(400, f"{field}={getattr(req, field)!r}: not supported (ray-moe's sampler "
                                              f"does not compute it); leave it out or send its default", field)
                 if req.stops() and self.tokenizer is None:
                     return None, _error(400, "stop: stop strings need a tokenizer in the checkpoint folder "
@@ -257,8 +205,6 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             out = {}
             if req.ignored_fields():
                 out[IGNORED_HEADER] = ",".join(req.ignored_fields())
-            if req.unhonoured_fields():
-                out[UNSUPPORTED_HEADER] = ",".join(req.unhonoured_fields())
             return out
 
         # ------------------------------------------------------------ endpoints
@@ -355,9 +301,11 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             return "" if bad else self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
 
         def _choice(self, index: int, sample: int, ids: list[int], max_tokens: int, req: Any, echo: str = "") -> Choice:
-            return Choice(index, sample, ids, max_tokens, tokenizer=self.tokenizer, stops=req.stops(),
-                          stop_ids=tuple(req.stop_token_ids or ()), skip_special_tokens=req.skip_special_tokens,
-                          echo=echo)
+            c = Choice(index, sample, ids, max_tokens, tokenizer=self.tokenizer, stops=req.stops(),
+                       stop_ids=tuple(req.stop_token_ids or ()), skip_special_tokens=req.skip_special_tokens,
+                       echo=echo)
+            c.wants_logprobs = req.sampler_logprobs() is not None
+            return c
 
         def _cancel(self, choices: list[Choice]) -> None:
             """Stop generating for choices that need no more tokens (a stop string, a gone client)."""
@@ -374,9 +322,14 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             for c in choices:
-                params = SamplingParams(max_new_tokens=c.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                        seed=None if req.seed is None else req.seed + c.sample,
-                                        stop_token_ids=tuple(req.stop_token_ids or ()))
+                try:
+                    params = SamplingParams(**req.sampling(c.max_tokens, c.sample, tuple(req.stop_token_ids or ())))
+                except ValidationError as exc:
+                    self._cancel(choices)
+                    err = exc.errors()[0]
+                    field = ".".join(str(x) for x in err.get("loc", ())) or None
+                    return _error(400, f"{field or 'request'}: {err.get('msg')} (got {err.get('input')!r})", field,
+                                  headers=headers)
                 try:
                     c.handle = self.engine.submit(c.prompt, params, on_event=lambda item, i=c.index: (
                         loop.call_soon_threadsafe(events.put_nowait, (i, item))))
@@ -408,6 +361,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             """(choice, text it adds, token or None at its end, whether it finished) until every choice finished;
             what is still generating is cancelled when this ends early (an error, a client gone)."""
             by_index = {c.index: c for c in choices}
+            want_logprobs = bool(choices) and choices[0].wants_logprobs
             try:
                 while any(c.finish is None for c in choices):
                     i, item = await events.get()
@@ -419,7 +373,10 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                     elif isinstance(item, BaseException):
                         raise GenerationFailed(str(item))
                     else:
-                        text = c.on_token(item)
+                        lp = None
+                        if want_logprobs:  # appended by the loop before the token was emitted
+                            lp = c.handle.logprobs[len(c.tokens)]
+                        text = c.on_token(item, lp)
                         if c.finish is not None:
                             self._cancel([c])
                         yield c, text, item, c.finish is not None
@@ -429,18 +386,29 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
         def _body(self, kind: Endpoint, rid: str, created: int, req: Any, choices: list[Choice]) -> dict:
             out: dict[str, Any] = {"id": rid, "object": kind.value, "created": created, "model": model_name}
             if kind is Endpoint.COMPLETION:
-                out["choices"] = [{"index": c.index, "text": c.echo + c.text, "token_ids": c.tokens, "logprobs": None,
+                out["choices"] = [{"index": c.index, "text": c.echo + c.text, "token_ids": c.tokens,
+                                   "logprobs": self._logprobs(kind, c, c.tokens, c.logprobs, c.offsets),
                                    "finish_reason": c.finish.value, "stop_reason": c.stop_reason,
                                    **({"prompt_token_ids": c.prompt} if req.return_token_ids else {})}
                                   for c in choices]
             else:
                 out["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                   "logprobs": None, "finish_reason": c.finish.value, "stop_reason": c.stop_reason,
+                                   "logprobs": self._logprobs(kind, c, c.tokens, c.logprobs),
+                                   "finish_reason": c.finish.value, "stop_reason": c.stop_reason,
                                    **({"token_ids": c.tokens} if req.return_token_ids else {})} for c in choices]
                 if req.return_token_ids:
                     out["prompt_token_ids"] = choices[0].prompt
             out["usage"] = _usage(choices)
             return out
+
+        def _logprobs(self, kind: Endpoint, c: Choice, tokens: list[int], logprobs: list[Any],
+                      offsets: list[int] = ()) -> dict | None:
+            """The choice's logprobs in the endpoint's form for ``tokens`` (None: the request did not ask)."""
+            if not c.wants_logprobs:
+                return None
+            if kind is Endpoint.COMPLETION:
+                return completion_logprobs(self.tokenizer, tokens, logprobs, offsets)
+            return chat_logprobs(self.tokenizer, tokens, logprobs)
 
         async def _stream(self, kind: Endpoint, rid: str, created: int, req: Any, choices: list[Choice],
                           events: asyncio.Queue):
@@ -448,12 +416,14 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
 
             def chunk(c: Choice, text: str, toks: list[int], finish: FinishReason | None = None,
                       first: bool = False) -> str:
+                # a token's chunk carries its logprobs (the last ones the choice recorded)
+                lps = self._logprobs(kind, c, toks, c.logprobs[-1:], c.offsets[-1:]) if toks else None
                 if kind is Endpoint.COMPLETION:
-                    ch = {"index": c.index, "text": text, "token_ids": toks, "logprobs": None,
+                    ch = {"index": c.index, "text": text, "token_ids": toks, "logprobs": lps,
                           "finish_reason": None if finish is None else finish.value}
                 else:
                     delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                    ch = {"index": c.index, "delta": delta, "logprobs": None,
+                    ch = {"index": c.index, "delta": delta, "logprobs": lps,
                           "finish_reason": None if finish is None else finish.value,
                           **({"token_ids": toks} if req.return_token_ids else {})}
                 if finish is not None:
@@ -469,7 +439,8 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 async with contextlib.aclosing(self._events(choices, events)) as stream:
                     async for c, text, tok, ended in stream:
                         toks = [] if tok is None else [tok]
-                        if text or (toks and (kind is Endpoint.COMPLETION or req.return_token_ids)):
+                        if text or (toks and (kind is Endpoint.COMPLETION or req.return_token_ids
+                                              or c.wants_logprobs)):
                             yield chunk(c, text, toks)
                         if ended:
                             yield chunk(c, "", [], c.finish)
@@ -564,6 +535,8 @@ __all__ = [
     "FinishReason",
     "bearer_ok",
     "build_app",
+    "chat_logprobs",
+    "completion_logprobs",
     "read_api_key",
     "run_server",
     "serve_http_conflict",

@@ -24,7 +24,7 @@ import torch
 
 from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
 from ray_moe.shard.records import GenStepRequest
-from ray_moe.model.sampling import SamplingParams
+from ray_moe.model.sampling import SamplingParams, TokenLogprobs
 from ray_moe.driver.scheduler import Scheduler, StepPlan
 from ray_moe.driver.transport import StepTransport
 from ray_moe.core.types import Phase
@@ -36,7 +36,9 @@ DEFAULT_DECODE_STEPS_CUDA = 4  # multi-step decode on CUDA unless told otherwise
 @dataclass
 class RequestHandle:
     """One submitted request: its new tokens arrive on ``events`` (a token int, then ``_DONE`` or an error);
-    ``on_event`` (optional) is called from the loop thread with each token, then None (end) or the error."""
+    ``on_event`` (optional) is called from the loop thread with each token, then None (end) or the error.
+    ``logprobs``: when the request asked (``SamplingParams.logprobs``), one ``TokenLogprobs`` per token in
+    ``tokens``, appended before the token is emitted (so ``logprobs[i]`` exists once token i is seen)."""
 
     request_id: str
     prompt_len: int
@@ -46,9 +48,12 @@ class RequestHandle:
     tokens: list[int] = field(default_factory=list)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
-    def emit(self, item: Any) -> None:
+    def emit(self, item: Any, logprobs: TokenLogprobs | None = None) -> None:
         if isinstance(item, int):
+            if logprobs is not None:
+                self.logprobs.append(logprobs)
             self.tokens.append(item)
         elif item is not _DONE:
             self.error = item
@@ -284,15 +289,16 @@ class GenerationLoop:
         self._last_done = t1
         t2 = time.perf_counter()
         sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
+        logprobs = {k: v for res in results.values() for k, v in res.logprobs.items()}
         with self._lock:
-            events = self.scheduler.commit(plan, sampled)
+            events = self.scheduler.commit(plan, sampled, logprobs)
             self.scheduler.step_succeeded()
             self.steps += 1
             for ev in events:
                 h = self._handles.get(ev.request_id)
                 if h is None:
                     continue
-                h.emit(ev.token)
+                h.emit(ev.token, ev.logprobs)
                 if ev.finished:
                     del self._handles[ev.request_id]
                     h.emit(_DONE)

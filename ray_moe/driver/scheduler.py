@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from ray_moe.model.kv import KVBudgetError
-from ray_moe.model.sampling import SampleSpec, SamplingParams
+from ray_moe.model.sampling import SampleSpec, SamplingParams, TokenLogprobs
 from ray_moe.shard.records import WorkItem
 
 
@@ -102,9 +102,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class TokenEvent:
+    """One generated token; ``logprobs`` when the request asked for them."""
+
     request_id: str
     token: int
     finished: bool
+    logprobs: TokenLogprobs | None = None
 
 
 RECOVER_AFTER_STEPS = 64  # clean steps after a memory backoff before the budgets double back
@@ -318,12 +321,10 @@ class Scheduler:
             all_decode = all_decode and decode
             steps = min(steps, s.params.max_new_tokens - len(s.generated) - sampling)
             end = cached + n
-            spec = None
-            if end == total:
-                p = s.params
-                spec = SampleSpec(p.temperature, p.top_p, s.seed, end)
+            spec = self._spec(s, end) if end == total else None
             tokens = () if deferred else s.token_slice(cached, end)
-            items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred))
+            items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred,
+                                          s.params.penalized))
         # caches the step in flight already drops stay out of this one (a preempted sequence keeps its id: a
         # second drop would hit its new cache)
         freeing = {x for v in ahead.free.values() for x in v} if ahead is not None else set()
@@ -331,10 +332,25 @@ class Scheduler:
         steps = max(1, steps) if all_decode else 1
         return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free, steps)
 
-    def commit(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]]) -> list[TokenEvent]:
+    def _spec(self, s: SeqStatus, position: int) -> SampleSpec:
+        """How ``s`` samples its token at ``position``: its parameters, its prompt length (penalties), and while
+        fewer than ``min_tokens`` tokens are generated the ids the rank masks (stop ids, and end-of-sequence
+        ids unless ``ignore_eos``; a multi-step request's later sub-steps stop masking at the same position)."""
+        p = s.params
+        suppress, until = (), 0
+        if p.min_tokens and position < len(s.prompt) + p.min_tokens:
+            until = len(s.prompt) + p.min_tokens
+            suppress = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))))
+        return SampleSpec(p.temperature, p.top_p, s.seed, position, p.presence_penalty, p.frequency_penalty,
+                          p.repetition_penalty, len(s.prompt), suppress, until if suppress else 0, p.logprobs)
+
+    def commit(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]],
+               logprobs: Mapping[str, Sequence[TokenLogprobs]] | None = None) -> list[TokenEvent]:
         """Apply a successful step: caches advanced, sampled tokens appended, finished sequences freed.
         sampled: {sequence id: its token}, or for a plan of ``steps`` > 1 the ``steps`` tokens in position
-        order (those after its last token, an end of sequence or a stop token are dropped)."""
+        order (those after its last token, an end of sequence or a stop token are dropped). logprobs: {sequence
+        id: one per sampled token} for the requests that asked. An end-of-sequence id ends a sequence unless
+        ``ignore_eos``; neither it nor a stop id ends one before ``min_tokens`` tokens (the rank masks them)."""
         for r, names in plan.free.items():
             done = set(names)
             self._to_free[r] = [x for x in self._to_free.get(r, []) if x not in done]
@@ -352,11 +368,14 @@ class Scheduler:
                 if len(toks) != plan.steps:
                     raise ValueError(f"sampled[{it.seq_id!r}]: {len(toks)} tokens for a step of {plan.steps} "
                                      f"decode sub-steps")
-                for tok in map(int, toks):
+                lps = (logprobs or {}).get(it.seq_id) or ()
+                p = s.params
+                for j, tok in enumerate(map(int, toks)):
                     s.generated.append(tok)
-                    finished = (len(s.generated) >= s.params.max_new_tokens or tok in self.eos
-                                or tok in s.params.stop_token_ids)
-                    events.append(TokenEvent(s.request_id, tok, finished))
+                    stops = len(s.generated) > p.min_tokens and (
+                        (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids)
+                    finished = len(s.generated) >= p.max_new_tokens or stops
+                    events.append(TokenEvent(s.request_id, tok, finished, lps[j] if j < len(lps) else None))
                     if finished:
                         self._finish(s)
                         break

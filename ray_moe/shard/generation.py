@@ -45,7 +45,7 @@ from ray_moe.moe.decode.graphs import (
 from ray_moe.moe.layer import GenerationView, MoEStep, SplitMoE
 from ray_moe.model.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.model.host import ModelHost
-from ray_moe.model.sampling import SampleSpec, sample, sample_tensor
+from ray_moe.model.sampling import logprobs_tensor, sample_tensor
 from ray_moe.shard.pending import MultiPending, PendingStep, _GraphPending
 from ray_moe.shard.records import GenStepRequest, WorkItem
 
@@ -121,6 +121,8 @@ class GenerationExecutor:
         # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
         # the one at its start position; a rerun step finds its input again
         self.sampled: dict[str, dict[int, int]] = {}
+        # the token ids of sequences whose penalties read them (``WorkItem.keep_tokens``), index = position
+        self.history: dict[str, list[int]] = {}
         # launched steps not completed yet: step id -> (sampled tokens [S] on the device, {(seq, position): i})
         self._picks: dict[str, tuple[torch.Tensor, dict[tuple[str, int], int]]] = {}
         # device timing (CUDA): the launching step's start event, the last completed step's end event
@@ -225,9 +227,10 @@ class GenerationExecutor:
                 if j:
                     sub = dataclasses.replace(
                         req, step_id=f"{req.step_id}/{j}", free=(), steps=1,
-                        items=tuple(WorkItem(it.seq_id, (), it.start + j, SampleSpec(
-                            it.sample.temperature, it.sample.top_p, it.sample.seed, it.sample.position + j),
-                            True, True) for it in req.items))
+                        items=tuple(dataclasses.replace(
+                            it, tokens=(), start=it.start + j, decode=True, deferred=True,
+                            sample=dataclasses.replace(it.sample, position=it.sample.position + j))
+                            for it in req.items))
                 else:
                     sub = dataclasses.replace(req, steps=1)
                 parts.append(self._launch_one(sub, view, paths, status, decode_key,
@@ -251,10 +254,12 @@ class GenerationExecutor:
         for sid in req.free:
             kv.free(sid)
             self.sampled.pop(sid, None)
+            self.history.pop(sid, None)
         local_error: Exception | None = None
         fills: list[tuple[int, torch.Tensor, int]] = []
         try:
             resolved, fills = self._resolve(req.items)
+            resolved, fills = self._keep_tokens(resolved, fills)
             for it in resolved:
                 kv.reserve(it.seq_id, it.start + len(it.tokens))
         except (KVBudgetError, DeferredTokenError) as exc:
@@ -294,16 +299,16 @@ class GenerationExecutor:
                                                              for i, it in enumerate(out.want)})
                 return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision)
             out = out.finish()
-        tokens, stats, overflow = out
+        tokens, stats, overflow, lps = out
         if bucket and agree_overflow(paths.exchange, overflow, req.step_id):
             reason, bucket = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value, False
             self.count(f"fallback_{reason}")
             out = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode, False, reason,
                                 [], tag="/rerun")
-            tokens, stats, _ = out.finish() if isinstance(out, _GraphPending) else out
+            tokens, stats, _, lps = out.finish() if isinstance(out, _GraphPending) else out
             path = "variable"
         self.finished(items, tokens)
-        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats),
+        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats, lps),
                            decision=decision)
 
     def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
@@ -329,6 +334,34 @@ class GenerationExecutor:
                 it = dataclasses.replace(it, tokens=(tok,), deferred=False)
             out.append(it)
         return tuple(out), fills
+
+    def _keep_tokens(self, items: tuple[WorkItem, ...], fills: list[tuple[int, torch.Tensor, int]]
+                     ) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
+        """Sequences whose penalties read their tokens (``keep_tokens``): a deferred token of theirs still on
+        the device is read to the host (waits for the step that sampled it: such steps do not overlap), and every
+        item's tokens are written into ``history`` at their positions (a rerun or a re-prefill overwrites)."""
+        held = [k for k, it in enumerate(items) if it.keep_tokens]
+        if not held:
+            return items, fills
+        mine = {k for k, _, _ in fills} & set(held)
+        if mine:
+            items = self._materialize(items, [f for f in fills if f[0] in mine])
+            fills = [f for f in fills if f[0] not in mine]
+            self.count("penalty_token_reads", len(mine))
+        for k in held:
+            it = items[k]
+            h = self.history.setdefault(it.seq_id, [])
+            if len(h) < it.start:
+                raise DeferredTokenError(f"sequence {it.seq_id!r}: rank {self.rank} holds {len(h)} of its tokens, "
+                                         f"not the {it.start} before position {it.start} (its penalties read them)")
+            del h[it.start:]
+            h.extend(it.tokens)
+        return items, fills
+
+    def _contexts(self, items: list[WorkItem]) -> list[list[int] | None]:
+        """Each sampled item's tokens before its sample position (penalized sequences; None for the others)."""
+        return [self.history.get(it.seq_id, [])[:it.sample.position] if it.sample.penalized else None
+                for it in items]
 
     @staticmethod
     def _materialize(items: tuple[WorkItem, ...], fills: list[tuple[int, torch.Tensor, int]]) -> tuple[WorkItem, ...]:
@@ -433,12 +466,14 @@ class GenerationExecutor:
             host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
             host_summary.copy_(summary, non_blocking=True)
         want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
-        picked = None
+        picked = lps = None
         if want:
             rows_ = [i for i, _ in want]
             scores = logits[: len(rows_)] if rows_ == list(range(len(rows_))) else logits.index_select(
                 0, torch.tensor(rows_, dtype=torch.int64).to(logits.device))
-            picked = sample_tensor(scores, [it.sample for _, it in want])
+            specs = [it.sample for _, it in want]
+            picked = sample_tensor(scores, specs, self._contexts([it for _, it in want]))
+            lps = logprobs_tensor(scores, picked, specs)
         host_picked = done = None
         if dev.type == "cuda":  # copied right behind the step: completing it never waits for later steps
             if picked is not None:
@@ -446,7 +481,7 @@ class GenerationExecutor:
                 host_picked.copy_(picked, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev, host_picked, done)
+        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev, host_picked, done, lps)
 
     def device_span(self, start: "torch.cuda.Event | None", end: "torch.cuda.Event | None") -> tuple[float, float]:
         """(busy, idle) seconds of a completed step: its device time, and the device's idle gap since the step
@@ -471,7 +506,7 @@ class GenerationExecutor:
     def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills,
                  tag: str = ""):
         """The step's model forward: a captured-shape step (``_GraphPending``) or eagerly ((tokens, stats,
-        overflow)). ``fills``: deferred tokens still on the device (``_resolve``)."""
+        overflow, logprobs)). ``fills``: deferred tokens still on the device (``_resolve``)."""
         def ctx(unit, dispatcher, st, r=None):
             return MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=paths.runner, dtype=self.dtype,
                            hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", status=st, fallback_reason=r)
@@ -483,6 +518,7 @@ class GenerationExecutor:
             dec = ctx("decode", paths.bucket if bucket else paths.normal,
                       status if pre is None else ControlStatus.OK, reason)
         tokens: dict[str, int] = {}
+        lps: dict[str, Any] = {}
         self._runner = paths.runner
         if items and paths.capture:
             if bucket and pre is None and "decode" not in self.capture_errors:
@@ -504,8 +540,12 @@ class GenerationExecutor:
             want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
             if want:
                 rows = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)
-                picked = sample(logits.index_select(0, rows), [it.sample for _, it in want])
-                tokens = {it.seq_id: tok for (_, it), tok in zip(want, picked)}
+                scores, specs = logits.index_select(0, rows), [it.sample for _, it in want]
+                picked = sample_tensor(scores, specs, self._contexts([it for _, it in want]))
+                pending = logprobs_tensor(scores, picked, specs)
+                tokens = {it.seq_id: int(tok) for (_, it), tok in zip(want, picked.tolist())}
+                if pending is not None:
+                    lps = {want[i][1].seq_id: lp for i, lp in pending.read().items()}
         else:
             self.host.idle(split, self.hidden_size, self.top_k)
         stats, overflow = [], False
@@ -514,7 +554,7 @@ class GenerationExecutor:
                 s, o = unit.finish()
                 stats.extend(s)
                 overflow = overflow or o
-        return tokens, tuple(stats), overflow
+        return tokens, tuple(stats), overflow, lps
 
 
 __all__ = ["GenerationExecutor", "DeferredTokenError", "DecodeLayout"]

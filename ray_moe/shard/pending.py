@@ -12,6 +12,7 @@ import torch
 
 from ray_moe.moe.layer import MoEStep
 from ray_moe.moe.stats import merge_layer_stats
+from ray_moe.model.sampling import LogprobsPending, TokenLogprobs
 from ray_moe.shard.records import GenStepRequest, GenStepResult, WorkItem
 
 
@@ -20,7 +21,8 @@ class _GraphPending:
     """A captured-shape step whose graph and sampling were queued on the device: ``finish`` waits for them.
     want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled);
     host_picked / host_summary: their copies queued to (pinned) host memory right behind the step, so reading
-    them never waits for steps launched after this one. ``done``: an event recorded after those copies."""
+    them never waits for steps launched after this one. ``done``: an event recorded after those copies.
+    logprobs: the raw logprobs of the ``want`` items that asked, on the device (None: none asked)."""
 
     ctx: MoEStep
     want: tuple[WorkItem, ...]
@@ -29,18 +31,21 @@ class _GraphPending:
     device: torch.device
     host_picked: torch.Tensor | None = None
     done: Any = None
+    logprobs: LogprobsPending | None = None
 
-    def finish(self) -> tuple[dict[str, int], tuple, bool]:
-        tokens = {}
+    def finish(self) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs]]:
+        tokens, lps = {}, {}
         if self.done is not None:
             self.done.synchronize()
         if self.picked is not None:
             src = self.host_picked if self.host_picked is not None else self.picked
             tokens = {it.seq_id: int(t) for it, t in zip(self.want, src.tolist())}
+            if self.logprobs is not None:
+                lps = {self.want[i].seq_id: lp for i, lp in self.logprobs.read().items()}
         elif self.device.type == "cuda" and self.done is None:
             torch.cuda.current_stream(self.device).synchronize()
         stats, overflow = self.ctx.finish(None if self.host_summary is None else self.host_summary.numpy())
-        return tokens, stats, overflow
+        return tokens, stats, overflow, lps
 
 
 class PendingStep:
@@ -49,7 +54,8 @@ class PendingStep:
 
     def __init__(self, executor: Any, req: GenStepRequest, generation: int,
                  items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
-                 graph: _GraphPending | None = None, result: tuple[dict[str, int], tuple] | None = None,
+                 graph: _GraphPending | None = None,
+                 result: tuple[dict[str, int], tuple, dict[str, TokenLogprobs]] | None = None,
                  decision: Any = None) -> None:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
         self.decision = decision  # the decode unit's agreed decision (None: no decode round)
@@ -78,15 +84,16 @@ class PendingStep:
         ex = self.executor
         if self.graph is not None:
             try:
-                tokens, stats, _ = self.graph.finish()  # a group of one: nothing overflows
+                tokens, stats, _, lps = self.graph.finish()  # a group of one: nothing overflows
             finally:
                 ex._picks.pop(self.req.step_id, None)
             ex.finished(self.items, tokens)
-            self.result, self.graph = (tokens, stats), None
-        tokens, stats = self.result
+            self.result, self.graph = (tokens, stats, lps), None
+        tokens, stats, lps = self.result
         device_s, idle_s = ex.device_span(self.start, self.event)
         return GenStepResult(ex.rank, self.req.step_id, self.generation, {k: (v,) for k, v in tokens.items()}, stats,
-                             time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s)
+                             time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s,
+                             logprobs={k: (v,) for k, v in lps.items()})
 
 
 class MultiPending:
@@ -119,10 +126,12 @@ class MultiPending:
             raise
         first = results[0]
         tokens = {k: tuple(r.tokens[k][0] for r in results) for k in first.tokens}
+        lps = {k: tuple(r.logprobs[k][0] for r in results) for k in first.logprobs}
         return GenStepResult(first.rank, self.req.step_id, first.generation, tokens,
                              merge_layer_stats([ls for r in results for ls in r.layers]),
                              time.perf_counter() - self.parts[0].t0, first.decode_path, first.fallback_reason,
-                             device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results))
+                             device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results),
+                             logprobs=lps)
 
 
 __all__ = ["PendingStep", "MultiPending"]

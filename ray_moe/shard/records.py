@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ray_moe.core.types import Phase
-from ray_moe.model.sampling import SampleSpec
+from ray_moe.model.sampling import SampleSpec, TokenLogprobs
 from ray_moe.moe.stats import LayerStats
 
 
@@ -27,7 +27,9 @@ class WorkItem:
     sampled when ``sample`` (the chunk reaches the end of what is known). ``decode``: a one-token step of a
     sequence that already has a cache (the decode phase, spec 0x05E). ``deferred``: a decode step planned
     while the step that samples its input token is still in flight; ``tokens`` is empty and the rank feeds
-    the token it sampled for this sequence at position ``start`` (the driver never waits for it)."""
+    the token it sampled for this sequence at position ``start`` (the driver never waits for it).
+    ``keep_tokens``: the rank keeps this sequence's token ids by position (its penalties read them); set on
+    every item of a penalized sequence, so the rank holds all of them."""
 
     seq_id: str
     tokens: tuple[int, ...]
@@ -35,6 +37,7 @@ class WorkItem:
     sample: SampleSpec | None
     decode: bool
     deferred: bool = False
+    keep_tokens: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -105,31 +108,45 @@ class GenStepRequest:
         dataclass at a time cost ~10 us each (1.2 ms for a batch of 128 decode items; ~0.3 ms this way)."""
         items = self.items
         n = len(items)
-        ints = np.zeros((5, n), dtype=np.int64)  # start, token count, flags, seed, sample position
-        floats = np.zeros((2, n), dtype=np.float64)  # temperature, top_p
+        # start, token count, flags, seed, sample position, prompt length, suppress_until, logprobs (-1: none),
+        # suppressed id count
+        ints = np.zeros((9, n), dtype=np.int64)
+        floats = np.zeros((5, n), dtype=np.float64)  # temperature, top_p, presence, frequency, repetition
+        suppress: list[int] = []
         for i, it in enumerate(items):
             sp = it.sample
             ints[0, i], ints[1, i] = it.start, len(it.tokens)
-            ints[2, i] = it.decode | (it.deferred << 1) | ((sp is not None) << 2)
+            ints[2, i] = it.decode | (it.deferred << 1) | ((sp is not None) << 2) | (it.keep_tokens << 3)
             if sp is not None:
-                ints[3, i], ints[4, i] = sp.seed, sp.position
-                floats[0, i], floats[1, i] = sp.temperature, sp.top_p
+                ints[3, i], ints[4, i], ints[5, i], ints[6, i] = sp.seed, sp.position, sp.prompt_len, sp.suppress_until
+                ints[7, i] = -1 if sp.logprobs is None else sp.logprobs
+                ints[8, i] = len(sp.suppress)
+                suppress.extend(sp.suppress)
+                floats[:, i] = (sp.temperature, sp.top_p, sp.presence_penalty, sp.frequency_penalty,
+                                sp.repetition_penalty)
         tokens = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64,
                              count=int(ints[1].sum()))
         return (_request_from_wire, (self.step_id, self.generation, self.free, self.units, self.after, self.steps,
-                                     [it.seq_id for it in items], ints.tobytes(), floats.tobytes(), tokens.tobytes()))
+                                     [it.seq_id for it in items], ints.tobytes(), floats.tobytes(), tokens.tobytes(),
+                                     np.asarray(suppress, dtype=np.int64).tobytes()))
 
 
-def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints, floats, tokens) -> GenStepRequest:
+def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints, floats, tokens,
+                       suppress=b"") -> GenStepRequest:
     n = len(ids)
-    start, count, flags, seed, pos = np.frombuffer(ints, dtype=np.int64).reshape(5, n).tolist()
-    temp, top_p = np.frombuffer(floats, dtype=np.float64).reshape(2, n).tolist()
+    start, count, flags, seed, pos, plen, until, lps, nsup = np.frombuffer(ints, dtype=np.int64).reshape(9, n).tolist()
+    temp, top_p, pres, freq, rep = np.frombuffer(floats, dtype=np.float64).reshape(5, n).tolist()
     flat = np.frombuffer(tokens, dtype=np.int64).tolist()
-    items, o = [], 0
+    sup = np.frombuffer(suppress, dtype=np.int64).tolist()
+    items, o, so = [], 0, 0
     for i, sid in enumerate(ids):
         f, c = flags[i], count[i]
-        sample = SampleSpec(temp[i], top_p[i], seed[i], pos[i]) if f & 4 else None
-        items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2)))
+        sample = None
+        if f & 4:
+            sample = SampleSpec(temp[i], top_p[i], seed[i], pos[i], pres[i], freq[i], rep[i], plen[i],
+                                tuple(sup[so:so + nsup[i]]), until[i], None if lps[i] < 0 else lps[i])
+            so += nsup[i]
+        items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2), bool(f & 8)))
         o += c
     return GenStepRequest(step_id, generation, tuple(items), free, units, after, steps)
 
@@ -137,8 +154,9 @@ def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints
 @dataclass(frozen=True)
 class GenStepResult:
     """tokens: {sequence id: its sampled tokens in position order} for the chunks that asked for a sample (one
-    token; ``steps`` of them for a multi-step decode request). layers: every layer's statistics, summed over
-    the sub-steps. elapsed_s: the step on the
+    token; ``steps`` of them for a multi-step decode request). logprobs: {sequence id: one ``TokenLogprobs`` per
+    token in ``tokens``} for the sequences whose spec asked (raw logprobs: ``model.sampling``). layers: every
+    layer's statistics, summed over the sub-steps. elapsed_s: the step on the
     shard; queued_s: from the actor call's arrival to the step's start (launch order, the step thread, the
     generation pin), so a driver's wait minus both is the Ray transport and (de)serialisation. device_s: the
     step's time on the device (CUDA events around its work; 0 on CPU); idle_s: how long the device sat idle
@@ -157,6 +175,7 @@ class GenStepResult:
     device_s: float = 0.0
     idle_s: float = 0.0
     actor_s: float = 0.0
+    logprobs: dict[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
 
     def __reduce__(self):
         """The tokens as one int64 block when every sequence has as many (they do: one per sub-step)."""

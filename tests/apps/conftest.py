@@ -1,9 +1,14 @@
-"""One HTTP port for every ``ray-moe serve`` the app tests start: Serve keeps one HTTP address per Ray cluster
-(the tests share one), and ``run_server`` refuses a --host/--port the running Serve instance would not honour."""
+"""Shared fixtures of the app tests. ``serve_port``: one HTTP port for every ``ray-moe serve`` the app tests start:
+Serve keeps one HTTP address per Ray cluster (the tests share one), and ``run_server`` refuses a --host/--port the
+running Serve instance would not honour. ``serve_running``: runs ``run_server(args)`` on a thread until the API
+answers ``/health`` (the replica started its generation loop), yields the base URL, then stops it."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+from typing import Any, Callable, ContextManager, Iterator
 
 import pytest
 
@@ -13,3 +18,42 @@ def serve_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _serve_running(args: Any) -> Iterator[str]:
+    import httpx
+
+    from ray_moe.apps.server import run_server
+
+    ready, stop = threading.Event(), threading.Event()
+    errors: list = []
+
+    def run():
+        try:
+            run_server(args, ready=ready, stop=stop)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            ready.set()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    assert ready.wait(240) and not errors, errors
+    base = f"http://{args.host}:{args.port}"
+    for _ in range(240):  # the replica starts the generation loop (every shard loads the model)
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        threading.Event().wait(0.5)
+    try:
+        yield base
+    finally:
+        stop.set()
+        th.join(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def serve_running() -> Callable[[Any], ContextManager[str]]:
+    return _serve_running

@@ -37,7 +37,7 @@ def _args(folder, port: int, key_file: str) -> argparse.Namespace:
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tmp_path_factory, serve_port):
+def server(ray_session, tmp_path_factory, serve_port, serve_running):
     root = tmp_path_factory.mktemp("srv-bl")
     model, folder = tiny_model("qwen3_moe", root / NAME, seed=3)
     save_byte_level_tokenizer(folder)
@@ -45,33 +45,12 @@ def server(ray_session, tmp_path_factory, serve_port):
     key_file = root / "api-key"
     key_file.write_text(KEY + "\n")
     args = _args(folder, serve_port, str(key_file))
-    ready, stop = threading.Event(), threading.Event()
-    errors: list = []
-
-    def run():
-        try:
-            run_server(args, ready=ready, stop=stop)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-            ready.set()
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    assert ready.wait(240) and not errors, errors
-    base = f"http://127.0.0.1:{serve_port}"
-    for _ in range(240):
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        threading.Event().wait(0.5)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    yield model, base, tok, args
-    stop.set()
-    th.join(timeout=120)
+    model.eval()
+    with serve_running(args) as base:
+        yield model, base, tok, args
 
 
 def _post(base: str, path: str, body: dict, **kw) -> httpx.Response:
@@ -205,8 +184,82 @@ def test_chat_completions_with_the_openai_client(server):
     assert r.json()["tokens"] == tok("café")["input_ids"] and r.json()["max_model_len"] > 0
     assert _post(base, "/detokenize", {"tokens": r.json()["tokens"]}).json() == {"prompt": "café"}
     assert _post(base, "/detokenize", {"tokens": [10 ** 6]}).status_code == 400
-    r = _post(base, "/v1/chat/completions", {"model": NAME, "messages": messages, "logprobs": True})
-    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+    r = _post(base, "/v1/chat/completions", {"model": NAME, "messages": messages, "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
+
+
+def _ref_logprobs(model, ids, gen):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + gen])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(ids) - 1:len(ids) - 1 + len(gen)]
+
+
+def test_logprobs_through_the_openai_client_equal_the_models_log_softmax(server):
+    from openai import OpenAI
+
+    model, base, tok, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    ids = tok("the experts route tokens", add_special_tokens=True)["input_ids"]
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    ch = out.choices[0]
+    gen = ch.model_dump()["token_ids"]
+    ref = _ref_logprobs(model, ids, gen)
+    assert gen == ref.argmax(-1).tolist() and len(gen) == 6 and ch.finish_reason == "length"
+    lp = ch.logprobs
+    assert max(abs(a - float(ref[i, t])) for i, (a, t) in enumerate(zip(lp.token_logprobs, gen))) < 1e-4
+    assert all(1 <= len(d) <= 3 for d in lp.top_logprobs)  # (two ids may decode to one text)
+    assert all(max(d.values()) == pytest.approx(a, abs=1e-6) for d, a in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.tokens == [tok.decode([t]) for t in gen] and lp.text_offset == sorted(lp.text_offset)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=3, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
+    # chat: content entries with top_logprobs, streamed and not
+    messages = [{"role": "user", "content": "Name an expert."}]
+    chat_ids = _post(base, "/tokenize", {"messages": messages}).json()["tokens"]
+    res = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    c0 = res.choices[0]
+    gen = c0.model_dump()["token_ids"]
+    ref = _ref_logprobs(model, chat_ids, gen)
+    content = c0.logprobs.content
+    assert len(content) == len(gen) == 5 and all(len(e.top_logprobs) == 2 for e in content)
+    assert max(abs(e.logprob - float(ref[i, t])) for i, (e, t) in enumerate(zip(content, gen))) < 1e-4
+    assert content[0].bytes == list(content[0].token.encode())
+    chunks = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                            top_logprobs=2, stream=True, extra_body={"ignore_eos": True})
+    got = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert got == [e.logprob for e in content]
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_penalties_change_the_output_as_transformers_does_and_ignore_eos_runs_to_max_tokens(server):
+    from openai import OpenAI
+
+    model, base, tok, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    ids = tok("one two one two", add_special_tokens=True)["input_ids"]
+    n = 10
+
+    def run(**kw):
+        r = client.completions.create(model=NAME, prompt=ids, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True, **kw.pop("extra", {})}, **kw)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n  # ignore_eos: to max_tokens
+        return r.choices[0].model_dump()["token_ids"]
+
+    plain = run()
+    assert plain == model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False)[0, len(ids):].tolist()
+    rep = run(extra={"repetition_penalty": 1.8})
+    assert rep == model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 repetition_penalty=1.8)[0, len(ids):].tolist()
+    pen = run(presence_penalty=2.0, frequency_penalty=2.0)
+    assert rep != plain and pen != plain
+    r = _post(base, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 3, "min_tokens": 3,
+                                        "ignore_eos": True, "frequency_penalty": 0.5})
+    assert r.status_code == 200 and "x-ray-moe-unsupported-fields" not in r.headers
 
 
 def test_serve_refuses_a_host_port_the_running_serve_would_not_honour(server):

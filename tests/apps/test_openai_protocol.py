@@ -1,5 +1,6 @@
 """The request bodies (``ray_moe.apps.openai_protocol``) and the server's pure helpers, without Ray: unknown
-fields ignored and named, sampler-only fields refused by name at non-default values, prompts in every shape,
+fields ignored and named, the sampler fields checked and carried into ``SamplingParams`` (``logit_bias`` refused
+by name), the logprobs forms, prompts in every shape,
 ``Choice`` (stop strings and stop token ids on the text, finish reasons), the bearer check and the key file."""
 
 from __future__ import annotations
@@ -20,18 +21,53 @@ from ray_moe.core.env import EnvSettings
 from ray_moe.core.errors import ConfigError
 
 
-def test_unknown_fields_are_named_and_sampler_fields_refused_off_default():
+def test_unknown_fields_are_named_and_the_sampler_fields_reach_sampling_params():
+    from ray_moe.model.sampling import SamplingParams
+
     req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2, "suffix": "", "user": "u",
-                                            "presence_penalty": 0, "logprobs": None, "ignore_eos": True})
-    assert req.ignored_fields() == ["best_of", "suffix"] and req.unhonoured_fields() == ["ignore_eos"]
-    assert req.unsupported_sampler_field() is None
-    for field, value in (("presence_penalty", 0.1), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
-                         ("logit_bias", {"3": 1.0}), ("logprobs", 1), ("top_logprobs", 2)):
-        assert CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value}
-                                                ).unsupported_sampler_field() == field
+                                            "presence_penalty": 0.5, "logprobs": 3, "ignore_eos": True,
+                                            "min_tokens": 4, "repetition_penalty": 1.2, "seed": 5})
+    assert req.ignored_fields() == ["best_of", "suffix"] and req.unsupported_sampler_field() is None
+    params = SamplingParams(**req.sampling(16, 2, (7,)))
+    assert (params.presence_penalty, params.repetition_penalty, params.logprobs, params.ignore_eos,
+            params.min_tokens, params.seed, params.stop_token_ids) == (0.5, 1.2, 3, True, 4, 7, (7,))
+    assert SamplingParams(**req.sampling(2, 0, ())).min_tokens == 2  # never beyond the choice's max_tokens
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": {"3": 1.0}}
+                                            ).unsupported_sampler_field() == "logit_bias"
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0),
+                         ("logprobs", 21), ("min_tokens", -1)):
+        with pytest.raises(ValidationError, match=field):
+            CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    assert ChatCompletionRequest.model_validate({**chat, "logprobs": False}).unsupported_sampler_field() is None
-    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).unsupported_sampler_field() == "logprobs"
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": False}).sampler_logprobs() is None
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).sampler_logprobs() == 0
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 4}).sampler_logprobs() == 4
+    with pytest.raises(ValidationError, match="top_logprobs=2 needs logprobs=true"):
+        ChatCompletionRequest.model_validate({**chat, "top_logprobs": 2})
+
+
+def test_logprobs_forms_and_offsets(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ray_moe.apps.server import chat_logprobs, completion_logprobs
+    from ray_moe.model.sampling import TokenLogprobs
+
+    save_byte_level_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    ids = tok(" cat sat", add_special_tokens=False)["input_ids"]
+    lps = [TokenLogprobs(-0.5 - i, (t, 3), (-0.5 - i, -2.0)) for i, t in enumerate(ids)]
+    c = Choice(0, 0, [], 50, tokenizer=tok, stops=(), stop_ids=(), skip_special_tokens=True, echo="E:")
+    for t, lp in zip(ids, lps):
+        c.on_token(t, lp)
+    c.on_end()
+    out = completion_logprobs(tok, c.tokens, c.logprobs, c.offsets)
+    assert "".join(out["tokens"]) == " cat sat" and out["token_logprobs"] == [lp.logprob for lp in lps]
+    assert out["text_offset"][0] == 2 and out["text_offset"] == sorted(out["text_offset"])
+    assert all(c.text[o - 2:].startswith(s) for o, s in zip(out["text_offset"], out["tokens"]))
+    assert out["top_logprobs"][0] == {out["tokens"][0]: -0.5, tok.decode([3]): -2.0}
+    chat = chat_logprobs(None, c.tokens, c.logprobs)["content"]
+    assert chat[0]["token"] == f"token_id:{ids[0]}" and chat[0]["logprob"] == -0.5
+    assert chat[0]["bytes"] == list(chat[0]["token"].encode()) and len(chat[0]["top_logprobs"]) == 2
 
 
 def test_prompts_stops_and_limits():
