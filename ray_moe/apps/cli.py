@@ -1,7 +1,8 @@
 """The ray-moe command.
 
     ray-moe demo                              serve a small MoE on a local Ray instance, checked
-    ray-moe status    [--name N] [--all]      generations, refcounts, placement, timeline of a deployment
+    ray-moe status    [--name N] [--all]      generations, refcounts, placement, timeline of a deployment,
+                                              the autopilot's last decisions, the operation in flight
                                               (without --name: the one deployment running, else the list)
     ray-moe scale     --expert E --replicas R live replica scaling; prints the new generation
     ray-moe rebalance [--name N]              live EPLB rebalance from the load window
@@ -29,6 +30,8 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Sequence
+
+from ray_moe.apps.status_lines import autopilot_lines, operation_lines
 
 RETIRED_SHOWN = 3  # ray-moe status lists the last few RETIRED generations (--all: every generation)
 
@@ -115,8 +118,16 @@ def fused_line(fk: dict | None) -> str:
             + (f" (transformers' own kept for {kept})" if kept else ""))
 
 
+def _control_status(rt) -> dict:
+    """The coordinator's ``status()``: generations, the autopilot (``eplb``), the operation in flight."""
+    from ray_moe.ray.remote import call
+
+    return call(rt.coordinator.status.remote())
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     rt = _connect(args)
+    ctl = _control_status(rt)
     man = rt.placement()
     gens, hidden = shown_generations(rt.generations(), show_all=args.all)
     refs = rt.refcounts()
@@ -131,6 +142,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "telemetry": rt.telemetry_snapshot(),
         "timeline": rt.timeline()[-args.tail:],
         "shards": shard_lines(rt.shard_status()),
+        "autopilot": ctl.get("eplb"),
+        "operation": ctl.get("operation"),
     }
     if args.json:
         print(json.dumps(body, indent=2, default=str))
@@ -157,6 +170,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     tel = rt.telemetry_table()
     if tel:
         print(tel)
+    for line in autopilot_lines(body["autopilot"]) + operation_lines(body["operation"]):
+        print(line)
     print("recent control events:")
     for e in body["timeline"]:
         print(f"  #{e['seq']:<4} {e['event']:<12} gen={e['generation']}  {e['detail']}")

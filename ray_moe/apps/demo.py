@@ -1,11 +1,14 @@
 """``ray-moe demo``: generation served inside the shard actors on a local Ray instance, with a live EPLB
-rebalance mid-stream, every output checked token-equal against transformers' own ``generate``.
+rebalance the autopilot decides mid-stream, every output checked token-equal against transformers' own
+``generate``.
 
 A tiny random DeepSeek-V3-style model (sigmoid routing with a correction bias skewed so a few experts are hot,
 grouped top-k, a shared expert, a dense first layer) is written by transformers into a temp folder and served
 by ``Runtime.generate_stream``: each rank runs attention for its own sequences, the routed experts run
-expert-parallel across the ranks. Halfway through the tokens the coordinator rebalances from the observed
-router load while generation continues. Prints the per-rank load before / after, the ratios and the step
+expert-parallel across the ranks. The coordinator's autopilot (``eplb`` mode auto, ``DEMO_POLICY``) watches the
+router load and rebalances by itself while generation continues; the demo prints its decisions with their
+reasons. Should it hold (no gain to take) until generation ends, the demo falls back to a scripted
+``rt.rebalance()`` and says so. Prints the per-rank load before / after, the ratios and the step
 latencies; writes a JSON report and a PNG. Exit code 1 on any token mismatch.
 """
 
@@ -51,6 +54,15 @@ def demo_model(folder: str, *, layers: int, experts: int, hidden: int, skew: flo
     return model
 
 
+def demo_policy() -> Any:
+    """The demo's autopilot: decide as soon as one load report arrived, rebalance when the solve predicts at least
+    5% off the bottleneck rank, then hold for the rest of the run (the interval: one automatic rebalance)."""
+    from ray_moe.model.config import AutopilotPolicy, EplbMode
+
+    return AutopilotPolicy(mode=EplbMode.AUTO, threshold_gain=0.05, min_window_steps=1, min_interval_s=3600.0,
+                           min_interval_steps=0, tick_s=0.1)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import ray
     from tqdm import tqdm
@@ -64,7 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
                        seed=args.seed)
     cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=args.ranks, slots_per_rank=args.slots_per_rank,
                                                 name=f"demo-{os.getpid()}", decode_token_capacity=16,
-                                                exchange=args.exchange)
+                                                exchange=args.exchange, eplb=demo_policy())
     print(f"ray-moe demo: tiny DeepSeek-V3-style model ({cfg.num_layers} MoE layers of {cfg.num_experts} experts, "
           f"top-{cfg.top_k}, a shared expert, a dense first layer), {cfg.num_ranks} shard actors x "
           f"{cfg.slots_per_rank} slots; {args.prompts} prompts x {args.new_tokens} new tokens", file=sys.stderr)
@@ -79,23 +91,27 @@ def run_demo(args: argparse.Namespace) -> int:
     loads: dict[str, list[int]] = {}
     step_ms: list[float] = []
     rebalance: dict[str, Any] = {}
+    decisions: list[dict[str, Any]] = []
+    watch = _AutopilotWatch(rt, rebalance)
     try:
         engine = rt.serving(kv_tokens=2048, block_size=16, step_tokens=256)
         bar = tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=args.quiet)
         done = 0
+        watch.start()
         t_gen = time.perf_counter()
         for i, tok in rt.generate_stream(prompts, max_new_tokens=args.new_tokens):
             outputs[i].append(tok)
             done += 1
             bar.update(1)
-            if done == total // 2 and not rebalance:  # mid-stream: a live EPLB rebalance from the real load
-                th = threading.Thread(target=lambda: rebalance.update(_rebalance(rt)), daemon=True)
-                th.start()
+            if done == total // 2:  # mid-stream: the load so far reaches the autopilot's window now
+                rt.flush_load()
         gen_s = time.perf_counter() - t_gen
         bar.close()
         total = sum(len(o) for o in outputs)  # a sequence that samples its end-of-sequence token stops early
-        if "generation" not in rebalance:
-            th.join(timeout=120)
+        rt.flush_load()
+        decisions = watch.finish(grace_s=10.0)
+        if "generation" not in rebalance:  # the autopilot held: a scripted rebalance, so the demo still shows one
+            rebalance.update(_rebalance(rt), decided_by="script (the autopilot held)")
         stats = rt.stats()
         loads["after"] = [stats["rank_rows"].get(r, 0) - rebalance.get("rows", {}).get(r, 0)
                           for r in range(cfg.num_ranks)]
@@ -114,7 +130,11 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"{r:>4}  {loads['before'][r]:>28}  {loads['after'][r]:>5}")
     print(f"Gamma_rank (max/mean rows): before {_gamma(loads['before']):.3f}, after {_gamma(loads['after']):.3f}; "
           f"rebalance published generation {rebalance.get('generation')} in {rebalance.get('seconds', 0):.2f}s "
-          f"while generating")
+          f"while generating, decided by {rebalance.get('decided_by')}")
+    from ray_moe.apps.status_lines import autopilot_lines
+
+    for line in autopilot_lines(watch.eplb):
+        print(line)
     print(f"replicas per expert (MoE layer 0) after: {replicas[0] if replicas else []}")
     print()
     print("ratio           numerator  denominator  value")
@@ -131,6 +151,7 @@ def run_demo(args: argparse.Namespace) -> int:
               "mismatches": mismatches, "rank_rows_before_rebalance": loads["before"],
               "rank_rows_after_rebalance": loads["after"], "gamma_before": _gamma(loads["before"]),
               "gamma_after": _gamma(loads["after"]), "rebalance": {k: v for k, v in rebalance.items() if k != "rows"},
+              "autopilot_decisions": decisions,
               "ratios": stats["ratios"], "steps": steps, "tokens": total, "generate_s": gen_s,
               "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "n": lat.n}, "elapsed_s": elapsed}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -144,6 +165,60 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"OK: {len(prompts)} prompts, every generated token equal to transformers' generate (greedy), "
           f"across a live rebalance")
     return 0
+
+
+class _AutopilotWatch:
+    """Polls the coordinator's status while the demo generates (every 0.1 s, on a thread): the autopilot's
+    decisions and the operation in flight. The first rebalance the autopilot took fills ``into`` (generation,
+    seconds from decision to publish, reason, gain, the rank rows seen just before it was published)."""
+
+    def __init__(self, rt: Any, into: dict[str, Any]) -> None:
+        self.rt, self.into = rt, into
+        self.decisions: list[dict[str, Any]] = []
+        self.eplb: dict[str, Any] | None = None
+        self.in_flight: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ray-moe-demo-autopilot", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        import ray
+
+        rows = dict(self.rt.stats()["rank_rows"])
+        while not self._stop.is_set():
+            try:
+                st = ray.get(self.rt.coordinator.status.remote(), timeout=30)
+                self.eplb = st["eplb"]
+                self.decisions = st["eplb"]["decisions"]
+                self.in_flight = st.get("operation", {}).get("in_flight")
+            except Exception:  # noqa: BLE001 - the demo reports what it saw
+                pass
+            taken = [d for d in self.decisions if d["taken"]]
+            if taken and "generation" not in self.into:
+                d = taken[0]
+                self.into.update(generation=d["new_generation"], seconds=d["publish_s"] or 0.0, rows=rows,
+                                 reason=d["reason"], gain=d["gain"], imbalance_now=d["imbalance_now"],
+                                 imbalance_predicted=d["imbalance_predicted"],
+                                 decided_by=f"the autopilot (reason {d['reason']}, predicted gain {d['gain']:.2f})")
+            if "generation" not in self.into:
+                rows = dict(self.rt.stats()["rank_rows"])
+            self._stop.wait(0.1)
+
+    def finish(self, grace_s: float) -> list[dict[str, Any]]:
+        """Wait up to ``grace_s`` seconds for the autopilot's rebalance (unless its last decision was to hold and
+        no operation runs), stop polling; its decisions, oldest first."""
+        deadline = time.monotonic() + grace_s
+        time.sleep(0.3)  # a tick after the last load report
+        while "generation" not in self.into and time.monotonic() < deadline:
+            last = self.decisions[-1] if self.decisions else None
+            if last is not None and last["action"] == "hold" and self.in_flight is None:
+                break
+            time.sleep(0.1)
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return list(self.decisions)
 
 
 def _rebalance(rt) -> dict[str, Any]:

@@ -6,6 +6,9 @@ per-token data path:
 
     load window -> candidate manifest (EPLB / scale) -> migration plan (admission) -> reserve
     -> materialise (copy / load) -> verify digests -> publish -> drain -> retire
+
+Each of those stages has a deadline (``cfg.deadlines``) and reports progress (``ops``: stage, elapsed,
+bytes copied); a stage past its deadline aborts the operation (``operations.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from ray_moe.control.operations import (OperationStage, OperationTracker, RankTimeoutError, StageDeadlineError,
+                                        abort_stage, roll_back_publish)
 from ray_moe.control.recovery import RETIRED_KEPT, PendingOp, PlaneState
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.errors import GenerationError, RankDeadError
@@ -47,6 +52,15 @@ class Fleet(ABC):
 
     def ranks(self) -> list[int]:
         raise NotImplementedError
+
+    def call_within(self, method: str, args: Mapping[int, tuple], timeout_s: float | None) -> dict[int, Any]:
+        """``call`` that raises ``RankTimeoutError`` naming the ranks that did not answer in ``timeout_s``
+        seconds (None: no limit). A fleet that cannot time out a call (in-process cores) just calls."""
+        return self.call(method, args)
+
+    def copy_within(self, dst: int, src: int, keys: Sequence[Key], timeout_s: float | None) -> dict[Key, str]:
+        """``copy_experts`` within ``timeout_s`` seconds (``RankTimeoutError`` naming ``dst`` otherwise)."""
+        return self.copy_experts(dst, src, keys)
 
 
 class LocalFleet(Fleet):
@@ -123,6 +137,7 @@ class ControlPlane:
         self.retired_before: list[int] = []  # generations retired before a restart (ids only)
         self.retire_pending: set[int] = set()  # superseded generations an operation will retire once drained
         self.rebuild_report: dict[str, Any] | None = None
+        self.ops = OperationTracker(cfg.deadlines)  # the elastic operation in flight: stage, deadline, progress
 
     # ---------------------------------------------------------------- durability
     def _changed(self) -> None:
@@ -186,10 +201,13 @@ class ControlPlane:
         return PlacementPlanner(cfg.num_layers, cfg.num_experts, cfg.slots_per_rank, self.topology,
                                 num_groups=cfg.num_groups)
 
-    def _call_live(self, method: str, per_rank: Callable[[int], tuple]) -> dict[int, Any]:
-        """``fleet.call`` on the live ranks; a rank found dead is recorded and skipped (control-path reads)."""
+    def _call_live(self, method: str, per_rank: Callable[[int], tuple], *, timed: bool = False) -> dict[int, Any]:
+        """``fleet.call`` on the live ranks; a rank found dead is recorded and skipped (control-path reads).
+        ``timed``: within the seconds the operation's stage has left (``StageDeadlineError`` past them)."""
         for _ in range(8):
             try:
+                if timed:
+                    return self.ops.call(self.fleet, method, {r: per_rank(r) for r in self.live_ranks()})
                 return self.fleet.call(method, {r: per_rank(r) for r in self.live_ranks()})
             except RankDeadError as exc:
                 self.dead_ranks.update(exc.ranks)
@@ -221,7 +239,8 @@ class ControlPlane:
     def effective_floors(self, num_slots: int) -> tuple[dict[Key, int], list[str]]:
         return self.floors.effective(num_slots)
 
-    def scale(self, expert: int, replicas: int, layer: int | None = None, *, drain_timeout_s: float = 60.0) -> ApplyReport:
+    def scale(self, expert: int, replicas: int, layer: int | None = None, *,
+              drain_timeout_s: float | None = None) -> ApplyReport:
         """Give ``expert`` exactly ``replicas`` copies (live) and record that count as its replica floor."""
         with self._lock:
             new = self.propose_scale(expert, replicas, layer)
@@ -301,10 +320,11 @@ class ControlPlane:
         return self._new_manifest(self.planner.without(self.manifest(), self.live_ranks(), dead))
 
     # ---------------------------------------------------------------- apply
-    def apply(self, new: PlacementManifest, *, reason: str, drain_timeout_s: float = 60.0,
+    def apply(self, new: PlacementManifest, *, reason: str, drain_timeout_s: float | None = None,
               sources_alive: Callable[[int], bool] | None = None) -> ApplyReport:
-        """Reserve, materialise, verify, publish, drain, retire (spec 0x08G). Traffic keeps flowing."""
-        with self._lock:
+        """Reserve, materialise, verify, publish, drain, retire (spec 0x08G). Traffic keeps flowing. Each stage
+        within its deadline (``cfg.deadlines``; ``drain_timeout_s`` overrides the drain's)."""
+        with self._lock, self.ops.operation(reason, new.generation):
             staged = self.stage(new, reason=reason, sources_alive=sources_alive)
             old_g = staged.old_generation
             timings = dict(staged.timings_s)
@@ -312,31 +332,34 @@ class ControlPlane:
             self._changed()
             # 5. publish: every shard first, then the registry (drivers refresh from it)
             t = self._clock()
+            self.ops.enter(OperationStage.PUBLISH)
             try:
-                self._publish(new.generation)
-            except Exception:
+                self._publish(new.generation, timed=True)
+            except Exception as exc:
                 self.retire_pending.discard(old_g)  # still ACTIVE: nothing to retire
+                if isinstance(exc, StageDeadlineError):
+                    roll_back_publish(self, new.generation, old_g, exc)
                 raise
             timings["publish"] = self._clock() - t
             self.log("publish", new.generation, f"active; generation {old_g} DRAINING")
-            # 6. drain + 7. retire
+            # 6. drain + 7. retire (past publish a late stage leaves the prior generation DRAINING, retried later)
             t = self._clock()
-            retired = self.drain_and_retire(old_g, timeout_s=drain_timeout_s)
+            retired = self.drain_and_retire(old_g, timeout_s=drain_timeout_s, timed=True)
             self._retire_leftovers(new.generation)
             timings["drain_retire"] = self._clock() - t
             return ApplyReport(old_g, new.generation, reason, staged.plan, staged.copies, staged.loads,
                                timings["drain_retire"], retired, timings)
 
-    def _publish(self, generation: int) -> None:
+    def _publish(self, generation: int, *, timed: bool = False) -> None:
         self._begin("publish", generation)
-        self._call_live("publish", lambda r: (generation,))
+        self._call_live("publish", lambda r: (generation,), timed=timed)
         if self.registry.state(generation) == GenerationState.DRAINING:
             self.registry.reactivate(generation)
         else:
             self.registry.publish(generation)
         self._end()
 
-    def promote(self, generation: int, *, retire_prior: bool = True, drain_timeout_s: float = 60.0) -> int:
+    def promote(self, generation: int, *, retire_prior: bool = True, drain_timeout_s: float | None = None) -> int:
         """A staged candidate becomes ACTIVE; the prior goes DRAINING (and is retired once drained unless
         ``retire_prior`` is False, which keeps it loaded as the rollback fallback). Returns the prior id."""
         with self._lock:
@@ -384,8 +407,8 @@ class ControlPlane:
               sources_alive: Callable[[int], bool] | None = None, serve_candidate: bool = False) -> ApplyReport:
         """Steps 1-4 of publication (plan with admission, reserve, materialise, verify): the candidate is
         PENDING and verified on every shard ("LOADED"); with ``serve_candidate`` it may serve steps that
-        name it (shadow, canary)."""
-        with self._lock:
+        name it (shadow, canary). A stage past its deadline raises ``StageDeadlineError`` after the abort."""
+        with self._lock, self.ops.operation(reason, new.generation):
             timings: dict[str, float] = {}
             old_g = self.registry.active()
             if old_g is None:
@@ -393,10 +416,13 @@ class ControlPlane:
             old = self.registry.manifest(old_g)
             # 1. plan + admission: refused plans change nothing
             t = self._clock()
+            self.ops.enter(OperationStage.PLAN)
             plan = self.planner.admit(old, new, self.live_ranks(), expert_bytes=self.expert_bytes,
                                       memory_budget_bytes=self.cfg.memory_budget_bytes)
             timings["plan"] = self._clock() - t
             self.log("plan", new.generation, f"{reason}: {_ledger_line(plan)}")
+            self._check_deadline(new.generation, "the migration plan")
+            self.ops.enter(OperationStage.RESERVE)
             if self.rebuild_report is not None:
                 self._sweep_orphans()
             # 2. reserve: register PENDING (nothing else moves until materialisation)
@@ -406,45 +432,56 @@ class ControlPlane:
             staged: dict[int, set[Key]] = defaultdict(set)
             copies = loads = 0
             try:
+                self.ops.check("the reservation")
                 # 3. materialise: network copies actor to actor, checkpoint loads where no source lives
                 t = self._clock()
                 moves = self.planner.transfers(
                     plan, lambda r: r not in self.dead_ranks and (sources_alive is None or sources_alive(r)))
+                n = sum(len(k) for k in moves.copies.values()) + sum(len(k) for k in moves.loads.values())
+                self.ops.enter(OperationStage.COPY, copies_planned=n, bytes_planned=n * self.expert_bytes)
                 for (dst, src), keys in sorted(moves.copies.items()):
-                    digs = self.fleet.copy_experts(dst, src, sorted(keys))
+                    b0 = getattr(self.fleet, "bytes_copied", None)
+                    try:
+                        digs = self.fleet.copy_within(dst, src, sorted(keys), self.ops.remaining())
+                    except RankTimeoutError as exc:
+                        raise self.ops.expired(exc.ranks, f"copy of {len(keys)} expert(s) rank {src} -> rank {dst}") from None
                     staged[dst].update(keys)
                     copies += len(keys)
+                    b1 = getattr(self.fleet, "bytes_copied", None)
+                    self.ops.copied(b1 - b0 if b0 is not None and b1 is not None else len(keys) * self.expert_bytes,
+                                    len(keys))
                     self._check_digests(dst, digs)
                 if moves.loads:
-                    got = self.fleet.call("load_experts", {u: (sorted(k),) for u, k in moves.loads.items()})
+                    got = self.ops.call(self.fleet, "load_experts", {u: (sorted(k),) for u, k in moves.loads.items()})
                     for u, digs in got.items():
                         staged[u].update(moves.loads[u])
                         loads += len(moves.loads[u])
+                        self.ops.copied(len(moves.loads[u]) * self.expert_bytes, len(moves.loads[u]))
                         self._check_digests(u, digs)
                 timings["materialize"] = self._clock() - t
                 self.log("materialize", new.generation, f"{copies} expert copies moved, {loads} loaded from checkpoint")
                 # 4. verify every target slot's digest on its rank (prepare fails on any mismatch)
                 t = self._clock()
-                self.fleet.call("prepare_generation", {r: (new, self.group) for r in self.live_ranks()})
+                self.ops.enter(OperationStage.VERIFY)
+                self.ops.call(self.fleet, "prepare_generation", {r: (new, self.group) for r in self.live_ranks()})
                 timings["verify"] = self._clock() - t
                 self.log("verify", new.generation, "all slot digests verified")
             except BaseException as exc:
-                try:
-                    self.fleet.call("drop_experts", {u: (sorted(k),) for u, k in staged.items() if u in self.live_ranks()})
-                except RankDeadError as dead:
-                    self.dead_ranks.update(dead.ranks)
-                try:
-                    self.registry.abandon(new.generation)
-                except Exception:  # noqa: BLE001
-                    pass
-                self.log("abort", new.generation, f"{type(exc).__name__}: {exc}")
-                self._end()
+                abort_stage(self, new.generation, staged, exc)
                 raise
             if serve_candidate:
                 self._call_live("allow_candidate", lambda r: (new.generation,))
                 self.log("candidate", new.generation, "serves steps that name it (shadow / canary)")
             self._end()
             return ApplyReport(old_g, new.generation, reason, plan, copies, loads, 0.0, False, timings)
+
+    def _check_deadline(self, generation: int, what: str) -> None:
+        """The coordinator's own work of a stage (the solve) ran past its deadline: nothing moved yet."""
+        try:
+            self.ops.check(what)
+        except StageDeadlineError as exc:
+            self.log("deadline", generation, str(exc))
+            raise
 
     def _sweep_orphans(self) -> None:
         """After a restart: a prepare sent by the dead incarnation may land on a shard after the rebuild read
@@ -456,10 +493,17 @@ class ControlPlane:
                     self.fleet.call("retire", {r: (int(g),)})
                     self.log("orphan-abandoned", int(g), f"rank {r}: PENDING generation unknown to the coordinator")
 
-    def drain_and_retire(self, generation: int, *, timeout_s: float = 60.0) -> bool:
-        """Wait until no lease or in-flight handle pins ``generation``, then retire it everywhere."""
+    def drain_and_retire(self, generation: int, *, timeout_s: float | None = None, timed: bool = False) -> bool:
+        """Wait until no lease or in-flight handle pins ``generation``, then retire it everywhere (within
+        ``timeout_s``, default the drain deadline). ``timed``: as the drain and retire stages of the operation
+        in flight: a rank that does not answer in the stage's seconds leaves ``generation`` DRAINING (False)."""
+        timeout_s = self.cfg.deadlines.drain_s if timeout_s is None else float(timeout_s)
         try:
-            done = self._drain_and_retire(generation, timeout_s)
+            done = self._drain_and_retire(generation, timeout_s, timed)
+        except StageDeadlineError as exc:  # past publish: the new generation serves; a later change retires it
+            self.log("deadline", generation, f"{exc}; not retired")
+            self._end()
+            return False
         except Exception:
             self.retire_pending.discard(generation)
             raise
@@ -482,20 +526,26 @@ class ControlPlane:
             if self.shard_refcount(g) == 0:
                 self.drain_and_retire(g, timeout_s=0.0)
 
-    def _drain_and_retire(self, generation: int, timeout_s: float) -> bool:
+    def _drain_and_retire(self, generation: int, timeout_s: float, timed: bool = False) -> bool:
         deadline = self._clock() + timeout_s
+        if timed:
+            self.ops.enter(OperationStage.DRAIN, deadline_s=timeout_s)
         while True:
-            shard = self._call_live("refcount", lambda r: (generation,))
+            shard = self._call_live("refcount", lambda r: (generation,), timed=timed)
             total = self.registry.refcount(generation) + sum(shard.values())
             if total == 0:
                 break
             if self._clock() > deadline:
-                self.log("drain-timeout", generation, f"refcount still {total} after {timeout_s:.0f}s; not retired")
+                pinned = sorted(r for r, c in shard.items() if c)
+                self.log("drain-timeout", generation, f"stage drain passed its {timeout_s:g}s deadline: refcount still "
+                                                      f"{total} (rank(s) {pinned} pin it); not retired")
                 return False
             time.sleep(0.002)
         self.log("drained", generation, "refcount 0 on coordinator and every shard")
         self._begin("retire", generation)
-        done = self._call_live("retire", lambda r: (generation,))
+        if timed:
+            self.ops.enter(OperationStage.RETIRE)
+        done = self._call_live("retire", lambda r: (generation,), timed=timed)
         if not all(done.values()):
             self._end()
             self.log("retire-refused", generation, f"shards still pinned: {[r for r, ok in done.items() if not ok]}")

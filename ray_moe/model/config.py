@@ -54,6 +54,43 @@ class AutopilotPolicy(BaseModel):
         return self
 
 
+class OperationStage(str, Enum):
+    """The stages of one elastic operation (rebalance, scale, add / remove a rank), in order
+    (``ray_moe.control.operations``): plan the migration, reserve the candidate, copy experts shard to shard
+    (or load them from the checkpoint), verify every slot's digest, publish, drain the prior generation,
+    retire it."""
+
+    PLAN = "plan"
+    RESERVE = "reserve"
+    COPY = "copy"
+    VERIFY = "verify"
+    PUBLISH = "publish"
+    DRAIN = "drain"
+    RETIRE = "retire"
+
+
+class StageDeadlines(BaseModel):
+    """The ``deadlines`` field group of a RuntimeConfig: seconds each stage of an elastic operation may take.
+
+    A stage before publish that passes its deadline aborts the operation (the prior generation keeps serving,
+    staged copies are freed); past publish the new generation serves and a late drain or retire leaves the
+    prior generation DRAINING for a later change to retire."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    plan_s: float = Field(default=30.0, gt=0, description="admit the migration plan (checked once it is built)")
+    reserve_s: float = Field(default=30.0, gt=0, description="register the candidate (and sweep orphans)")
+    copy_s: float = Field(default=300.0, gt=0, description="every expert copy and checkpoint load together")
+    verify_s: float = Field(default=120.0, gt=0, description="prepare + digest check on every rank")
+    publish_s: float = Field(default=60.0, gt=0, description="every rank publishes the candidate")
+    drain_s: float = Field(default=60.0, gt=0, description="the prior generation's refcount reaches 0")
+    retire_s: float = Field(default=60.0, gt=0, description="every rank retires the prior generation")
+
+    def of(self, stage: OperationStage) -> float:
+        """The deadline of ``stage``, seconds."""
+        return float(getattr(self, f"{OperationStage(stage).value}_s"))
+
+
 class RuntimeConfig(BaseModel):
     """Shape and policy of one ray-moe deployment.
 
@@ -111,6 +148,8 @@ class RuntimeConfig(BaseModel):
         default=True, description="when a rank dies, rebuild experts with no surviving copy from the checkpoint")
     eplb: AutopilotPolicy = Field(default_factory=AutopilotPolicy,
                                   description="automatic rebalance (off by default; ray-moe serve: auto)")
+    deadlines: StageDeadlines = Field(default_factory=StageDeadlines,
+                                      description="per-stage deadlines of elastic operations (seconds)")
 
     @model_validator(mode="after")
     def _check(self) -> "RuntimeConfig":

@@ -13,6 +13,10 @@ completes or abandons the interrupted attempt, the retry then runs once more.
 
 With ``cfg.eplb.mode`` not OFF the autopilot (``control/autopilot.py``) evaluates its policy every ``eplb.tick_s``
 seconds on a thread and takes ``rebalance()``'s path when it says so; decisions: ``status()``, Prometheus.
+
+Every elastic operation runs its stages within ``cfg.deadlines`` (``control/operations.py``): shard calls wait
+with ``ray.wait(refs, timeout=...)`` (``fleet.py``), so a hung shard aborts the operation instead of hanging
+this actor; ``status()["operation"]`` shows the one in flight (stage, elapsed, bytes copied) and the last ones.
 """
 
 from __future__ import annotations
@@ -26,16 +30,15 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import ray
-from pydantic import BaseModel
 
 from ray_moe.control.autopilot import Autopilot, AutopilotEvent, EplbMode
-from ray_moe.control.plane import ControlPlane, Fleet
+from ray_moe.control.plane import ControlPlane
 from ray_moe.control.restore import restore_plane
 from ray_moe.control.recovery import DurableRecord, load_summary, registry_from_bytes, registry_state_bytes
 from ray_moe.model.config import RuntimeConfig
-from ray_moe.core.errors import RankDeadError
 from ray_moe.core.types import ExchangeKind, ReleaseState
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
+from ray_moe.ray.fleet import RayFleet
 from ray_moe.ray.prometheus import AutopilotExporter
 
 if TYPE_CHECKING:
@@ -45,54 +48,6 @@ if TYPE_CHECKING:
 
 def coordinator_name(deployment: str) -> str:
     return f"ray-moe-coordinator-{deployment}"
-
-
-class RayFleet(Fleet):
-    """Shard actors behind Ray handles; pydantic arguments travel as JSON. With ``nccl`` set, expert copies
-    go GPU to GPU over the shards' migration communicator; otherwise through the object store."""
-
-    def __init__(self, handles: Mapping[int, Any], *, nccl: bool = False) -> None:
-        self.handles = dict(handles)
-        self.nccl = nccl
-        self.bytes_copied = 0  # measured bytes that crossed between shards for expert copies
-
-    def ranks(self) -> list[int]:
-        return sorted(self.handles)
-
-    def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
-        refs = {r: getattr(self.handles[r], method).remote(*[_wire(a) for a in a_]) for r, a_ in args.items()}
-        out: dict[int, Any] = {}
-        dead: list[int] = []
-        first: BaseException | None = None
-        for r, ref in refs.items():
-            try:
-                out[r] = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                dead.append(r)
-            except BaseException as exc:  # noqa: BLE001 - re-raised after every rank answered
-                first = first or exc
-        if dead:
-            raise RankDeadError(f"{method}: shard actor(s) of rank(s) {dead} are dead", ranks=tuple(dead))
-        if first is not None:
-            raise first
-        return out
-
-    def copy_experts(self, dst: int, src: int, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], str]:
-        try:
-            if self.nccl:
-                send = self.handles[src].send_experts.remote(list(keys), dst)
-                recv = self.handles[dst].recv_experts.remote(list(keys), src)
-                self.bytes_copied += int(ray.get(send))
-                return ray.get(recv)
-            digests, nbytes = ray.get(self.handles[dst].fetch_experts.remote(self.handles[src], list(keys)))
-            self.bytes_copied += int(nbytes)
-            return digests
-        except ray.exceptions.RayActorError as exc:
-            raise RankDeadError(f"copy rank {src} -> rank {dst}: {exc}", ranks=(src, dst)) from None
-
-
-def _wire(x: Any) -> Any:
-    return x.model_dump_json() if isinstance(x, BaseModel) else x
 
 
 _KV_NAMESPACE = "ray-moe"
@@ -340,7 +295,9 @@ class CoordinatorActor:
 
     @_retried
     def status(self) -> dict[str, Any]:
-        """One JSON-able view for ``ray-moe status``: generations, floors, restarts and the last rebuild."""
+        """One JSON-able view for ``ray-moe status``: generations, floors, restarts, the last rebuild, the elastic
+        operation in flight and the last ones (``operation``) and the autopilot (``eplb``). Never waits on an
+        operation: it answers while one runs."""
         plane = self.plane
         out: dict[str, Any] = {"deployment": self.cfg.name, "restarts": self.restarts, "durable": self.store is not None,
                                "rebuild_error": self.rebuild_error}
@@ -348,6 +305,7 @@ class CoordinatorActor:
             out.update(active=plane.active_generation(), generations=plane.generation_states(),
                        floors=plane.floor_list(), group=list(plane.group.peer_order), group_epoch=plane.group.epoch,
                        dead_ranks=sorted(plane.dead_ranks), rebuild=plane.rebuild_report)
+            out["operation"] = plane.ops.status(4)  # in flight (stage, elapsed, bytes copied), the last 4 ended
         out["eplb"] = self.autopilot.status(8)  # mode, policy, last rebalance, the last 8 decisions
         return out
 

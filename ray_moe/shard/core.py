@@ -122,7 +122,9 @@ class ShardCore:
         return self.store.export(keys, device=device)
 
     def import_experts(self, weights: Mapping[Key, ExpertWeights]) -> dict[Key, str]:
-        """Store copied weights; returns the digests computed from the bytes that arrived."""
+        """Store copied weights; returns the digests computed from the bytes that arrived. An armed ``hang_copy``
+        fault stalls here first, outside the control lock (steps and the abort path go on meanwhile)."""
+        self.faults.stall(ShardFault.HANG_COPY)
         with self._lock:
             return self.store.put(weights)
 

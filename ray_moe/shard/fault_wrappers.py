@@ -11,6 +11,8 @@ an armed fault runs with wrapped components, installed for that step only.
     inverse    FaultyDispatcher: every handle's inverse map is corrupted -> output rejected before publish
     parity     FaultyRunner: the runner's output drifts by 1% -> found by shadow comparison, canary blocked
     crash      the step raises on this rank (a candidate that fails while serving)
+    hang_copy  control path: the next expert copy into this rank stalls ``HANG_COPY_S`` seconds before its
+               weights are stored (a migration copy that hangs past the copy stage's deadline, then lands)
 
 A fault is armed for the next ``count`` steps (of one generation, when given); arming and taking are one
 lock acquisition per step.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import time
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +52,13 @@ class ShardFault(str, Enum):
     PARITY = "parity"
     CRASH = "crash"
     GRAPH_KEY = "graph_key"
+    HANG_COPY = "hang_copy"
+
+
+#: faults of the control path: taken by the call they stall (``ShardFaults.stall``), never by a step
+CONTROL_FAULTS = frozenset({ShardFault.HANG_COPY})
+#: how long a ``hang_copy`` stalls the copy (far past a test's copy deadline, short enough to land in a test)
+HANG_COPY_S = 6.0
 
 
 _CTL_SUFFIX = "/ctl"
@@ -200,7 +210,7 @@ class ShardFaults:
         out = set()
         with self._lock:
             for kind, (left, gen) in list(self._armed.items()):
-                if gen is not None and gen != generation:
+                if kind in CONTROL_FAULTS or (gen is not None and gen != generation):
                     continue
                 out.add(kind)
                 self.fired[f"fault_{kind.value}"] = self.fired.get(f"fault_{kind.value}", 0) + 1
@@ -209,6 +219,25 @@ class ShardFaults:
                 else:
                     self._armed[kind] = (left - 1, gen)
         return frozenset(out)
+
+    def stall(self, kind: ShardFault, seconds: float = HANG_COPY_S) -> float:
+        """A control-path call of ``kind`` (``CONTROL_FAULTS``): when one is armed, take it and sleep ``seconds``
+        (the caller holds no lock); returns the seconds slept (0.0 when none was armed)."""
+        if kind not in CONTROL_FAULTS:
+            raise ValueError(f"kind={kind!r} is not a control-path fault ({sorted(f.value for f in CONTROL_FAULTS)})")
+        if not self._armed:
+            return 0.0
+        with self._lock:
+            left, gen = self._armed.get(kind, (0, None))
+            if left <= 0:
+                return 0.0
+            if left <= 1:
+                del self._armed[kind]
+            else:
+                self._armed[kind] = (left - 1, gen)
+            self.fired[f"fault_{kind.value}"] = self.fired.get(f"fault_{kind.value}", 0) + 1
+        time.sleep(seconds)
+        return float(seconds)
 
 
 def wrap_paths(faults: frozenset[ShardFault], paths: "DataPaths") -> "DataPaths":
@@ -229,5 +258,5 @@ def wrap_paths(faults: frozenset[ShardFault], paths: "DataPaths") -> "DataPaths"
     return dataclasses.replace(paths, exchange=ex, normal=normal, bucket=bucket, runner=runner, capture=False)
 
 
-__all__ = ["ShardFault", "ShardFaults", "FaultyExchange", "FaultyRunner", "FaultyDispatcher", "corrupt_handle",
+__all__ = ["CONTROL_FAULTS", "HANG_COPY_S", "ShardFault", "ShardFaults", "FaultyExchange", "FaultyRunner", "FaultyDispatcher", "corrupt_handle",
            "wrap_paths", "with_exchange"]
