@@ -64,8 +64,8 @@ class EagerCapture(CapturedStep):
 
 @pytest.fixture
 def eager_capture(monkeypatch):
-    """The static-shape (CUDA-graph) step paths on CPU: generation captures become ``EagerCapture``."""
-    import ray_moe.shard.generation as engine
+    """The static-shape (CUDA-graph) step paths on CPU: the shard pipeline's captures become ``EagerCapture``."""
+    import ray_moe.shard.pipeline as pipeline
 
-    monkeypatch.setattr(engine, "CapturedStep", EagerCapture)
+    monkeypatch.setattr(pipeline, "CapturedStep", EagerCapture)
     return EagerCapture

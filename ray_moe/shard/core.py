@@ -30,7 +30,7 @@ import torch
 
 from ray_moe.shard.expert_store import ExpertStore, Key
 from ray_moe.shard.fault_wrappers import ShardFault, ShardFaults, wrap_paths
-from ray_moe.shard.pipeline import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder
+from ray_moe.shard.pipeline import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder, StepPipeline
 from ray_moe.shard.records import GenStepRequest, GenStepResult, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.base import Exchange
@@ -97,9 +97,12 @@ class ShardCore:
         self._gen_order = StepOrder()  # pipelined generation steps run in launch order
         self._gen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ray-moe-gen-r{rank}")
         self._gen_slots = threading.BoundedSemaphore(2)
+        # one step pipeline (decode round, captured graphs, overflow rerun) for both fronts: the expert-only
+        # executor here, the generation executor once a model is loaded
+        self.pipeline = StepPipeline()
         self.executor = StepExecutor(rank, dtype=self.dtype, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                                      residual=cfg.residual, device=self.device, router=router,
-                                     decode_key=self._decode_key)
+                                     decode_key=self._decode_key, pipeline=self.pipeline)
 
     @property
     def exchange(self) -> Exchange | None:
@@ -199,8 +202,7 @@ class ShardCore:
 
     def release_graphs(self, generation: int) -> int:
         """Free captured decode graphs keyed to ``generation``; returns how many were freed."""
-        served = 0 if self.generator is None else self.generator.graphs.release(generation)
-        return self.executor.graphs.release(generation) + served
+        return self.pipeline.graphs.release(generation)
 
     def inject_fault(self, kind: ShardFault | str, count: int = 1, generation: int | None = None) -> None:
         """Arm a data-path fault for the next ``count`` steps (of ``generation`` only, if given)."""
@@ -256,11 +258,10 @@ class ShardCore:
                 "weight_bytes": self.store.nbytes,  # the slot buffers' bytes (held and free rows)
                 "slot_buffers": self.store.slab_info(),  # per layer: capacity, used, free rows
                 "slot_buffer_grows": self.store.grows,
-                "counters": {**self.counters, **self.executor.counters, **self.faults.fired,
+                "counters": {**self.counters, **self.executor.counters, **self.pipeline.counters, **self.faults.fired,
                              **({} if self.generator is None else self.generator.counters)},
-                "graphs": len(self.executor.graphs) + (0 if self.generator is None else len(self.generator.graphs)),
-                "capture_error": self.executor.capture_error or (None if self.generator is None
-                                                                 else self.generator.capture_error),
+                "graphs": len(self.pipeline.graphs),
+                "capture_error": self.pipeline.capture_error,
                 "fused_kernels": None if self.generator is None else self.generator.fused_kernels(),
             }
 
@@ -363,7 +364,7 @@ class ShardCore:
                     self.rank, checkpoint=cfg.checkpoint, random_model=random_model, num_layers=cfg.num_layers,
                     hidden_size=cfg.hidden_size, top_k=cfg.top_k, seed=cfg.seed, device=self.device,
                     dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels,
-                    attention=_backend(attention),
+                    attention=_backend(attention), pipeline=self.pipeline,
                     **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
             return self.generator.info()
 
@@ -432,7 +433,7 @@ class ShardCore:
         return next(iter(self._gens.values()), None)
 
 
-def _backend(value: str) -> "AttentionBackend":
+def _backend(value: str) -> Any:
     """An ``AttentionBackend`` from its value; raises ``ValueError`` naming ``attention`` otherwise."""
     from ray_moe.core.types import AttentionBackend
 

@@ -33,20 +33,12 @@ from ray_moe.moe.dispatch.protocol import ControlStatus
 from ray_moe.moe.experts.runners.grouped import device_tensor
 from ray_moe.core.errors import RayMoEError, StepMemoryError
 from ray_moe.moe.decode.admission import FallbackReason
-from ray_moe.moe.decode.graphs import (
-    CapturedStep,
-    DecodeRecord,
-    StepGraphs,
-    agree_overflow,
-    capture_failure,
-    decode_round,
-    generation_digest,
-)
 from ray_moe.moe.layer import GenerationView, MoEStep, SplitMoE
 from ray_moe.model.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.model.host import ModelHost
 from ray_moe.model.sampling import logprobs_tensor, sample_tensor
 from ray_moe.shard.pending import MultiPending, PendingStep, _GraphPending
+from ray_moe.shard.pipeline import StepPipeline
 from ray_moe.shard.records import GenStepRequest, WorkItem
 
 
@@ -105,19 +97,20 @@ class DeferredTokenError(RayMoEError, ValueError):
 class GenerationExecutor:
     """Runs generation steps for one shard over its ModelHost (``step_ctx`` builds MoEStep contexts)."""
 
-    def __init__(self, rank: int, host: ModelHost, *, hidden_size: int, top_k: int, dtype: torch.dtype) -> None:
+    def __init__(self, rank: int, host: ModelHost, *, hidden_size: int, top_k: int, dtype: torch.dtype,
+                 pipeline: StepPipeline | None = None) -> None:
         self.rank = rank
         self.host = host
         self.hidden_size = hidden_size
         self.top_k = top_k
         self.dtype = dtype
         self.counters: dict[str, int] = {}
-        self.graphs = StepGraphs()  # captured steps by (generation, (unit, rows, keys, sampled rows))
+        # the shard's step pipeline (decode round, captured graphs by (generation, (unit, rows, keys, sampled
+        # rows, layout)), overflow agreement), shared with the expert-only front
+        self.pipeline = pipeline or StepPipeline()
         self.max_prefill_graphs = 16  # prefill shapes captured per generation (others run eagerly)
         self.decode_layout = DecodeLayout.AUTO  # how a captured decode step lays out its sequences
         self._runner: Any = None
-        # a failed capture, per unit: that unit's steps stay eager (reported in status)
-        self.capture_errors: dict[str, str] = {}
         # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
         # the one at its start position; a rerun step finds its input again
         self.sampled: dict[str, dict[int, int]] = {}
@@ -133,7 +126,8 @@ class GenerationExecutor:
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
              top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int | None,
              block_size: int, fused_kernels: bool = True, attention: AttentionBackend = AttentionBackend.AUTO,
-             memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> "GenerationExecutor":
+             memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline: StepPipeline | None = None
+             ) -> "GenerationExecutor":
         """A shard's model: the non-expert modules (transformers classes) from ``checkpoint``, or seeded random
         ones of the transformers config dict ``random_model`` (benchmarks). Routed experts stay the shard's
         slots. ``num_layers`` must equal the model's MoE layer count. ``fused_kernels``: the model's RMSNorm layers
@@ -163,7 +157,7 @@ class GenerationExecutor:
         if sized and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             host.size_kv(float(memory_fraction), max(WORKSPACE_MIN_BYTES, int(WORKSPACE_SHARE * total)))
-        executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype)
+        executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype, pipeline=pipeline)
         if host.norms.modules:
             executor.count("fused_norm_layers", host.norms.modules)
         if host.rotary.modules:
@@ -277,12 +271,10 @@ class GenerationExecutor:
                     if local_error is not None:
                         raise local_error
                     decision = agreed
-                else:
-                    rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch,
-                                       generation_digest(view.snapshots), status, sum(it.decode for it in items),
-                                       decode_key, 0)
-                    decision = decode_round(paths.exchange, rec, paths.bucket.token_cap, req.step_id,
-                                            local_error=local_error)
+                else:  # shapes differ per rank here: each rank decides its own replay (ready = 0)
+                    decision = self.pipeline.agree_decode(paths.exchange, view, status, sum(it.decode for it in items),
+                                                          decode_key, paths.bucket.token_cap, req.step_id,
+                                                          local_error=local_error)
                 status = ControlStatus.OK  # the decode round carried it (a refusal raised there)
                 reason = None if decision.reason is None else decision.reason.value
                 bucket = decision.reason is None
@@ -300,9 +292,8 @@ class GenerationExecutor:
                 return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision)
             out = out.finish()
         tokens, stats, overflow, lps = out
-        if bucket and agree_overflow(paths.exchange, overflow, req.step_id):
+        if bucket and self.pipeline.overflowed(paths.exchange, overflow, req.step_id):
             reason, bucket = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value, False
-            self.count(f"fallback_{reason}")
             out = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode, False, reason,
                                 [], tag="/rerun")
             tokens, stats, _, lps = out.finish() if isinstance(out, _GraphPending) else out
@@ -443,24 +434,9 @@ class GenerationExecutor:
             return (logits, ctx.device_summary()), ctx
 
         key = (unit, rows, keys, last_rows, layout.value)
-        captured = self.graphs.get(view.generation, key)
-        if captured is not None:
-            (logits, summary), ctx = captured.replay(staged)
-            ctx.path = "local-graph" if prefill else "bucket-graph"
-            self.count("graph_replays")
-        else:
-            (logits, summary), ctx = body(staged)  # eager, same shapes: this step's answer, and the warm-up
-            ctx.path = "local" if prefill else "bucket"
-            full = prefill and self.graphs.count(view.generation, "prefill") >= self.max_prefill_graphs
-            if unit not in self.capture_errors and not full:
-                step = CapturedStep({k: v.clone() for k, v in staged.items()})
-                try:
-                    step.capture(body)  # records only: no collective runs while capturing
-                except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
-                    self.capture_errors[unit] = capture_failure(exc)
-                else:
-                    self.graphs.put(view.generation, key, step)
-                    self.count("graphs_captured")
+        ((logits, summary), ctx), replayed = self.pipeline.run_static(
+            view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
+        ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")
         host_summary = None
         if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both
             host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
@@ -496,9 +472,9 @@ class GenerationExecutor:
         return busy, idle
 
     @property
-    def capture_error(self) -> str | None:
-        """The failed captures, one line (None: every capture so far succeeded)."""
-        return "; ".join(f"{u}: {e}" for u, e in sorted(self.capture_errors.items())) or None
+    def graphs(self):
+        """The captured steps (the shard pipeline's)."""
+        return self.pipeline.graphs
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -521,11 +497,11 @@ class GenerationExecutor:
         lps: dict[str, Any] = {}
         self._runner = paths.runner
         if items and paths.capture:
-            if bucket and pre is None and "decode" not in self.capture_errors:
+            if bucket and pre is None and "decode" not in self.pipeline.capture_errors:
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, paths.bucket.token_cap,
                                         prefill=False, fills=fills)
             if (pre is not None and status == ControlStatus.OK and paths.exchange.size == 1
-                    and paths.bucket.mode is DispatchMode.LOCAL and "prefill" not in self.capture_errors):
+                    and paths.bucket.mode is DispatchMode.LOCAL and "prefill" not in self.pipeline.capture_errors):
                 # (a refused step takes the eager path, whose first dispatch raises the refusal)
                 # a group of one: every step (prefill, mixed) runs the local path; routes come from the
                 # model's own router, so the unchecked (capturable) local dispatcher serves the whole step

@@ -1,13 +1,17 @@
 # ======================================================================================================
 #  ONE STEP ON ONE SHARD (the data path; pure: no Ray)
 #
-#   StepRequest ──> pin the generation (exact refcount) ──> faults armed? wrap the step's components
-#     prefill:  every layer through the normal dispatcher (engine | direct), control round per layer
-#     decode:   ONE agreed admission round ──> bucket path for every layer (one CUDA graph on GPUs)
-#               ──> overflow agreed at the end ──> else / on overflow: the normal dispatcher, reason kept
-#   ──> deferred handle checks + device statistics read with the output (one host copy) ──> StepResult
+#   ShardCore.step: pin the generation (exact refcount) ──> faults armed? wrap the step's components
+#   ──> the front of the request's kind: StepExecutor (expert-only: hidden + routes in, hidden out) or
+#       GenerationExecutor (token ids in, sampled token ids out, the model host around the MoE layers)
+#   ──> StepPipeline, the one sequence both fronts take for a step with a decode unit:
+#       1. ONE agreed decode round (generation, epoch, digest, status, tokens, bucket key, graphs ready)
+#          ──> the bucket path (agreed token cap) or a named fallback to the normal dispatcher
+#       2. the static-shape step: replay its captured CUDA graph, else run it eagerly and capture it
+#       3. overflow agreed at the end ──> on overflow every rank reruns on the normal dispatcher (counted)
+#   ──> deferred handle checks + device statistics read with the output (one host copy) ──> the result
 # ======================================================================================================
-"""Step records on the wire and the step executor of one shard."""
+"""The step pipeline of one shard and its expert-only front (``StepExecutor``)."""
 
 from __future__ import annotations
 
@@ -138,13 +142,76 @@ class Marks:
                      for lab, host, ev in self._items)
 
 
+class StepPipeline:
+    """The decode sequence every shard step takes, whatever its front (one instance per shard, shared by the
+    expert-only and the generation front): ``agree_decode`` -> ``run_static`` -> ``overflowed``. Captured
+    graphs live here, keyed by (generation, the front's shape key); ``capture_errors`` per unit ("decode",
+    "prefill", "experts"): a failed capture keeps that unit eager, the reason reported in status."""
+
+    def __init__(self) -> None:
+        self.graphs = StepGraphs()
+        self.capture_errors: dict[str, str] = {}
+        self.counters: dict[str, int] = {}
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    @property
+    def capture_error(self) -> str | None:
+        """The failed captures, one line (None: every capture so far succeeded)."""
+        return "; ".join(f"{u}: {e}" for u, e in sorted(self.capture_errors.items())) or None
+
+    # 1. ------------------------------------------------------------ the decode round
+    def agree_decode(self, exchange: Exchange, view: GenerationView, status: ControlStatus, tokens: int, key: int,
+                     token_cap: int, tag: str, *, ready: int = 0, local_error: Exception | None = None):
+        """This rank's decode record against every peer's (one all-gather) -> the agreed ``DecodeDecision``:
+        the bucket's token cap, whether every rank holds the graph (``ready``: this rank's mask of captured
+        caps), or the fallback reason. A rank whose own input was refused re-raises ``local_error`` there."""
+        rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch, generation_digest(view.snapshots), status,
+                           tokens, key, ready)
+        return decode_round(exchange, rec, token_cap, tag, local_error=local_error)
+
+    # 2. ------------------------------------------------------------ the static-shape step
+    def run_static(self, generation: int, key: Any, staged: dict[str, torch.Tensor], body: Callable, *, unit: str,
+                   replay: bool | None = None, capture: bool = True, limit: int | None = None) -> tuple[Any, bool]:
+        """``body(inputs) -> (outputs, MoEStep)`` at static shapes. Replays the graph of (generation, key) when
+        there is one (``replay`` None: this rank's own decision; a bool: the group's agreed one), else runs
+        ``body`` eagerly (this step's answer and the warm-up) and, with ``capture``, records it over stable
+        copies of ``staged`` (at most ``limit`` graphs of ``unit`` per generation). Returns ((outputs, ctx),
+        replayed)."""
+        captured = self.graphs.get(generation, key)
+        if captured is not None and (replay is None or replay):
+            self.count("graph_replays")
+            return captured.replay(staged), True
+        out = body(staged)
+        full = limit is not None and self.graphs.count(generation, unit) >= limit
+        if capture and captured is None and unit not in self.capture_errors and not full:
+            step = CapturedStep({k: v.clone() for k, v in staged.items()})
+            try:
+                step.capture(body)  # records only: no collective runs while capturing
+            except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
+                self.capture_errors[unit] = capture_failure(exc)
+            else:
+                self.graphs.put(generation, key, step)
+                self.count("graphs_captured")
+        return out, False
+
+    # 3. ------------------------------------------------------------ the overflow agreement
+    def overflowed(self, exchange: Exchange, overflow: bool, tag: str) -> bool:
+        """Whether any rank's bucket overflowed (every rank then reruns the step on the normal path; counted)."""
+        if agree_overflow(exchange, overflow, tag):
+            self.count(f"fallback_{FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value}")
+            return True
+        return False
+
+
 class StepExecutor:
     """Runs steps for one shard. ``router(layer, hidden) -> (ids [T, k], gates [T, k])`` routes when the
     request carries no routes."""
 
     def __init__(self, rank: int, *, dtype: torch.dtype, hidden_size: int, num_layers: int, residual: bool,
                  device: torch.device, router: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                 decode_key: Callable[[GenerationView], int]) -> None:
+                 decode_key: Callable[[GenerationView], int], pipeline: StepPipeline | None = None) -> None:
         self.rank = rank
         self.dtype = dtype
         self.hidden_size = hidden_size
@@ -153,9 +220,8 @@ class StepExecutor:
         self.device = device
         self.router = router
         self.decode_key = decode_key
-        self.graphs = StepGraphs()
+        self.pipeline = pipeline or StepPipeline()
         self.counters: dict[str, int] = {}
-        self.capture_error: str | None = None  # a failed capture: decode steps stay eager (reported in status)
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -214,48 +280,41 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ decode
     def _decode(self, h, given, layers, view, paths, status, tag, marks, routes_out, keep_routes):
-        bucket = paths.bucket
+        pipe, bucket = self.pipeline, paths.bucket
         t = int(h.shape[0])
         local_error = None
         if given is not None and status == ControlStatus.OK:
             local_error = _check_routes(given, view.snapshots[0].num_experts, tag)
             if local_error is not None:
                 status = ControlStatus.BAD_INPUT
-        key = self.decode_key(view)
-        base = (key, len(layers), given is None)
-        ready = self.graphs.ready_mask(view.generation, base, token_buckets(bucket.max_token_cap)) if paths.capture else 0
-        rec = DecodeRecord(view.generation, view.snapshots[0].pg_epoch, generation_digest(view.snapshots), status,
-                           t, key, ready)
-        decision = decode_round(paths.exchange, rec, bucket.token_cap, tag, local_error=local_error)
+        base = ("experts", self.decode_key(view), len(layers), given is None)
+        ready = pipe.graphs.ready_mask(view.generation, base, token_buckets(bucket.max_token_cap)) if paths.capture else 0
+        # 1. the decode round
+        decision = pipe.agree_decode(paths.exchange, view, status, t, base[1], bucket.token_cap, tag, ready=ready,
+                                     local_error=local_error)
         marks("decode_round")
         if decision.reason is not None:
             return self._variable(h, given, layers, view, paths, ControlStatus.OK, tag, decision.reason.value,
                                   routes_out, keep_routes)
-        bucket = bucket.for_tokens(decision.cap)
-        paths = dataclasses.replace(paths, bucket=bucket)
-        graph_key = (*base, bucket.token_cap)
-        captured = self.graphs.get(view.generation, graph_key)
-        staged = self._stage(h, given, len(layers), bucket.token_cap)
+        paths = dataclasses.replace(paths, bucket=bucket.for_tokens(decision.cap))
+        staged = self._stage(h, given, len(layers), paths.bucket.token_cap)
         seen: list | None = [] if keep_routes else None
-        # routes chosen inside a replayed graph are not kept: a step that must return them runs eagerly
-        # (the flag and the routing source are the same on every rank, so they decide alike)
-        if decision.replay and not (keep_routes and given is None):
-            out, ctx = captured.replay(staged)
-            marks("replayed")  # device clock: where the graph's work ends (before any host read)
-            path = "bucket-graph"
-        else:
-            out, ctx = self._bucket_body(view, paths, tag, given is None, layers, seen)(staged)
-            path = "bucket"
-            if paths.capture:  # every rank ran this step eagerly (the warm-up); ranks without a graph record one
-                self._capture(view, paths, tag, given is None, layers, graph_key, staged)
+        # 2. the static-shape step: routes chosen inside a replayed graph are not kept, so a step that must return
+        # them runs eagerly (the flag and the routing source are the same on every rank: they decide alike)
+        replay = decision.replay and not (keep_routes and given is None)
+        body = self._bucket_body(view, paths, tag, given is None, layers, seen)
+        (out, ctx), replayed = pipe.run_static(view.generation, (*base, paths.bucket.token_cap), staged, body,
+                                               unit="experts", replay=replay, capture=paths.capture)
+        marks("replayed" if replayed else "bucket")  # device clock: where the step's work ends
         y = out[:t]
         summary = ctx.device_summary()
         if paths.exchange.device_async:
             paths.exchange.wait(f"decode step {tag!r}")  # type: ignore[attr-defined]
         host = None if summary is None else summary.cpu().numpy()
-        ctx.path = path
+        ctx.path = "bucket-graph" if replayed else "bucket"
         stats, overflow = ctx.finish(host)
-        if agree_overflow(paths.exchange, overflow, tag):
+        # 3. the overflow agreement
+        if pipe.overflowed(paths.exchange, overflow, tag):
             reason = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value
             return self._variable(h, given, layers, view, paths, ControlStatus.OK, f"{tag}/rerun", reason,
                                   routes_out, keep_routes)
@@ -285,20 +344,6 @@ class StepExecutor:
             given = None if routed_here else (inp["ids"], inp["gates"])
             return self._loop(ctx, inp["hidden"], given, layers, inp["valid"], seen), ctx
         return body
-
-    def _capture(self, view, paths, tag, routed_here, layers, graph_key, staged) -> None:
-        """Record the whole decode step as one CUDA graph over stable copies of this step's inputs."""
-        if self.graphs.get(view.generation, graph_key) is not None or self.capture_error is not None:
-            return
-        inputs = {k: v.clone() for k, v in staged.items()}
-        step = CapturedStep(inputs)
-        try:
-            step.capture(self._bucket_body(view, paths, f"{tag}/graph", routed_here, layers))
-        except Exception as exc:  # noqa: BLE001 - keep serving the bucket eagerly; say why in status
-            self.capture_error = capture_failure(exc)
-            return
-        self.graphs.put(view.generation, graph_key, step)
-        self.count("graphs_captured")
 
 
 def _check_routes(given, num_experts: int, tag: str) -> Exception | None:

@@ -178,7 +178,7 @@ def test_static_shape_decode_steps_equal_greedy(tmp_path, eager_capture):
         core.paths = dataclasses.replace(core.paths, capture=True)
     prompts = _prompts(4, (5, 13, 2, 9, 7))
     assert generate_inprocess(dep, prompts, 9) == _reference(model, prompts, 9)
-    counters = [c.generator.counters for c in dep.cores.values()]
+    counters = [{**c.generator.counters, **c.pipeline.counters} for c in dep.cores.values()]
     assert all(c.get("graphs_captured", 0) >= 1 and c.get("graph_replays", 0) >= 4 for c in counters), counters
 
 
@@ -198,7 +198,7 @@ def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_pa
     prompts, late = _prompts(9, (5, 13, 2)), _prompts(10, (6, 3))
     got = generate_inprocess(dep, prompts, 6, step_tokens=8, join_after={2: late}, pipelined=True)
     assert got == _reference(model, prompts + late, 6)
-    c = core.generator.counters
+    c = {**core.generator.counters, **core.pipeline.counters}  # (graph counts are the shard pipeline's)
     assert c.get("graphs_captured", 0) >= 4 and c.get("graph_replays", 0) >= 10, c
     kinds = {k[1][0] for k in core.generator.graphs._graphs}
     assert kinds == {"prefill", "decode"}
@@ -244,7 +244,7 @@ def test_multi_step_decode_stays_token_equal(tmp_path, eager_capture, family, ra
     got = generate_inprocess(dep, prompts, 11, step_tokens=8, join_after={3: late}, pipelined=pipelined,
                              decode_steps=4)
     assert got == _reference(model, prompts + late, 11)
-    counters = [c.generator.counters for c in dep.cores.values()]
+    counters = [{**c.generator.counters, **c.pipeline.counters} for c in dep.cores.values()]
     assert all(c.get("multi_step_requests", 0) >= 1 for c in counters), counters
     if capture:
         assert all(c.get("graph_replays", 0) >= 8 for c in counters), counters
@@ -403,13 +403,14 @@ def test_a_multi_step_request_agrees_its_decode_path_once(tmp_path, monkeypatch)
     """Every rank agrees the generation, the path and the token bucket once per request: the sub-steps after
     the first take no control round of their own (one round per call, however many sub-steps)."""
     import ray_moe.shard.generation as engine
+    import ray_moe.shard.pipeline as pipeline
 
     model, folder = tiny_model("mixtral", tmp_path / "m")
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=8))
     rounds, calls = [], []
-    real_round, real_launch = engine.decode_round, engine.GenerationExecutor.launch
-    monkeypatch.setattr(engine, "decode_round", lambda *a, **k: rounds.append(1) or real_round(*a, **k))
+    real_round, real_launch = pipeline.decode_round, engine.GenerationExecutor.launch
+    monkeypatch.setattr(pipeline, "decode_round", lambda *a, **k: rounds.append(1) or real_round(*a, **k))
 
     def launch(self, req, *a, **k):
         calls.append((req.units[1], req.steps))
