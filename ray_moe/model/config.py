@@ -206,9 +206,13 @@ def default_slots_per_rank(num_experts: int, num_ranks: int) -> int:
         base = ceil(E / P);  slots_per_rank = base + max(1, ceil(base / 4))
 
     e.g. E=8, P=4 -> 2 + 1 = 3 (12 slots, 4 replicas); E=256, P=8 -> 32 + 8 = 40 (320 slots, 64 replicas).
+    One rank: every expert once, no replica (a second replica on the same device balances nothing; it would
+    only make every generation row-mapped over the slot buffers, ``moe/experts/slab.py``).
     """
     if num_experts < 1 or num_ranks < 1:
         raise ConfigError(f"num_experts={num_experts} / num_ranks={num_ranks} must be >= 1")
+    if num_ranks == 1:
+        return num_experts
     base = math.ceil(num_experts / num_ranks)
     return base + max(1, math.ceil(base / 4))
 
