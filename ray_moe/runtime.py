@@ -32,6 +32,8 @@ from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.ray.remote import call
 from ray_moe.ray.launch import topology_from_nodes
 from ray_moe.ray.healer import RankHealer
+from ray_moe.ray.executor import LayerExecutor
+from ray_moe.ray.scaler import RankScaler, start_scaler
 from ray_moe.ray.transport import RayTransport, fetch_outputs
 from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
@@ -88,6 +90,7 @@ class Runtime:
         self.transport = RayTransport(cfg, coordinator, shards, group, self.books, self._account)
         self.healer = RankHealer(self.add_rank, retries=cfg.heal_retries) if cfg.heal_retries else None
         self.transport.on_lost = None if self.healer is None else self.healer.lost
+        self.scaler: RankScaler | None = None  # load-driven scaling (cfg.scaling; started by ``start``)
 
     # the transport's state, as the deployment's own
     shards = property(lambda self: self.transport.shards)
@@ -150,7 +153,8 @@ class Runtime:
             return rt
 
         try:
-            return launch.Launch(cfg, ns, source=source, timeout_s=timeout_s, detached=detached).run(finish)
+            attempt = launch.Launch(cfg, ns, source=source, timeout_s=timeout_s, detached=detached)
+            return start_scaler(attempt.run(finish))
         except BaseException:
             if owns:
                 ray.shutdown()
@@ -204,6 +208,8 @@ class Runtime:
         and its name (waited for, bounded)."""
         from ray_moe.ray import launch
 
+        if self.scaler is not None:  # (a change under way finishes first)
+            self.scaler.close()
         if self.healer is not None:  # (a replacement starting now finishes first, then is torn down)
             self.healer.close()
         if self._engine is not None:
@@ -579,18 +585,4 @@ class Runtime:
         return [engine.submit(p, sp) for p, sp in zip(prompts, params)]
 
 
-class LayerExecutor:
-    """``moe_forward(layer, hidden [T, d], topk_ids [T, k], topk_weights [T, k]) -> [T, d]`` through a Runtime
-    (one actor call per rank per MoE layer: the integration path; serving keeps the model in the shards)."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-
-    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor) -> torch.Tensor:
-        y = self.rt.forward(hidden.detach().cpu(), topk_ids.detach().cpu(), topk_weights.detach().float().cpu(),
-                            layer=layer)
-        return y.to(device=hidden.device, dtype=hidden.dtype)
-
-
-__all__ = ["Runtime", "RuntimeConfig", "RuntimeStats", "topology_from_nodes", "ExchangeTimeoutError"]
+__all__ = ["LayerExecutor", "Runtime", "RuntimeConfig", "RuntimeStats", "topology_from_nodes", "ExchangeTimeoutError"]

@@ -202,6 +202,43 @@ def eplb_flag(text: str):
         raise argparse.ArgumentTypeError(str(exc).replace("eplb=", "--eplb=", 1)) from None
 
 
+def bounded_int(least: int):
+    """An argparse type: an integer >= ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {least}")
+        return n
+
+    return parse
+
+
+def serve_config_fields(args: argparse.Namespace) -> dict:
+    """The RuntimeConfig fields ``ray-moe serve``'s elasticity flags set: ``eplb`` (--eplb), ``heal_retries``
+    (--heal-retries) and, when --min-ranks or --max-ranks is given, ``scaling`` (enabled, min 1 and max
+    --ranks unless given). Flags that were not parsed (another caller's namespace) set nothing."""
+    from ray_moe.model.config import ScalingPolicy
+
+    out: dict = {}
+    if getattr(args, "eplb", None) is not None:
+        out["eplb"] = args.eplb
+    if getattr(args, "heal_retries", None) is not None:
+        out["heal_retries"] = args.heal_retries
+    lo, hi = getattr(args, "min_ranks", None), getattr(args, "max_ranks", None)
+    if lo is not None or hi is not None:
+        lo, hi = lo or 1, hi or max(args.ranks, lo or 1)
+        if lo > hi:
+            raise BadInput(f"--min-ranks={lo} exceeds --max-ranks={hi}")
+        if not lo <= args.ranks <= hi:
+            raise BadInput(f"--ranks={args.ranks} is outside [--min-ranks={lo}, --max-ranks={hi}]")
+        out["scaling"] = ScalingPolicy(enabled=True, min_ranks=lo, max_ranks=hi)
+    return out
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Join ``--address`` / ``RAY_ADDRESS``, else the cluster ``ray start`` left on this machine, else start a
     local instance (``run_server`` does, and says where it is)."""
@@ -368,6 +405,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--eplb", type=eplb_flag, default="auto", metavar="off|auto|periodic:N",
                     help="automatic rebalance: auto (default) when an EPLB solve predicts a gain worth its copies, "
                          "with hysteresis; periodic:N every N load steps; off only on `ray-moe rebalance`")
+    sv.add_argument("--heal-retries", type=bounded_int(0), default=2, metavar="N",
+                    help="self-healing ranks: a dead shard is replaced, up to N start attempts per lost rank "
+                         "(0: off, the deployment runs one rank short)")
+    sv.add_argument("--min-ranks", type=bounded_int(1), default=None, metavar="N",
+                    help="load-driven scaling: never fewer ranks (default 1; the replica floors and the ranks "
+                         "that hold every expert once are kept too); giving it or --max-ranks turns scaling on")
+    sv.add_argument("--max-ranks", type=bounded_int(1), default=None, metavar="N",
+                    help="load-driven scaling: never more ranks (default --ranks); a rank is added when the "
+                         "oldest waiting request waits past the target, one removed when idle")
     sv.set_defaults(fn=cmd_serve)
 
     dr = sub.add_parser("drill", help="operational drills")

@@ -25,12 +25,24 @@ import torch
 from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
 from ray_moe.shard.records import GenStepRequest
 from ray_moe.model.sampling import SamplingParams, TokenLogprobs
-from ray_moe.driver.scheduler import Scheduler, StepPlan
+from ray_moe.driver.scheduler import Scheduler, SeqState, StepPlan
 from ray_moe.driver.transport import StepTransport
 from ray_moe.core.types import Phase
 
 _DONE = object()
 DEFAULT_DECODE_STEPS_CUDA = 4  # multi-step decode on CUDA unless told otherwise (measured: bench.generate)
+
+
+@dataclass(frozen=True)
+class LoopSignals:
+    """``GenerationLoop.signals()``: requests waiting / running, how long the oldest waiting one has waited
+    (seconds, 0 when none waits), steps run so far, seconds since the last step with work (None: none yet)."""
+
+    waiting: int
+    running: int
+    oldest_wait_s: float
+    steps: int
+    since_work_s: float | None
 
 
 @dataclass
@@ -157,6 +169,18 @@ class GenerationLoop:
             self._handles[rid] = handle
             self._wake.notify()
         return handle
+
+    def signals(self) -> "LoopSignals":
+        """The load the loop sees now (read-only; the scaler samples it, ``ray_moe.ray.scaler``)."""
+        now, t = time.monotonic(), time.perf_counter()
+        with self._lock:
+            seqs = list(self.scheduler.seqs.values())
+            steps = self.steps
+        waiting = [s for s in seqs if s.state is SeqState.WAITING]
+        running = sum(s.state is SeqState.RUNNING for s in seqs)
+        oldest = max((now - s.submitted for s in waiting), default=0.0)
+        return LoopSignals(waiting=len(waiting), running=running, oldest_wait_s=max(0.0, oldest), steps=steps,
+                           since_work_s=None if not self._last_done else max(0.0, t - self._last_done))
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -349,4 +373,4 @@ class OverloadedError(RayMoEError):
     """Too many requests in flight: retry later (HTTP 503)."""
 
 
-__all__ = ["GenerationLoop", "RequestHandle", "OverloadedError"]
+__all__ = ["GenerationLoop", "LoopSignals", "RequestHandle", "OverloadedError"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -55,6 +56,7 @@ class SeqStatus:
     cached: int = 0  # tokens of prompt + generated already written to the rank's KV cache
     state: SeqState = SeqState.WAITING
     moves: int = 0  # times the sequence was re-prefilled on another rank
+    submitted: float = field(default_factory=time.monotonic)  # when it was submitted (monotonic s)
 
     @property
     def tokens(self) -> list[int]:

@@ -91,6 +91,36 @@ class StageDeadlines(BaseModel):
         return float(getattr(self, f"{OperationStage(stage).value}_s"))
 
 
+class ScalingPolicy(BaseModel):
+    """The ``scaling`` field group of a RuntimeConfig: load-driven scaling of the rank count
+    (``ray_moe.control.scaling``; the scaler thread: ``ray_moe.ray.scaler``). Off by default.
+
+    A rank is added when the oldest waiting request has waited more than ``target_wait_s``; one is drained and
+    removed once the deployment had no work for ``idle_s``. No change within ``cooldown_s`` of the last one; a
+    change that reverses the last one (a removal after an addition, or the other way) needs its threshold
+    passed by the ``hysteresis`` fraction more (wait > target x (1 + h), idle >= idle_s x (1 + h)), so a load
+    that comes and goes does not make the rank count thrash."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = False
+    min_ranks: int = Field(default=1, ge=1, description="never fewer live ranks (also kept: replica floors, "
+                                                         "the ranks that hold every expert once)")
+    max_ranks: int = Field(default=8, ge=1, description="never more live ranks")
+    target_wait_s: float = Field(default=2.0, gt=0.0, description="add a rank when the oldest wait passes this")
+    idle_s: float = Field(default=60.0, gt=0.0, description="remove a rank after this long without work")
+    cooldown_s: float = Field(default=30.0, ge=0.0, description="seconds between two changes")
+    hysteresis: float = Field(default=0.25, ge=0.0, le=4.0, description="margin a reversing change needs")
+    tick_s: float = Field(default=1.0, gt=0.0, description="the scaler samples the signals this often")
+    history: int = Field(default=256, ge=1, description="decisions the scaler keeps")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ScalingPolicy":
+        if self.min_ranks > self.max_ranks:
+            raise ValueError(f"min_ranks={self.min_ranks} exceeds max_ranks={self.max_ranks}")
+        return self
+
+
 class RuntimeConfig(BaseModel):
     """Shape and policy of one ray-moe deployment.
 
@@ -150,6 +180,8 @@ class RuntimeConfig(BaseModel):
                                   description="automatic rebalance (off by default; ray-moe serve: auto)")
     deadlines: StageDeadlines = Field(default_factory=StageDeadlines,
                                       description="per-stage deadlines of elastic operations (seconds)")
+    scaling: ScalingPolicy = Field(default_factory=ScalingPolicy,
+                                   description="load-driven scaling of the rank count (off by default)")
 
     @model_validator(mode="after")
     def _check(self) -> "RuntimeConfig":
@@ -164,6 +196,14 @@ class RuntimeConfig(BaseModel):
         if self.eplb.mode is not EplbMode.OFF and self.eplb.min_window_steps > self.load_window:
             raise ValueError(f"eplb.min_window_steps={self.eplb.min_window_steps} exceeds load_window="
                              f"{self.load_window}: the window never holds enough steps for the autopilot to decide")
+        if self.scaling.enabled:
+            hold = math.ceil(self.num_experts * self.num_layers / (self.slots_per_rank * self.num_layers))
+            if self.scaling.max_ranks < hold:
+                raise ValueError(f"scaling.max_ranks={self.scaling.max_ranks}: {hold} ranks of slots_per_rank="
+                                 f"{self.slots_per_rank} are needed to hold num_experts={self.num_experts} once")
+            if not self.scaling.min_ranks <= self.num_ranks <= self.scaling.max_ranks:
+                raise ValueError(f"num_ranks={self.num_ranks} is outside scaling [min_ranks={self.scaling.min_ranks}, "
+                                 f"max_ranks={self.scaling.max_ranks}]")
         if self.dispatch_path is DispatchPath.DIRECT and (
                 self.payload_format is not PayloadFormat.NATIVE or self.exchange_schedule is not ExchangeSchedule.FLAT):
             raise ValueError(
