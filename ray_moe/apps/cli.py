@@ -257,7 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         except ClusterConnectionError:
             pass  # none: run_server starts a local instance
-    return run_server(args)
+    return run_server(args, config_fields=serve_config_fields(args))
 
 
 def cmd_drill(args: argparse.Namespace) -> int:

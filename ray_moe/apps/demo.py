@@ -32,6 +32,13 @@ def _gamma(loads: list[int]) -> float:
     return max(loads) / mean if mean else 1.0
 
 
+def load_shares(rows: list[int]) -> list[float]:
+    """Each rank's share (%) of one window's routed rows (all 0 for an empty window): the windows before and
+    after the rebalance span different numbers of steps, so only shares compare. Gamma is the same either way."""
+    total = sum(rows)
+    return [100.0 * r / total if total else 0.0 for r in rows]
+
+
 def demo_model(folder: str, *, layers: int, experts: int, hidden: int, skew: float, seed: int) -> Any:
     """A tiny DeepSeek-V3-style model saved with ``save_pretrained``; returns it (eval mode, float32)."""
     import transformers
@@ -117,7 +124,7 @@ def run_demo(args: argparse.Namespace) -> int:
                           for r in range(cfg.num_ranks)]
         loads["before"] = [rebalance.get("rows", {}).get(r, 0) for r in range(cfg.num_ranks)]
         step_ms = list(rt.books.stats.step_ms)
-        replicas = rt.placement().replica_counts()
+        replicas = rt.placement().replica_counts(0)  # [num_experts]: replicas of each expert, first MoE layer
         steps = engine.steps
     finally:
         rt.shutdown()
@@ -125,9 +132,11 @@ def run_demo(args: argparse.Namespace) -> int:
             for p in prompts]
     mismatches = [i for i, (a, b) in enumerate(zip(outputs, want)) if a != b]
     print()
-    print("rank  routed rows before rebalance  after")
+    print("rank  routed rows before rebalance (share)  after (share)")
+    shares = {k: load_shares(v) for k, v in loads.items()}
     for r in range(cfg.num_ranks):
-        print(f"{r:>4}  {loads['before'][r]:>28}  {loads['after'][r]:>5}")
+        print(f"{r:>4}  {loads['before'][r]:>28} ({shares['before'][r]:4.1f}%)  {loads['after'][r]:>5} "
+              f"({shares['after'][r]:4.1f}%)")
     print(f"Gamma_rank (max/mean rows): before {_gamma(loads['before']):.3f}, after {_gamma(loads['after']):.3f}; "
           f"rebalance published generation {rebalance.get('generation')} in {rebalance.get('seconds', 0):.2f}s "
           f"while generating, decided by {rebalance.get('decided_by')}")
@@ -135,7 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     for line in autopilot_lines(watch.eplb):
         print(line)
-    print(f"replicas per expert (MoE layer 0) after: {replicas[0] if replicas else []}")
+    print(replicas_line(replicas))
     print()
     print("ratio           numerator  denominator  value")
     for name, r in stats["ratios"].items():
@@ -149,7 +158,9 @@ def run_demo(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t_start
     report = {"config": cfg.model_dump(mode="json"), "prompts": prompts, "outputs": outputs, "reference": want,
               "mismatches": mismatches, "rank_rows_before_rebalance": loads["before"],
-              "rank_rows_after_rebalance": loads["after"], "gamma_before": _gamma(loads["before"]),
+              "rank_rows_after_rebalance": loads["after"],
+              "rank_share_pct_before_rebalance": shares["before"], "rank_share_pct_after_rebalance": shares["after"],
+              "replicas_per_expert": replicas, "gamma_before": _gamma(loads["before"]),
               "gamma_after": _gamma(loads["after"]), "rebalance": {k: v for k, v in rebalance.items() if k != "rows"},
               "autopilot_decisions": decisions,
               "ratios": stats["ratios"], "steps": steps, "tokens": total, "generate_s": gen_s,
@@ -228,7 +239,18 @@ def _rebalance(rt) -> dict[str, Any]:
     return {"generation": g, "seconds": time.perf_counter() - t0, "rows": rows}
 
 
-def _plot(path: str, before: list[int], after: list[int], num_ranks: int) -> None:
+def replicas_line(counts: list[int]) -> str:
+    """The demo's line of the placement after the rebalance: ``counts[e]`` replicas of expert e (first MoE layer)."""
+    return (f"replicas per expert (MoE layer 0) after: {list(counts)} "
+            f"({sum(counts)} slots for {len(counts)} experts)")
+
+
+PLOT_TITLE = "ray-moe demo: per-rank share of routed rows\n(each window normalised to 100%: they span different steps)"
+
+
+def _plot(path: str, before: list[int], after: list[int], num_ranks: int) -> list[list[float]]:
+    """The PNG of both windows' per-rank load as shares (``load_shares``); returns the plotted bars
+    ([before, after], % per rank)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,17 +258,20 @@ def _plot(path: str, before: list[int], after: list[int], num_ranks: int) -> Non
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     x = np.arange(num_ranks)
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.bar(x - 0.2, before, 0.4, label=f"before rebalance (Gamma {_gamma(before):.2f})")
-    ax.bar(x + 0.2, after, 0.4, label=f"after EPLB (Gamma {_gamma(after):.2f})")
+    bars = [load_shares(before), load_shares(after)]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.bar(x - 0.2, bars[0], 0.4, label=f"before rebalance: {sum(before)} rows (Gamma {_gamma(before):.2f})")
+    ax.bar(x + 0.2, bars[1], 0.4, label=f"after EPLB: {sum(after)} rows (Gamma {_gamma(after):.2f})")
+    ax.axhline(100.0 / max(1, num_ranks), color="grey", linewidth=0.8, linestyle="--", label="even share")
     ax.set_xticks(x)
     ax.set_xlabel("expert-parallel rank")
-    ax.set_ylabel("routed rows received")
-    ax.set_title("ray-moe demo: per-rank load while generating")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("share of the window's routed rows (%)")
+    ax.set_title(PLOT_TITLE, fontsize=10)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return bars
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

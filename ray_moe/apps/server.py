@@ -14,6 +14,8 @@
     POST /tokenize              {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize            {"tokens"} -> {"prompt"}
     GET  /v1/models, /v1/models/{id}, /health
+    GET  /metrics               Prometheus text (``apps.metrics``): requests, tokens, TTFT / TPOT, queue, KV usage and
+                                 the deployment's ``ray_moe_*`` telemetry; no API key needed (as vLLM serves it)
 
 Text is exact: streamed pieces concatenate to the non-streamed text (``detokenize.IncrementalDetokenizer``), special
 tokens are skipped unless ``skip_special_tokens`` is false, text prompts get BOS as the tokenizer adds it. ``stop``
@@ -48,6 +50,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from ray_moe.apps.choices import Choice, FinishReason, chat_logprobs, completion_logprobs
+from ray_moe.apps.metrics import CountRequests, RequestTimer, ServerMetrics
 from ray_moe.apps.openai_protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
     IGNORED_HEADER,
@@ -129,14 +132,26 @@ def _usage(choices: list[Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _replica_metrics() -> ServerMetrics | None:
+    """The ``ServerMetrics`` of the Serve replica this runs in (None outside one, or before it started)."""
+    from ray import serve
+
+    try:
+        m = getattr(serve.get_replica_context().servable_object, "metrics", None)
+    except Exception:  # noqa: BLE001 - not in a replica: nothing to count into
+        return None
+    return m if isinstance(m, ServerMetrics) else None
+
+
 def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenizer_folder: str | None,
               serving: dict[str, Any]):
     """The FastAPI app and the Serve deployment class bound to it."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from ray import serve
 
     app = FastAPI(title="ray-moe", docs_url=None, redoc_url=None)
+    app.add_middleware(CountRequests, metrics=_replica_metrics)  # ray_moe_server_requests_total
     folder_name = os.path.basename(os.path.normpath(tokenizer_folder)) if tokenizer_folder else None
 
     @serve.deployment(max_ongoing_requests=2048)
@@ -147,6 +162,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
 
             self.rt = Runtime.connect(deployment)
             self.engine = self.rt.serving(**serving)
+            self.metrics = ServerMetrics(lambda: self.engine, self.rt.telemetry_snapshot)
             self.tokenizer = None
             if tokenizer_folder is not None:
                 from transformers import AutoTokenizer
@@ -214,6 +230,15 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 return _error(503, f"generation loop stopped: {self.engine.failed}", None, "server_error")
             return {"status": "ok", "steps": self.engine.steps}
 
+        @app.get("/metrics")
+        async def prometheus_metrics(self) -> Any:
+            """Prometheus text; no API key (as vLLM): it names no request content. Read off the event loop (the
+            deployment's telemetry is one coordinator call)."""
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            body = await asyncio.to_thread(generate_latest, self.metrics.registry)
+            return Response(content=body, media_type=CONTENT_TYPE_LATEST)
+
         def _model_card(self) -> dict:
             return {"id": model_name, "object": "model", "owned_by": "ray-moe", "created": 0,
                     "max_model_len": self.engine.max_context}
@@ -263,6 +288,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
 
         @app.post("/v1/completions")
         async def completions(self, request: Request) -> Any:
+            arrived = time.perf_counter()
             req, err = await self._parse(request, CompletionRequest)
             if err is not None:
                 return err
@@ -279,10 +305,11 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                     echo = "" if self.tokenizer is None or not req.echo else self._decode_prompt(ids, req)
                 choices += [self._choice(i * req.n + s, s, ids, req.max_tokens, req, echo if req.echo else "")
                             for s in range(req.n)]
-            return await self._generate(Endpoint.COMPLETION, req, choices, "prompt")
+            return await self._generate(Endpoint.COMPLETION, req, choices, "prompt", arrived)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(self, request: Request) -> Any:
+            arrived = time.perf_counter()
             req, err = await self._parse(request, ChatCompletionRequest)
             if err is not None:
                 return err
@@ -293,7 +320,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             room = min(self.engine.max_context, self.engine.scheduler.kv_blocks * self.engine.scheduler.block_size)
             limit = req.limit() or max(1, min(CHAT_DEFAULT_MAX_TOKENS, room - len(ids)))
             choices = [self._choice(s, s, ids, limit, req) for s in range(req.n)]
-            return await self._generate(Endpoint.CHAT, req, choices, "messages")
+            return await self._generate(Endpoint.CHAT, req, choices, "messages", arrived)
 
         # ------------------------------------------------------------ generation
         def _decode_prompt(self, ids: list[int], req: Any) -> str:
@@ -314,7 +341,10 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 if cancel is not None and c.handle is not None and not c.handle.done.is_set():
                     cancel(c.handle.request_id)
 
-        async def _generate(self, kind: Endpoint, req: Any, choices: list[Choice], prompt_field: str) -> Any:
+        async def _generate(self, kind: Endpoint, req: Any, choices: list[Choice], prompt_field: str,
+                            arrived: float) -> Any:
+            """Submit every choice and answer (streamed or whole); ``arrived``: the request's arrival
+            (``time.perf_counter``), where its time to first token starts."""
             from ray_moe.driver.loop import OverloadedError
             from ray_moe.model.sampling import SamplingParams
 
@@ -346,20 +376,22 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                     return _error(503, str(exc), None, "server_error", headers=headers)
             rid = f"{'cmpl' if kind is Endpoint.COMPLETION else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
             created = int(time.time())
+            timer = self.metrics.timer(arrived)
             if req.stream:
-                return StreamingResponse(self._stream(kind, rid, created, req, choices, events),
+                return StreamingResponse(self._stream(kind, rid, created, req, choices, events, timer),
                                          media_type="text/event-stream", headers=headers)
             try:
-                async with contextlib.aclosing(self._events(choices, events)) as stream:
+                async with contextlib.aclosing(self._events(choices, events, timer)) as stream:
                     async for _ in stream:
                         pass
             except GenerationFailed as exc:
                 return _error(500, str(exc), None, "server_error", headers=headers)
             return JSONResponse(self._body(kind, rid, created, req, choices), headers=headers)
 
-        async def _events(self, choices: list[Choice], events: asyncio.Queue):
+        async def _events(self, choices: list[Choice], events: asyncio.Queue, timer: RequestTimer):
             """(choice, text it adds, token or None at its end, whether it finished) until every choice finished;
-            what is still generating is cancelled when this ends early (an error, a client gone)."""
+            what is still generating is cancelled when this ends early (an error, a client gone). Token times go
+            to ``timer``; the request's usage to the token counters at the end."""
             by_index = {c.index: c for c in choices}
             want_logprobs = bool(choices) and choices[0].wants_logprobs
             try:
@@ -369,19 +401,24 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                     if c.finish is not None:
                         continue  # tokens in flight after a stop string
                     if item is None:
-                        yield c, c.on_end(), None, True
+                        text = c.on_end()
+                        timer.ended(c.index)
+                        yield c, text, None, True
                     elif isinstance(item, BaseException):
                         raise GenerationFailed(str(item))
                     else:
                         lp = None
                         if want_logprobs:  # appended by the loop before the token was emitted
                             lp = c.handle.logprobs[len(c.tokens)]
+                        timer.token(c.index)
                         text = c.on_token(item, lp)
                         if c.finish is not None:
                             self._cancel([c])
+                            timer.ended(c.index)
                         yield c, text, item, c.finish is not None
             finally:
                 self._cancel(choices)
+                self.metrics.tokens(_usage(choices)["prompt_tokens"], sum(len(c.tokens) for c in choices))
 
         def _body(self, kind: Endpoint, rid: str, created: int, req: Any, choices: list[Choice]) -> dict:
             out: dict[str, Any] = {"id": rid, "object": kind.value, "created": created, "model": model_name}
@@ -411,7 +448,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             return chat_logprobs(self.tokenizer, tokens, logprobs)
 
         async def _stream(self, kind: Endpoint, rid: str, created: int, req: Any, choices: list[Choice],
-                          events: asyncio.Queue):
+                          events: asyncio.Queue, timer: RequestTimer):
             obj = "text_completion" if kind is Endpoint.COMPLETION else "chat.completion.chunk"
 
             def chunk(c: Choice, text: str, toks: list[int], finish: FinishReason | None = None,
@@ -436,7 +473,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 elif c.echo:
                     yield chunk(c, c.echo, [])
             try:  # aclosing: a client that goes away cancels what still generates for it
-                async with contextlib.aclosing(self._events(choices, events)) as stream:
+                async with contextlib.aclosing(self._events(choices, events, timer)) as stream:
                     async for c, text, tok, ended in stream:
                         toks = [] if tok is None else [tok]
                         if text or (toks and (kind is Endpoint.COMPLETION or req.return_token_ids
@@ -455,10 +492,12 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
     return CompletionServer
 
 
-def run_server(args: Any, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
+def run_server(args: Any, *, ready: threading.Event | None = None, stop: threading.Event | None = None,
+               config_fields: dict | None = None) -> int:
     """Start (or join) Ray, start the deployment from the checkpoint, run the Serve app until Ctrl-C / SIGTERM
     (or ``stop``), then tear everything down. Bad options, and a Serve instance on the cluster that would not
-    listen at ``--host``/``--port``, raise ``ConfigError`` before any shard starts."""
+    listen at ``--host``/``--port``, raise ``ConfigError`` before any shard starts. ``config_fields``: more
+    RuntimeConfig fields (the CLI's elasticity flags: ``serve_config_fields``); else ``--eplb`` alone."""
     import ray
     from ray import serve
 
@@ -472,9 +511,10 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     env = read_env()
     api_key = read_api_key(args, env)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    eplb = {"eplb": args.eplb} if getattr(args, "eplb", None) is not None else {}  # ray-moe serve --eplb
+    if config_fields is None:  # ray-moe serve --eplb
+        config_fields = {"eplb": args.eplb} if getattr(args, "eplb", None) is not None else {}
     cfg = RuntimeConfig.from_pretrained(args.checkpoint, num_ranks=args.ranks, device=args.device, dtype=dtype,
-                                        name=args.name, **eplb)
+                                        name=args.name, **config_fields)
     address = getattr(args, "address", None) or env.ray_address
     started_ray = False
     if not ray.is_initialized():

@@ -33,3 +33,16 @@ def test_bad_values_are_refused(flag, value, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*BASE, flag, value])
     assert flag in capsys.readouterr().err
+
+
+def test_the_flags_reach_the_deployments_config(monkeypatch):
+    """``ray-moe serve`` hands the elasticity flags to run_server, which builds the RuntimeConfig with them."""
+    from ray_moe.apps import cli, server
+    from ray_moe.ray import connection
+
+    seen: dict = {}
+    monkeypatch.setattr(connection, "join_cluster", lambda *a, **k: None)
+    monkeypatch.setattr(server, "run_server", lambda args, config_fields=None, **kw: seen.update(config_fields) or 0)
+    assert cli.main([*BASE, "--heal-retries", "3", "--max-ranks", "4", "--eplb", "periodic:5"]) == 0
+    assert seen["heal_retries"] == 3 and seen["scaling"].max_ranks == 4 and seen["scaling"].enabled
+    assert seen["eplb"] is not None

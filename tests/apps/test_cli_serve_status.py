@@ -38,7 +38,7 @@ def test_serve_joins_this_machines_cluster_else_goes_local(monkeypatch, failure)
             raise failure
 
     monkeypatch.setattr(connection, "join_cluster", join)
-    monkeypatch.setattr(server, "run_server", lambda args: calls.append("run") or 0)
+    monkeypatch.setattr(server, "run_server", lambda args, **kw: calls.append("run") or 0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert cli.main(["serve", "--checkpoint", "/x"]) == 0
     assert calls == [None, "run"]  # joined (or not: run_server then starts a local instance)
