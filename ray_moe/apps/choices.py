@@ -1,5 +1,6 @@
 """One choice of an OpenAI response as it is generated (``Choice``: tokens in, exact text out, stop strings and
-stop token ids, logprobs) and the two OpenAI forms of its logprobs (completions, chat). Pure: no Ray, no HTTP."""
+stop token ids, logprobs), the two OpenAI forms of its logprobs (completions, chat) and its ``ray_moe`` field
+(expert statistics). Pure: no Ray, no HTTP."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Choice:
         self.finish: FinishReason | None = None
         self.handle: Any = None
         self.wants_logprobs = False  # the request asked for logprobs
+        self.wants_expert_stats = False  # the request asked for ``ray_moe.expert_stats``
         self.logprobs: list[Any] = []  # one TokenLogprobs per token in ``tokens`` (when the request asked)
         self.offsets: list[int] = []  # each token's text offset in echo + text
 
@@ -97,4 +99,20 @@ def chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[Any]) -> dic
                         for t, lp in zip(tokens, logprobs)]}
 
 
-__all__ = ["Choice", "FinishReason", "chat_logprobs", "completion_logprobs"]
+def expert_stats_field(stats: dict[str, list] | None) -> dict:
+    """A choice's ``ray_moe`` field from ``RequestHandle.expert_stats()`` ({"generations", "prompt": [[count per
+    expert] per layer], "generated"}): {"expert_stats": {"generations": [...], "layers": [{"layer": i,
+    "prompt": {expert id: count}, "generated": {expert id: count}}]}}, non-zero counts only (JSON object keys:
+    the expert ids as strings)."""
+    stats = stats or {"generations": [], "prompt": [], "generated": []}
+    prompt, generated = stats["prompt"], stats["generated"]
+
+    def sparse(row: list[int]) -> dict[str, int]:
+        return {str(e): int(n) for e, n in enumerate(row) if n}
+
+    layers = [{"layer": i, "prompt": sparse(p), "generated": sparse(g)}
+              for i, (p, g) in enumerate(zip(prompt, generated))]
+    return {"expert_stats": {"generations": list(stats["generations"]), "layers": layers}}
+
+
+__all__ = ["Choice", "FinishReason", "chat_logprobs", "completion_logprobs", "expert_stats_field"]

@@ -5,7 +5,10 @@ them back in ``X-Ray-MoE-Ignored-Fields``). The shard's sampler honours ``logpro
 alternatives; chat: ``logprobs`` true with ``top_logprobs`` 0..20), ``presence_penalty`` / ``frequency_penalty``
 ([-2, 2], over the generated tokens), ``repetition_penalty`` (> 0, over prompt and generated tokens),
 ``min_tokens`` and ``ignore_eos``. ``logit_bias`` is accepted at its default only; another value is a 400 naming
-the field (``unsupported_sampler_field``), never a silent ignore.
+the field (``unsupported_sampler_field``), never a silent ignore. ``ray_moe`` holds ray-moe's own fields (no
+OpenAI server has them; ``RayMoEOptions``): ``{"expert_stats": true}`` returns, per choice, the experts its
+tokens were routed to per MoE layer and the placement generations that served it; an unknown key in it is a
+400 naming it.
 """
 
 # no ``from __future__ import annotations``: the models are rebuilt inside Serve's replica process
@@ -36,6 +39,26 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
+
+
+class RayMoEOptions(BaseModel):
+    """The request's ``ray_moe`` object. expert_stats: each choice carries ``ray_moe.expert_stats`` (counts of
+    routed (token, expert) pairs per MoE layer, prompt and generated apart, and the placement generations its
+    steps ran on; ``choices.expert_stats_field``). Unknown keys are refused, all of them named."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    expert_stats: bool = Field(default=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            unknown = sorted(str(k) for k in v if k not in cls.model_fields)
+            if unknown:
+                raise ValueError(f"unknown ray_moe field(s) {', '.join(unknown)} (known: "
+                                 f"{', '.join(cls.model_fields)})")
+        return v
 
 
 class TextPart(BaseModel):
@@ -86,6 +109,7 @@ class _Generation(BaseModel):
     repetition_penalty: float | None = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     # not computed by the shard's sampler: accepted at its default only (``unsupported_sampler_field``)
     logit_bias: dict[str, float] | None = None
+    ray_moe: RayMoEOptions | None = None  # ray-moe's own fields
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +141,12 @@ class _Generation(BaseModel):
                     ignore_eos=self.ignore_eos, min_tokens=min(self.min_tokens, max_new_tokens),
                     presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                    logprobs=self.sampler_logprobs())
+                    logprobs=self.sampler_logprobs(), expert_stats=self.wants_expert_stats)
+
+    @property
+    def wants_expert_stats(self) -> bool:
+        """Whether each choice carries its expert statistics (``ray_moe.expert_stats``)."""
+        return self.ray_moe is not None and self.ray_moe.expert_stats
 
     @property
     def include_usage(self) -> bool:
@@ -221,6 +250,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "RayMoEOptions",
     "Role",
     "TokenizeRequest",
 ]

@@ -6,8 +6,9 @@
                                  "top_p", "seed", "n", "stop", "stop_token_ids", "echo", "stream", "stream_options",
                                  "return_token_ids", "skip_special_tokens", "user", "logprobs" (0..20),
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                                 "ignore_eos"} -> choices with "text" (when the folder has a tokenizer), "token_ids"
-                                 and "logprobs" ({"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+                                 "ignore_eos", "ray_moe": {"expert_stats"}} -> choices with "text" (when the folder
+                                 has a tokenizer), "token_ids", "logprobs" ({"tokens", "token_logprobs",
+                                 "top_logprobs", "text_offset"}) and, when asked, "ray_moe" ({"expert_stats"})
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "logprobs": true, "top_logprobs", ...}
                                  through the folder's chat template; logprobs as {"content": [{"token", "logprob",
                                  "bytes", "top_logprobs"}]}
@@ -49,7 +50,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from ray_moe.apps.choices import Choice, FinishReason, chat_logprobs, completion_logprobs
+from ray_moe.apps.choices import Choice, FinishReason, chat_logprobs, completion_logprobs, expert_stats_field
 from ray_moe.apps.metrics import CountRequests, RequestTimer, ServerMetrics
 from ray_moe.apps.openai_protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -332,7 +333,12 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                        stop_ids=tuple(req.stop_token_ids or ()), skip_special_tokens=req.skip_special_tokens,
                        echo=echo)
             c.wants_logprobs = req.sampler_logprobs() is not None
+            c.wants_expert_stats = req.wants_expert_stats
             return c
+
+        def _ray_moe(self, c: Choice) -> dict:
+            """The choice's ``ray_moe`` field, when the request asked (its handle's counts so far)."""
+            return {"ray_moe": expert_stats_field(c.handle.expert_stats())} if c.wants_expert_stats else {}
 
         def _cancel(self, choices: list[Choice]) -> None:
             """Stop generating for choices that need no more tokens (a stop string, a gone client)."""
@@ -425,13 +431,13 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             if kind is Endpoint.COMPLETION:
                 out["choices"] = [{"index": c.index, "text": c.echo + c.text, "token_ids": c.tokens,
                                    "logprobs": self._logprobs(kind, c, c.tokens, c.logprobs, c.offsets),
-                                   "finish_reason": c.finish.value, "stop_reason": c.stop_reason,
+                                   "finish_reason": c.finish.value, "stop_reason": c.stop_reason, **self._ray_moe(c),
                                    **({"prompt_token_ids": c.prompt} if req.return_token_ids else {})}
                                   for c in choices]
             else:
                 out["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                                    "logprobs": self._logprobs(kind, c, c.tokens, c.logprobs),
-                                   "finish_reason": c.finish.value, "stop_reason": c.stop_reason,
+                                   "finish_reason": c.finish.value, "stop_reason": c.stop_reason, **self._ray_moe(c),
                                    **({"token_ids": c.tokens} if req.return_token_ids else {})} for c in choices]
                 if req.return_token_ids:
                     out["prompt_token_ids"] = choices[0].prompt
@@ -463,8 +469,8 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                     ch = {"index": c.index, "delta": delta, "logprobs": lps,
                           "finish_reason": None if finish is None else finish.value,
                           **({"token_ids": toks} if req.return_token_ids else {})}
-                if finish is not None:
-                    ch["stop_reason"] = c.stop_reason
+                if finish is not None:  # the final chunk: the choice's expert statistics, when asked
+                    ch.update({"stop_reason": c.stop_reason, **self._ray_moe(c)})
                 return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [ch]})
 
             for c in choices:

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
@@ -46,11 +47,45 @@ class LoopSignals:
 
 
 @dataclass
+class ExpertTally:
+    """One request's routed experts so far (``SamplingParams.expert_stats``): prompt / generated: [layers,
+    experts] int64 counts of (token, expert) routes of its prompt rows and of its generated tokens' rows (a
+    row at a position before the prompt's end counts as prompt; rows recomputed after a preemption or a lost
+    rank count again, as does a multi-step decode's sub-step past the request's end within that step);
+    generations: the placement generations its steps ran on."""
+
+    prompt: np.ndarray | None = None
+    generated: np.ndarray | None = None
+    generations: set[int] = field(default_factory=set)
+
+    def add(self, counts: np.ndarray, generation: int, *, prompt: bool) -> None:
+        """counts: [layers, experts] int of one step's rows of the request."""
+        self.generations.add(int(generation))
+        c = np.asarray(counts, dtype=np.int64)
+        if self.prompt is None:
+            self.prompt, self.generated = np.zeros_like(c), np.zeros_like(c)
+        if c.shape != self.prompt.shape:
+            raise RayMoEError(f"expert counts of shape {list(c.shape)} after {list(self.prompt.shape)}")
+        if prompt:
+            self.prompt += c
+        else:
+            self.generated += c
+
+    def as_dict(self) -> dict[str, list]:
+        empty: list = []
+        return {"generations": sorted(self.generations),
+                "prompt": empty if self.prompt is None else self.prompt.tolist(),
+                "generated": empty if self.generated is None else self.generated.tolist()}
+
+
+@dataclass
 class RequestHandle:
     """One submitted request: its new tokens arrive on ``events`` (a token int, then ``_DONE`` or an error);
     ``on_event`` (optional) is called from the loop thread with each token, then None (end) or the error.
     ``logprobs``: when the request asked (``SamplingParams.logprobs``), one ``TokenLogprobs`` per token in
-    ``tokens``, appended before the token is emitted (so ``logprobs[i]`` exists once token i is seen)."""
+    ``tokens``, appended before the token is emitted (so ``logprobs[i]`` exists once token i is seen).
+    ``tally``: the request's expert counts when it asked (``SamplingParams.expert_stats``; ``expert_stats``),
+    updated before the tokens of each step are emitted."""
 
     request_id: str
     prompt_len: int
@@ -61,6 +96,13 @@ class RequestHandle:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    tally: ExpertTally | None = None
+
+    def expert_stats(self) -> dict[str, list] | None:
+        """{"generations": [placement generation ids, ascending], "prompt": [[count per expert] per MoE layer],
+        "generated": [[...] per layer]} (counts of routed (token, expert) pairs); None when the request did not
+        ask. Complete once the request is done."""
+        return None if self.tally is None else self.tally.as_dict()
 
     def emit(self, item: Any, logprobs: TokenLogprobs | None = None) -> None:
         if isinstance(item, int):
@@ -165,7 +207,8 @@ class GenerationLoop:
             if self.scheduler.pending() >= self.max_queued:
                 raise OverloadedError(f"{self.scheduler.pending()} requests in flight (max_queued={self.max_queued})")
             rid = self.scheduler.submit(list(prompt), params, request_id=request_id, vocab_size=self.vocab_size)
-            handle = RequestHandle(rid, len(prompt), params.max_new_tokens, on_event)
+            handle = RequestHandle(rid, len(prompt), params.max_new_tokens, on_event,
+                                   tally=ExpertTally() if params.expert_stats else None)
             self._handles[rid] = handle
             self._wake.notify()
         return handle
@@ -315,6 +358,8 @@ class GenerationLoop:
         sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
         logprobs = {k: v for res in results.values() for k, v in res.logprobs.items()}
         with self._lock:
+            if any(res.expert_counts for res in results.values()):
+                self._tally(plan, results)
             events = self.scheduler.commit(plan, sampled, logprobs)
             self.scheduler.step_succeeded()
             self.steps += 1
@@ -337,6 +382,15 @@ class GenerationLoop:
             if ms is not None:  # (a recovered step's round trip includes its failure and re-run)
                 self.timings[key].append(ms * 1e3)
         return not recovered
+
+    def _tally(self, plan: StepPlan, results: dict) -> None:
+        """The step's expert counts into the handles that asked (under the lock; finished requests' dropped)."""
+        items = {it.seq_id: it for its in plan.items.values() for it in its if it.expert_stats}
+        for res in results.values():
+            for sid, counts in res.expert_counts.items():
+                h, it = self._handles.get(sid), items.get(sid)
+                if h is not None and h.tally is not None and it is not None:
+                    h.tally.add(counts, res.generation, prompt=it.start < h.prompt_len)
 
     def timing_summary(self, last: int | None = None) -> dict[str, float]:
         """Median milliseconds per step of each part (the last ``last`` steps)."""
@@ -373,4 +427,4 @@ class OverloadedError(RayMoEError):
     """Too many requests in flight: retry later (HTTP 503)."""
 
 
-__all__ = ["GenerationLoop", "LoopSignals", "RequestHandle", "OverloadedError"]
+__all__ = ["GenerationLoop", "LoopSignals", "RequestHandle", "ExpertTally", "OverloadedError"]

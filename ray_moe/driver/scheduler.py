@@ -326,7 +326,7 @@ class Scheduler:
             spec = self._spec(s, end) if end == total else None
             tokens = () if deferred else s.token_slice(cached, end)
             items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred,
-                                          s.params.penalized))
+                                          s.params.penalized, s.params.expert_stats))
         # caches the step in flight already drops stay out of this one (a preempted sequence keeps its id: a
         # second drop would hit its new cache)
         freeing = {x for v in ahead.free.values() for x in v} if ahead is not None else set()

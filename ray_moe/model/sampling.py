@@ -35,8 +35,10 @@ class SamplingParams(BaseModel):
     ``min_tokens`` tokens are never an end-of-sequence or stop id (masked on the shard); presence_penalty /
     frequency_penalty in [-2, 2] (OpenAI, over generated tokens); repetition_penalty > 0 (Hugging Face, over
     prompt + generated; 1: off); logprobs: None (none), or 0..20 alternatives per sampled token (the sampled
-    token's own logprob always comes with them). A bad value raises a ``ValidationError`` (a ``ValueError``)
-    naming the field and the value."""
+    token's own logprob always comes with them); expert_stats: the request's routed experts per MoE layer (counts
+    of (token, expert) pairs, prompt and generated apart) and the placement generations that served it come
+    back with it (``RequestHandle.expert_stats``; off: no step does any extra work). A bad value raises a
+    ``ValidationError`` (a ``ValueError``) naming the field and the value."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -51,6 +53,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    expert_stats: bool = Field(default=False, strict=True)
 
     @model_validator(mode="after")
     def _consistent(self) -> "SamplingParams":

@@ -22,6 +22,7 @@ from ray_moe.moe.dispatch.records import DispatchOutput, DispatchOutputFormat
 from ray_moe.core.routes import RouteBatch
 from ray_moe.moe.experts import slab
 from ray_moe.moe.experts.runners.base import ExpertRunner
+from ray_moe.moe.experts.runners.grouped import device_tensor
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.placement.snapshot import PlacementSnapshot
 from ray_moe.moe.stats import LayerStats, layer_stats, merge_layer_stats
@@ -150,7 +151,8 @@ class MoEStep:
         return tuple(stats), overflow
 
 
-__all__ = ["LayerStats", "MoEStep", "GenerationView", "layer_stats", "merge_layer_stats", "run_experts"]
+__all__ = ["LayerStats", "MoEStep", "GenerationView", "RouteRecorder", "SplitMoE", "expert_counts", "layer_stats",
+           "merge_layer_stats", "run_experts"]
 
 
 class SplitMoE:
@@ -181,3 +183,57 @@ class SplitMoE:
         for unit, rows in ((self.prefill, self.prefill_rows), (self.decode, self.decode_rows)):
             out[rows] = unit.moe_forward(layer, hidden[rows], topk_ids[rows], topk_weights[rows]).to(out.dtype)
         return out
+
+
+class RouteRecorder:
+    """Every MoE layer's routes of one step, in front of the step's executor (``MoEStep`` or ``SplitMoE``), for
+    requests that asked for their expert statistics. ids: [layers, T, k] int64 on the device, allocated at the
+    first layer it sees (T, k: that layer's routes), each layer's routes copied in as the model reaches it; in
+    a captured step the buffer is allocated inside the graph and is an output of its body (every replay
+    overwrites it). row_valid: [T] bool or None; rows marked False (padding of a static-shape step) hold -1."""
+
+    def __init__(self, inner: MoEStep | SplitMoE, num_layers: int, row_valid: torch.Tensor | None = None) -> None:
+        self.inner = inner
+        self.num_layers = num_layers
+        self.row_valid = row_valid
+        self.ids: torch.Tensor | None = None
+        self._entry = inner.layer_entry
+
+    @property
+    def layer_entry(self):
+        return self.moe_forward
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.ids is None:
+            self.ids = torch.full((self.num_layers, *topk_ids.shape), -1, dtype=torch.int64, device=topk_ids.device)
+        ids = topk_ids.to(torch.int64)
+        if self.row_valid is not None:
+            ids = torch.where(self.row_valid[:, None], ids, torch.full_like(ids, -1))
+        self.ids[layer].copy_(ids)
+        return self._entry(layer, hidden, topk_ids, topk_weights)
+
+
+def expert_counts(ids: torch.Tensor, segments: list[tuple[int, int]], num_experts: int) -> torch.Tensor:
+    """ids [L, T, k] int64 (-1: no route), segments: (first row, rows) of each counted sequence
+    -> [S, L, E] int32 on ids' device: how many of each sequence's (row, expert) routes went to each expert in
+    each layer. One scatter-add over the counted rows (no host wait: queued behind the step)."""
+    n_layers, t, _ = ids.shape
+    s = len(segments)
+    dev = ids.device
+    seg = np.full(t, -1, dtype=np.int64)
+    for i, (a, n) in enumerate(segments):
+        seg[a:a + n] = i
+    rows = np.flatnonzero(seg >= 0)
+    size = s * n_layers * num_experts
+    if rows.size == 0:
+        return torch.zeros((s, n_layers, num_experts), dtype=torch.int32, device=dev)
+    rows_t = device_tensor(rows.tolist(), torch.int64, dev)  # (uploaded without a host wait)
+    seg_t = device_tensor(seg[rows].tolist(), torch.int64, dev)
+    sel = ids.index_select(1, rows_t)  # [L, R, k]
+    layer = torch.arange(n_layers, device=dev)[:, None, None]
+    key = (seg_t[None, :, None] * n_layers + layer) * num_experts + sel
+    key = torch.where((sel >= 0) & (sel < num_experts), key, torch.full_like(key, size))  # unrouted: dropped
+    out = torch.zeros(size + 1, dtype=torch.int32, device=dev)
+    out.scatter_add_(0, key.reshape(-1), torch.ones(key.numel(), dtype=torch.int32, device=dev))
+    return out[:size].reshape(s, n_layers, num_experts)

@@ -33,7 +33,7 @@ from ray_moe.moe.dispatch.protocol import ControlStatus
 from ray_moe.moe.experts.runners.grouped import device_tensor
 from ray_moe.core.errors import RayMoEError, StepMemoryError
 from ray_moe.moe.decode.admission import FallbackReason
-from ray_moe.moe.layer import GenerationView, MoEStep, SplitMoE
+from ray_moe.moe.layer import GenerationView, MoEStep, RouteRecorder, SplitMoE, expert_counts
 from ray_moe.model.kv import KVBudgetError, SeqChunk, StepLayout
 from ray_moe.model.host import ModelHost
 from ray_moe.model.sampling import logprobs_tensor, sample_tensor
@@ -67,6 +67,17 @@ def _phase_rows(items: tuple[WorkItem, ...], device: torch.device) -> tuple[torc
     """(decode rows, prefill rows): packed row indices of the step's decode and prefill tokens, on ``device``."""
     flags = np.fromiter((it.decode for it in items for _ in it.tokens), dtype=bool)
     return (torch.from_numpy(np.flatnonzero(flags)).to(device), torch.from_numpy(np.flatnonzero(~flags)).to(device))
+
+
+def _marked(items: tuple[WorkItem, ...]) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
+    """The items that asked for expert statistics: (their sequence ids, (first packed row, rows) of each)."""
+    ids, segments, row = [], [], 0
+    for it in items:
+        if it.expert_stats:
+            ids.append(it.seq_id)
+            segments.append((row, len(it.tokens)))
+        row += len(it.tokens)
+    return tuple(ids), segments
 
 
 def _packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndarray:
@@ -291,15 +302,15 @@ class GenerationExecutor:
                                                              for i, it in enumerate(out.want)})
                 return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision)
             out = out.finish()
-        tokens, stats, overflow, lps = out
+        tokens, stats, overflow, lps, counts = out
         if bucket and self.pipeline.overflowed(paths.exchange, overflow, req.step_id):
             reason, bucket = FallbackReason.EXPERT_ROUTE_CAPACITY_EXCEEDED.value, False
             out = self._forward(req, items, view, paths, ControlStatus.OK, want_prefill, want_decode, False, reason,
                                 [], tag="/rerun")
-            tokens, stats, _, lps = out.finish() if isinstance(out, _GraphPending) else out
+            tokens, stats, _, lps, counts = out.finish() if isinstance(out, _GraphPending) else out
             path = "variable"
         self.finished(items, tokens)
-        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats, lps),
+        return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats, lps, counts),
                            decision=decision)
 
     def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
@@ -423,24 +434,34 @@ class GenerationExecutor:
         unit = "prefill" if prefill else "decode"
         label = "local-graph" if prefill else None
 
+        marked, segments = _marked(items)
+
         def body(inp: dict[str, torch.Tensor]):
             ctx = MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=self._runner, dtype=self.dtype,
                           hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", fallback_reason=reason,
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
                                 inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys)
-            logits = self.host.forward_layout(layout, inp["token_ids"], ctx)
-            # every layer's counts, overflow flags and handle checks in one device vector (in the graph)
-            return (logits, ctx.device_summary()), ctx
+            rec = RouteRecorder(ctx, len(view.snapshots), inp["row_valid"]) if marked else None
+            logits = self.host.forward_layout(layout, inp["token_ids"], ctx if rec is None else rec)
+            # every layer's counts, overflow flags and handle checks in one device vector (in the graph); with
+            # a marked item, every layer's routes [L, rows, k] too (a graph of its own: unmarked steps keep theirs)
+            return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
-        key = (unit, rows, keys, last_rows, layout.value)
-        ((logits, summary), ctx), replayed = self.pipeline.run_static(
+        key = (unit, rows, keys, last_rows, layout.value, bool(marked))
+        ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
             view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
         ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")
         host_summary = None
         if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both
             host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
             host_summary.copy_(summary, non_blocking=True)
+        counts = None
+        if marked:  # reduced on the device behind the step; read with the sampled tokens
+            self.count("expert_stats_steps")
+            dev_counts = expert_counts(routes, segments, view.snapshots[0].num_experts)
+            counts = (marked, torch.empty(dev_counts.shape, dtype=dev_counts.dtype, pin_memory=dev.type == "cuda"))
+            counts[1].copy_(dev_counts, non_blocking=True)
         want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
         picked = lps = None
         if want:
@@ -457,7 +478,8 @@ class GenerationExecutor:
                 host_picked.copy_(picked, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev, host_picked, done, lps)
+        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev, host_picked, done, lps,
+                             counts)
 
     def device_span(self, start: "torch.cuda.Event | None", end: "torch.cuda.Event | None") -> tuple[float, float]:
         """(busy, idle) seconds of a completed step: its device time, and the device's idle gap since the step
@@ -482,7 +504,8 @@ class GenerationExecutor:
     def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills,
                  tag: str = ""):
         """The step's model forward: a captured-shape step (``_GraphPending``) or eagerly ((tokens, stats,
-        overflow, logprobs)). ``fills``: deferred tokens still on the device (``_resolve``)."""
+        overflow, logprobs, expert counts: {sequence id: [layers, experts] int32} of the items marked
+        ``expert_stats``, None when none is)). ``fills``: deferred tokens still on the device (``_resolve``)."""
         def ctx(unit, dispatcher, st, r=None):
             return MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=paths.runner, dtype=self.dtype,
                            hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", status=st, fallback_reason=r)
@@ -510,9 +533,12 @@ class GenerationExecutor:
                                         prefill=True, fills=fills)
         items = self._materialize(items, fills)
         split = SplitMoE(pre, dec, *_phase_rows(items, self.host.device))
+        marked, segments = _marked(items)
+        rec = RouteRecorder(split, len(view.snapshots)) if marked else None
+        counts = None
         if items:
             chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
-            logits = self.host.forward(chunks, torch.from_numpy(_packed_ids(items)), split)
+            logits = self.host.forward(chunks, torch.from_numpy(_packed_ids(items)), split if rec is None else rec)
             want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
             if want:
                 rows = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)
@@ -522,6 +548,10 @@ class GenerationExecutor:
                 tokens = {it.seq_id: int(tok) for (_, it), tok in zip(want, picked.tolist())}
                 if pending is not None:
                     lps = {want[i][1].seq_id: lp for i, lp in pending.read().items()}
+            if rec is not None:
+                self.count("expert_stats_steps")
+                host = expert_counts(rec.ids, segments, view.snapshots[0].num_experts).cpu().numpy()
+                counts = dict(zip(marked, host))
         else:
             self.host.idle(split, self.hidden_size, self.top_k)
         stats, overflow = [], False
@@ -530,7 +560,7 @@ class GenerationExecutor:
                 s, o = unit.finish()
                 stats.extend(s)
                 overflow = overflow or o
-        return tokens, tuple(stats), overflow, lps
+        return tokens, tuple(stats), overflow, lps, counts
 
 
 __all__ = ["GenerationExecutor", "DeferredTokenError", "DecodeLayout"]

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ray_moe.moe.layer import MoEStep
@@ -22,7 +23,9 @@ class _GraphPending:
     want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled);
     host_picked / host_summary: their copies queued to (pinned) host memory right behind the step, so reading
     them never waits for steps launched after this one. ``done``: an event recorded after those copies.
-    logprobs: the raw logprobs of the ``want`` items that asked, on the device (None: none asked)."""
+    logprobs: the raw logprobs of the ``want`` items that asked, on the device (None: none asked). counts: (the
+    sequence ids of the items marked ``expert_stats``, their [S, layers, experts] int32 expert counts queued
+    to (pinned) host memory behind the step), None when no item is marked."""
 
     ctx: MoEStep
     want: tuple[WorkItem, ...]
@@ -32,8 +35,9 @@ class _GraphPending:
     host_picked: torch.Tensor | None = None
     done: Any = None
     logprobs: LogprobsPending | None = None
+    counts: tuple[tuple[str, ...], torch.Tensor] | None = None
 
-    def finish(self) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs]]:
+    def finish(self) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs], dict[str, np.ndarray] | None]:
         tokens, lps = {}, {}
         if self.done is not None:
             self.done.synchronize()
@@ -45,7 +49,8 @@ class _GraphPending:
         elif self.device.type == "cuda" and self.done is None:
             torch.cuda.current_stream(self.device).synchronize()
         stats, overflow = self.ctx.finish(None if self.host_summary is None else self.host_summary.numpy())
-        return tokens, stats, overflow, lps
+        counts = None if self.counts is None else dict(zip(self.counts[0], self.counts[1].numpy()))
+        return tokens, stats, overflow, lps, counts
 
 
 class PendingStep:
@@ -55,7 +60,7 @@ class PendingStep:
     def __init__(self, executor: Any, req: GenStepRequest, generation: int,
                  items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
                  graph: _GraphPending | None = None,
-                 result: tuple[dict[str, int], tuple, dict[str, TokenLogprobs]] | None = None,
+                 result: tuple[dict[str, int], tuple, dict[str, TokenLogprobs], dict | None] | None = None,
                  decision: Any = None) -> None:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
         self.decision = decision  # the decode unit's agreed decision (None: no decode round)
@@ -84,16 +89,16 @@ class PendingStep:
         ex = self.executor
         if self.graph is not None:
             try:
-                tokens, stats, _, lps = self.graph.finish()  # a group of one: nothing overflows
+                tokens, stats, _, lps, counts = self.graph.finish()  # a group of one: nothing overflows
             finally:
                 ex._picks.pop(self.req.step_id, None)
             ex.finished(self.items, tokens)
-            self.result, self.graph = (tokens, stats, lps), None
-        tokens, stats, lps = self.result
+            self.result, self.graph = (tokens, stats, lps, counts), None
+        tokens, stats, lps, counts = self.result
         device_s, idle_s = ex.device_span(self.start, self.event)
         return GenStepResult(ex.rank, self.req.step_id, self.generation, {k: (v,) for k, v in tokens.items()}, stats,
                              time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s,
-                             logprobs={k: (v,) for k, v in lps.items()})
+                             logprobs={k: (v,) for k, v in lps.items()}, expert_counts=counts or {})
 
 
 class MultiPending:
@@ -127,11 +132,15 @@ class MultiPending:
         first = results[0]
         tokens = {k: tuple(r.tokens[k][0] for r in results) for k in first.tokens}
         lps = {k: tuple(r.logprobs[k][0] for r in results) for k in first.logprobs}
+        counts: dict[str, np.ndarray] = {}
+        for r in results:  # every sub-step's expert counts, summed per sequence
+            for k, c in r.expert_counts.items():
+                counts[k] = c + counts[k] if k in counts else c.copy()
         return GenStepResult(first.rank, self.req.step_id, first.generation, tokens,
                              merge_layer_stats([ls for r in results for ls in r.layers]),
                              time.perf_counter() - self.parts[0].t0, first.decode_path, first.fallback_reason,
                              device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results),
-                             logprobs=lps)
+                             logprobs=lps, expert_counts=counts)
 
 
 __all__ = ["PendingStep", "MultiPending"]

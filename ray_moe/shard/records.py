@@ -29,7 +29,8 @@ class WorkItem:
     while the step that samples its input token is still in flight; ``tokens`` is empty and the rank feeds
     the token it sampled for this sequence at position ``start`` (the driver never waits for it).
     ``keep_tokens``: the rank keeps this sequence's token ids by position (its penalties read them); set on
-    every item of a penalized sequence, so the rank holds all of them."""
+    every item of a penalized sequence, so the rank holds all of them. ``expert_stats``: the rank counts the
+    experts this item's rows were routed to, per MoE layer (``GenStepResult.expert_counts``)."""
 
     seq_id: str
     tokens: tuple[int, ...]
@@ -38,6 +39,7 @@ class WorkItem:
     decode: bool
     deferred: bool = False
     keep_tokens: bool = False
+    expert_stats: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -116,7 +118,8 @@ class GenStepRequest:
         for i, it in enumerate(items):
             sp = it.sample
             ints[0, i], ints[1, i] = it.start, len(it.tokens)
-            ints[2, i] = it.decode | (it.deferred << 1) | ((sp is not None) << 2) | (it.keep_tokens << 3)
+            ints[2, i] = (it.decode | (it.deferred << 1) | ((sp is not None) << 2) | (it.keep_tokens << 3)
+                          | (it.expert_stats << 4))
             if sp is not None:
                 ints[3, i], ints[4, i], ints[5, i], ints[6, i] = sp.seed, sp.position, sp.prompt_len, sp.suppress_until
                 ints[7, i] = -1 if sp.logprobs is None else sp.logprobs
@@ -146,7 +149,8 @@ def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints
             sample = SampleSpec(temp[i], top_p[i], seed[i], pos[i], pres[i], freq[i], rep[i], plen[i],
                                 tuple(sup[so:so + nsup[i]]), until[i], None if lps[i] < 0 else lps[i])
             so += nsup[i]
-        items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2), bool(f & 8)))
+        items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2), bool(f & 8),
+                              bool(f & 16)))
         o += c
     return GenStepRequest(step_id, generation, tuple(items), free, units, after, steps)
 
@@ -176,6 +180,7 @@ class GenStepResult:
     idle_s: float = 0.0
     actor_s: float = 0.0
     logprobs: dict[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
+    expert_counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __reduce__(self):
         """The tokens as one int64 block when every sequence has as many (they do: one per sub-step)."""
