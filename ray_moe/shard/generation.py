@@ -448,7 +448,7 @@ class GenerationExecutor:
             # a marked item, every layer's routes [L, rows, k] too (a graph of its own: unmarked steps keep theirs)
             return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
-        key = (unit, rows, keys, last_rows, layout.value, bool(marked))
+        key = (unit, rows, keys, last_rows, bool(marked), layout.value)  # (the layout stays last)
         ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
             view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
         ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")
