@@ -86,6 +86,7 @@ class Runtime:
         self._published_at = float("-inf")  # when the last background export ended (monotonic)
         self._publish_timer: threading.Timer | None = None
         self._engine = None  # the generation loop (serving)
+        self._membership = threading.Lock()  # add_rank / remove_rank: one membership change at a time
         # how steps reach the ranks: shard handles, the process group, the cached ACTIVE generation
         self.transport = RayTransport(cfg, coordinator, shards, group, self.books, self._account)
         self.healer = RankHealer(self.add_rank, retries=cfg.heal_retries) if cfg.heal_retries else None
@@ -351,7 +352,11 @@ class Runtime:
     # ================================================================ elastic ranks
     def add_rank(self, *, rebalance: bool = True) -> int:
         """Scale out: start one more ExpertShardActor, regroup, and (with load observed) rebalance onto it.
-        Returns the new rank id."""
+        Returns the new rank id. Membership changes (the healer's, the scaler's, a caller's) run one at a time."""
+        with self._membership:
+            return self._add_rank(rebalance)
+
+    def _add_rank(self, rebalance: bool) -> int:
         cfg = self.cfg
         rank = self.topology.num_ranks
         gpus = 1 if cfg.device == "cuda" else 0
@@ -380,6 +385,10 @@ class Runtime:
     def remove_rank(self, rank: int) -> int:
         """Scale in: move ``rank``'s slots away while traffic flows, then (quiesced) regroup without it and
         stop its actor. Returns the new generation id."""
+        with self._membership:
+            return self._remove_rank(rank)
+
+    def _remove_rank(self, rank: int) -> int:
         if rank not in self.group.peer_order:
             raise RequestError(f"rank={rank} is not a live member of the group {list(self.group.peer_order)}")
         if len(self.group.peer_order) == 1:
