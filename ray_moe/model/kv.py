@@ -196,19 +196,14 @@ class PagedKVCache:
         if plain and not (len(chunks) == 1 and chunks[0].start == 0 and rows == keys):
             raise ValueError("plain: one sequence from position 0 with keys == rows")
 
-        def pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
-            out = np.full(size, fill, dtype=np.int64)
-            out[: x.size] = x
-            return out
-
-        host = {"write_index": pad(v["write"], rows, self.trash_slot), "read_index": pad(v["read"], keys, self.trash_slot),
-                "positions": pad(v["q_pos"], rows, 0)}
+        host = {"write_index": _pad(v["write"], rows, self.trash_slot), "read_index": _pad(v["read"], keys, self.trash_slot),
+                "positions": _pad(v["q_pos"], rows, 0)}
         if last_rows is not None:
-            host["last"] = pad(v["last"], last_rows, 0)
+            host["last"] = _pad(v["last"], last_rows, 0)
         if not plain:
             # padding queries are sequence -1, padding keys sequence -2: they match nothing (the padding
             # queries get key 0 below); real queries never see a padding key
-            host.update(q_seq=pad(v["q_seq"], rows, -1), k_seq=pad(v["k_seq"], keys, -2), k_pos=pad(v["k_pos"], keys, 0))
+            host.update(q_seq=_pad(v["q_seq"], rows, -1), k_seq=_pad(v["k_seq"], keys, -2), k_pos=_pad(v["k_pos"], keys, 0))
         else:  # padding rows continue the sequence's positions (a causal mask keeps them after the real ones)
             host["positions"] = np.arange(rows, dtype=np.int64)
         host.update(extra or {})
