@@ -51,8 +51,9 @@ class EagerCapture(CapturedStep):
     """A captured step without CUDA: 'capture' keeps the body, 'replay' copies the staged inputs into the
     captured buffers (same names and shapes, as a graph replay requires) and runs the body eagerly."""
 
-    def capture(self, body):
+    def capture(self, body, pool=None):
         self.body = body
+        return pool
 
     def replay(self, staged):
         assert staged.keys() == self.inputs.keys()

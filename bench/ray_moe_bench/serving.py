@@ -266,7 +266,7 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         res.update(start_s=start_s, engine_steps=engine.steps - steps0, decode_steps=engine.scheduler.decode_steps,
                    settings={"ranks": ranks, "decode_token_capacity": cap, "kv_tokens_per_rank": engine.kv_tokens,
                              "attention": engine.attention_backend,
-                             "step_tokens": spec["step_tokens"], "max_running": spec["max_running"]},
+                             "step_tokens": engine.scheduler.configured[0], "max_running": spec["max_running"]},
                    latency_note="host timestamps of the generation loop's token events in the driver; with "
                                 "multi-step decode (decode_steps > 1) tokens arrive in bursts (ITL ~0 inside one)",
                    memory={**_cuda_peak(), "note": "torch counters of the driver process only: the model lives "
@@ -312,7 +312,7 @@ def run_transformers(spec: dict) -> dict[str, Any]:
     # takes tens of seconds on CPU); prefill chunk = ray-moe's step tokens
     page = 256
     blocks = sum(math.ceil((len(p) + new) / page) for p in prompts) + 1
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=spec["step_tokens"])
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=spec["step_tokens"] or 2048)
     warm = spec["warmup"]
     if warm:  # the same workload: its manager (sized for these requests) is kept for the timed pass
         model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, persistent_manager=True,
@@ -332,7 +332,7 @@ def run_transformers(spec: dict) -> dict[str, Any]:
     res.update(start_s=start_s, latency_note="generate_batch(record_timestamps=True): a host time per token; "
                                              "all requests sent when generate_batch was called",
                settings={"attn_implementation": getattr(model.config, "_attn_implementation", None),
-                         "page_size": page, "num_blocks": blocks, "max_batch_tokens": spec["step_tokens"],
+                         "page_size": page, "num_blocks": blocks, "max_batch_tokens": spec["step_tokens"] or 2048,
                          "experts_implementation": "grouped_mm" if device == "cuda" else "default"},
                memory=_cuda_peak())
     res["outputs_digest"] = _digest(outs)
@@ -522,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--step-tokens", type=int, default=2048)
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="prefill tokens per step (default: ray-moe's own; transformers' max_batch_tokens: 2048)")
     p.add_argument("--decode-steps", type=int, default=None, help="ray-moe multi-step decode (default: its own)")
     p.add_argument("--decode-capacity", type=int, default=None,
                    help="ray-moe decode_token_capacity (default: requests in flight / ranks)")

@@ -32,6 +32,9 @@ from ray_moe.core.types import Phase
 
 _DONE = object()
 DEFAULT_DECODE_STEPS_CUDA = 4  # multi-step decode on CUDA unless told otherwise (measured: bench.generate)
+# prefill tokens per rank per step unless told otherwise: on CUDA a step reads every routed expert's weights once
+# whatever its size, so larger steps read them fewer times per prompt token (vLLM's offline default is 8k-16k)
+DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
 
 
 @dataclass(frozen=True)
@@ -150,12 +153,14 @@ class GenerationLoop:
     RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
     keeps transformers' own)."""
 
-    def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int | None = 8192, block_size: int = 16, step_tokens: int = 2048,
+    def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int | None = 8192, block_size: int = 16, step_tokens: int | None = None,
                  max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
                  decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
                  memory_fraction: float | None = None) -> None:
         if decode_steps is None:
             decode_steps = DEFAULT_DECODE_STEPS_CUDA if device == "cuda" else 1
+        if step_tokens is None:
+            step_tokens = DEFAULT_STEP_TOKENS["cuda" if device == "cuda" else "cpu"]
         if not 1 <= int(decode_steps) <= 64:  # before any shard loads the model
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
         self.transport = transport

@@ -9,7 +9,8 @@
 #              each sequence's queries attend its own keys only (cu_seq_q / cu_seq_k), causal aligned at the
 #              bottom right, grouped-query attention without repeating keys; no mask is built (work ~ per
 #              sequence); capturable in a CUDA graph (the lengths live in device tensors, the maxima are the
-#              captured shape's)
+#              captured shape's); a mixed step's one-row (decode) sequences come first and run as a call of
+#              their own, so the prefill chunks' long query runs do not size the grid of every decode row
 #   ──> [1, N, H, Dv] back into the module (its output projection)
 # ======================================================================================================
 """Attention backends of the model host, registered with transformers' ``AttentionInterface``.
@@ -55,6 +56,9 @@ class VarlenPlan:
     cu_k: [S + 1] int32 key offsets of each sequence in the packed gathered context (device)
     max_q, max_k: the longest query run and context (host ints; upper bounds are fine)
     kernel: the varlen kernel (``flash_varlen`` on the device; tests pass a per-sequence reference)
+    single_rows: the first ``single_rows`` query rows are as many one-row sequences (the first ``single_rows``
+        entries of the offsets): they run as one decode-shaped call (one query per sequence) and the other
+        sequences as a second call; 0: one call for all
     """
 
     cu_q: torch.Tensor
@@ -62,6 +66,7 @@ class VarlenPlan:
     max_q: int
     max_k: int
     kernel: VarlenKernel = flash_varlen
+    single_rows: int = 0
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,7 +87,16 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if dv != d:
         v = torch.nn.functional.pad(v, (0, d - dv))
     scale = float(scaling) if scaling is not None else d ** -0.5
-    out = plan.kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
+    s1 = plan.single_rows
+    if s1:
+        # 1. the one-row sequences: one query each (the kernel's decode shape: a grid of one query block per
+        #    sequence instead of max_q / block rows for every sequence)
+        # 2. the others over the same packed keys (absolute key offsets), query offsets shifted to their rows
+        out = torch.cat([plan.kernel(q[:s1], k, v, plan.cu_q[: s1 + 1], plan.cu_k[: s1 + 1], 1, plan.max_k, scale),
+                         plan.kernel(q[s1:], k, v, plan.cu_q[s1:] - s1, plan.cu_k[s1:], plan.max_q, plan.max_k,
+                                     scale)])
+    else:
+        out = plan.kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
     if dv != d:
         out = out[..., :dv]
     return out[None], None

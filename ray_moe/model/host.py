@@ -242,7 +242,7 @@ class ModelHost:
             if not self.varlen:
                 raise ValueError("layout: a varlen plan, but this host attends with the masked backend")
             kw[attn.VARLEN_NAME] = attn.VarlenPlan(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                                                   self.varlen_kernel)
+                                                   self.varlen_kernel, layout.single_rows)
         elif self.varlen:
             raise ValueError("layout: the varlen backend needs a varlen plan (cu_q / cu_k)")
         try:

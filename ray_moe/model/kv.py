@@ -55,6 +55,9 @@ class StepLayout:
     cu_q, cu_k:  [S' + 1] int32 query-row / context offsets of each sequence (a varlen plan; mask is then None;
                  a padded plan counts its padding sequences in S'), or None
     max_q, max_k: the longest query run and context of a varlen plan (host ints, upper bounds)
+    single_rows: the leading query rows that are sequences of one row each (a varlen plan whose one-row
+                 sequences come first: attention runs them in a decode-shaped call of their own, so a prefill
+                 chunk's long query run does not size the kernel's grid for every decode row); 0: one call
     """
 
     write_index: torch.Tensor
@@ -66,6 +69,17 @@ class StepLayout:
     cu_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
+    single_rows: int = 0
+
+
+def leading_single_rows(chunks: Sequence["SeqChunk"]) -> int:
+    """How many chunks at the front of ``chunks`` have one new token each."""
+    n = 0
+    for c in chunks:
+        if c.num_tokens != 1:
+            break
+        n += 1
+    return n
 
 
 class PagedKVCache:
@@ -156,9 +170,11 @@ class PagedKVCache:
             up = _upload({"write": v["write"], "read": v["read"], "q_pos": v["q_pos"], "last": v["last"],
                           "cu_q": np.concatenate([[0], np.cumsum(lens)]), "cu_k": np.concatenate([[0], np.cumsum(ends)])},
                          dev)
+            single = leading_single_rows(chunks)
             layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"], mask=None,
                                 last=up["last"], cu_q=up["cu_q"].to(torch.int32), cu_k=up["cu_k"].to(torch.int32),
-                                max_q=int(lens.max(initial=1)), max_k=int(ends.max(initial=1)))
+                                max_q=int(lens.max(initial=1)), max_k=int(ends.max(initial=1)),
+                                single_rows=single if 0 < single < len(chunks) else 0)
             self.layout = layout
             return layout
         up = {k: torch.from_numpy(x).to(dev) for k, x in v.items()}
@@ -173,7 +189,7 @@ class PagedKVCache:
 
     def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
                     last_rows: int | None = None, plain: bool = False, varlen: bool = False,
-                    extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+                    single_rows: int = 0, extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """A step padded to ``rows`` tokens and ``keys`` context slots: the static shapes of a captured step.
         Padding tokens write the trash slot and attend only to key 0 (their outputs are never read; their
         routes are masked); padding keys read the trash slot and are masked.
@@ -183,7 +199,14 @@ class PagedKVCache:
         ``last`` [last_rows], the packed row of each sequence's last new token (padding entries row 0);
         None: one token per sequence, every row is sampled (a decode step). ``extra``: more int64 host vectors
         to upload with the plan (one host-to-device copy for all of them). ``varlen``: no mask; ``cu_q`` /
-        ``cu_k`` [S' + 1] int32 instead, of a static sequence count S' (see ``varlen_offsets``)."""
+        ``cu_k`` [S' + 1] int32 instead, of a static sequence count S' (see ``varlen_offsets``). ``single_rows``
+        (varlen prefill): the first ``single_rows`` rows are a group of one-row sequences (the chunks of one token
+        at the front of ``chunks``, padded with one-row sequences of one trash key), the rest the other chunks
+        padded to ``rows``; ``last_rows`` then counts both groups' sequences."""
+        if single_rows:
+            if not (varlen and last_rows is not None):
+                raise ValueError("single_rows: a varlen prefill plan (last_rows given)")
+            return self._plan_split_varlen(chunks, rows, keys, last_rows, single_rows, extra)
         v = self._host_plan(chunks)
         n, k = v["write"].size, v["read"].size
         pad_keys = (rows - n) if (varlen and last_rows is None) else 0  # a decode row of padding reads one key
@@ -239,6 +262,51 @@ class PagedKVCache:
                "cu_k": up["cu_k"].to(torch.int32), **{k: up[k] for k in extra or {}}}
         if last_rows is not None:
             out["last"] = up["last"]
+        return out
+
+    def _plan_split_varlen(self, chunks: Sequence[SeqChunk], rows: int, keys: int, last_rows: int, single: int,
+                           extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
+        """``plan_padded`` for a varlen prefill step in two groups (static shapes):
+
+          rows:  [one-row sequences | their padding rows (to ``single``) | other chunks | padding (to ``rows``)]
+          keys:  [their contexts | one trash key per padding row | the chunks' contexts | padding (to ``keys``)]
+          1. the leading one-row chunks and ``single - nd`` one-row padding sequences: the decode group
+             (``single`` sequences, each one row; ``varlen_offsets``' decode layout)
+          2. the other chunks, one padding sequence with every padding row and no key, empty sequences up to
+             ``last_rows - single`` (``varlen_offsets``' prefill layout), offsets shifted past group 1
+        ``last`` [last_rows]: group 1's rows, then each chunk's last row (padding entries row 0)."""
+        nd = leading_single_rows(chunks)
+        v = self._host_plan(chunks)
+        lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+        ends = np.asarray([c.start + c.num_tokens for c in chunks], dtype=np.int64)
+        n, k, kd = int(lens.sum()), int(ends.sum()), int(ends[:nd].sum())
+        pad1 = single - nd
+        if (nd > single or n - nd > rows - single or len(chunks) - nd > last_rows - single
+                or k + pad1 > keys):
+            raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}, single_rows={single}: the step has "
+                             f"{nd} one-row sequences first, {n} tokens, {k} context slots and {len(chunks)} sequences")
+        trash = self.trash_slot
+        cq1, ck1 = varlen_offsets(lens[:nd], ends[:nd], single, kd + pad1, None)
+        cq2, ck2 = varlen_offsets(lens[nd:], ends[nd:], rows - single, keys - kd - pad1, last_rows - single)
+        fill = lambda a, m, x: np.concatenate([a, np.full(m, x, dtype=np.int64)])  # noqa: E731
+        host = {"write_index": fill(np.concatenate([fill(v["write"][:nd], pad1, trash), v["write"][nd:]]),
+                                    rows - single - (n - nd), trash),
+                "read_index": fill(np.concatenate([fill(v["read"][:kd], pad1, trash), v["read"][kd:]]),
+                                   keys - k - pad1, trash),
+                "positions": fill(np.concatenate([fill(v["q_pos"][:nd], pad1, 0), v["q_pos"][nd:]]),
+                                  rows - single - (n - nd), 0),
+                "cu_q": np.concatenate([cq1, cq2[1:] + single]), "cu_k": np.concatenate([ck1, ck2[1:] + kd + pad1]),
+                "last": fill(np.concatenate([np.arange(nd, dtype=np.int64), v["last"][nd:] + pad1]),
+                             last_rows - len(chunks), 0)}
+        real = np.zeros(rows, dtype=np.int64)
+        real[:nd] = 1
+        real[single:single + n - nd] = 1
+        host["row_valid"] = real
+        host.update(extra or {})
+        up = _upload(host, self.device)
+        out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
+               "row_valid": up["row_valid"] != 0, "cu_q": up["cu_q"].to(torch.int32),
+               "cu_k": up["cu_k"].to(torch.int32), "last": up["last"], **{x: up[x] for x in extra or {}}}
         return out
 
     def plan_batched(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
@@ -342,16 +410,17 @@ def varlen_offsets(lens: np.ndarray, ends: np.ndarray, rows: int, keys: int,
       1. the real sequences first, in packed order;
       2. decode (``last_rows`` None, one token per sequence): each padding row is a sequence of its own with one
          padding key (the trash slot): S' = rows, so the kernel's one-query-per-sequence shape holds;
-      3. prefill (``last_rows`` = the padded sampled rows): one padding sequence takes every padding row and key,
-         then empty sequences up to S' = last_rows + 1 (a query with no key of its own comes out zero)."""
-    n, k = int(lens.sum()), int(ends.sum())
+      3. prefill (``last_rows`` = the padded sampled rows): one padding sequence takes every padding row and NO
+         key (its queries come out zero at no attention cost; the padding keys past ``cu_k[-1]`` are never
+         read), then empty sequences up to S' = last_rows + 1."""
+    n = int(lens.sum())
     if last_rows is None:
         q = np.concatenate([lens, np.ones(rows - n, dtype=np.int64)])
         kk = np.concatenate([ends, np.ones(rows - n, dtype=np.int64)])
     else:
         fill = last_rows - lens.size
         q = np.concatenate([lens, [rows - n], np.zeros(fill, dtype=np.int64)])
-        kk = np.concatenate([ends, [keys - k], np.zeros(fill, dtype=np.int64)])
+        kk = np.concatenate([ends, [0], np.zeros(fill, dtype=np.int64)])
     return np.concatenate([[0], np.cumsum(q)]), np.concatenate([[0], np.cumsum(kk)])
 
 
@@ -388,4 +457,5 @@ def _mask(q_seq, q_pos, k_seq, k_pos, dtype: torch.dtype) -> torch.Tensor:
     return _additive(_allowed(q_seq, q_pos, k_seq, k_pos), dtype)[None, None]
 
 
-__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError", "varlen_offsets", "kv_blocks_for_memory"]
+__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError", "varlen_offsets", "kv_blocks_for_memory",
+           "leading_single_rows"]

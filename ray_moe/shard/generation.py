@@ -20,9 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -34,58 +32,14 @@ from ray_moe.moe.experts.runners.grouped import device_tensor
 from ray_moe.core.errors import RayMoEError, StepMemoryError
 from ray_moe.moe.decode.admission import FallbackReason
 from ray_moe.moe.layer import GenerationView, MoEStep, RouteRecorder, SplitMoE, expert_counts
-from ray_moe.model.kv import KVBudgetError, SeqChunk, StepLayout
+from ray_moe.model.kv import KVBudgetError, SeqChunk, StepLayout, leading_single_rows
 from ray_moe.model.host import ModelHost
 from ray_moe.model.sampling import logprobs_tensor, sample_tensor
 from ray_moe.shard.pending import MultiPending, PendingStep, _GraphPending
 from ray_moe.shard.pipeline import StepPipeline
 from ray_moe.shard.records import GenStepRequest, WorkItem
-
-
-class DecodeLayout(str, Enum):
-    """How a captured decode step feeds attention.
-
-    PACKED:  every sequence's token in one row of a [1, N] batch over the packed contexts of all sequences
-             (a block-diagonal mask): attention work ~ tokens x total context
-    BATCHED: one row per sequence over its own context padded to the longest (a [B, 1] batch): attention
-             work ~ tokens x longest context, grouped-query attention without repeating keys
-    AUTO:    BATCHED unless padding every context to the longest would gather more than twice the packed
-             context (one long sequence among short ones)
-    """
-
-    PACKED = "packed"
-    BATCHED = "batched"
-    AUTO = "auto"
-
-    def pick(self, rows: int, longest: int, packed_keys: int) -> "DecodeLayout":
-        if self is not DecodeLayout.AUTO:
-            return self
-        return DecodeLayout.BATCHED if rows * longest <= 2 * packed_keys else DecodeLayout.PACKED
-
-
-def _phase_rows(items: tuple[WorkItem, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decode rows, prefill rows): packed row indices of the step's decode and prefill tokens, on ``device``."""
-    flags = np.fromiter((it.decode for it in items for _ in it.tokens), dtype=bool)
-    return (torch.from_numpy(np.flatnonzero(flags)).to(device), torch.from_numpy(np.flatnonzero(~flags)).to(device))
-
-
-def _marked(items: tuple[WorkItem, ...]) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
-    """The items that asked for expert statistics: (their sequence ids, (first packed row, rows) of each)."""
-    ids, segments, row = [], [], 0
-    for it in items:
-        if it.expert_stats:
-            ids.append(it.seq_id)
-            segments.append((row, len(it.tokens)))
-        row += len(it.tokens)
-    return tuple(ids), segments
-
-
-def _packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndarray:
-    """[rows or N] int64 the step's token ids in packed order (zero padding past the real tokens)."""
-    n = sum(len(it.tokens) for it in items)
-    out = np.zeros(n if rows is None else rows, dtype=np.int64)
-    out[:n] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64, count=n)
-    return out
+from ray_moe.shard.step_rows import (DecodeLayout, shape_bucket, marked_rows, packed_ids, phase_rows, pow2,
+                                     single_rows_first)
 
 
 # a cache sized from memory (``kv_tokens=None``): the default share of the GPU, and what is kept beside weights
@@ -94,11 +48,6 @@ DEFAULT_MEMORY_FRACTION = 0.9
 WORKSPACE_MIN_BYTES = 2 << 30
 WORKSPACE_SHARE = 0.05
 CPU_KV_TOKENS = 8192  # kv_tokens=None on a CPU: no device memory to size from
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 class DeferredTokenError(RayMoEError, ValueError):
@@ -119,7 +68,8 @@ class GenerationExecutor:
         # the shard's step pipeline (decode round, captured graphs by (generation, (unit, rows, keys, sampled
         # rows, layout)), overflow agreement), shared with the expert-only front
         self.pipeline = pipeline or StepPipeline()
-        self.max_prefill_graphs = 16  # prefill shapes captured per generation (others run eagerly)
+        # prefill shapes captured per generation (others run eagerly; every graph shares the shard's one pool)
+        self.max_prefill_graphs = 48
         self.decode_layout = DecodeLayout.AUTO  # how a captured decode step lays out its sequences
         self._runner: Any = None
         # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
@@ -262,6 +212,7 @@ class GenerationExecutor:
             self.history.pop(sid, None)
         local_error: Exception | None = None
         fills: list[tuple[int, torch.Tensor, int]] = []
+        req = dataclasses.replace(req, items=single_rows_first(req.items))
         try:
             resolved, fills = self._resolve(req.items)
             resolved, fills = self._keep_tokens(resolved, fills)
@@ -396,7 +347,9 @@ class GenerationExecutor:
         decode (``prefill`` False): one token per sequence, rows = the agreed token bucket, every row sampled.
         prefill (one-rank groups): rows = the next power of two of the step's tokens (>= 16), one sampled row
         per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask.
-        keys = the next power of two of the rank's context (>= 64). Sampling runs on the logits."""
+        keys = the next quarter octave of the rank's context (>= 64; the gathered context is written whole every
+        layer). A prefill step's padding rows are one sequence with
+        no key (zero attention work) and its longest query run is bucketed too. Sampling runs on the logits."""
         kv, dev = self.host.kv, self.host.device
         varlen = self.host.varlen
         chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
@@ -404,20 +357,39 @@ class GenerationExecutor:
         context = sum(c.start + c.num_tokens for c in chunks)
         plain = prefill and len(chunks) == 1 and chunks[0].start == 0
         # varlen decode: each padding row reads one padding key of its own
-        keys = rows if plain else max(64, _pow2(context + (rows - n if varlen and not prefill else 0)))
-        last_rows = max(1, _pow2(len(chunks))) if prefill else None
-        extra = {"token_ids": _packed_ids(items, rows)}
+        single, nd = 0, leading_single_rows(chunks)
+        if plain:
+            keys = rows
+        elif prefill:
+            if varlen and 0 < nd < len(chunks):  # decode rows first, as a group of their own (``plan_padded``)
+                single = shape_bucket(nd, 16, 2)
+                rows = single + shape_bucket(n - nd, 16, 3)
+            keys = shape_bucket(context + single - nd, 64, 2)
+        else:
+            keys = shape_bucket(context + (rows - n if varlen else 0), 64, 2)
+        last_rows = (single + max(1, pow2(len(chunks) - nd if single else len(chunks)))) if prefill else None
+        ids = packed_ids(items)
+        shift = single - nd if single else 0  # rows of the items after the one-row group move past its padding
+        token_ids = np.zeros(rows, dtype=np.int64)
+        token_ids[:nd if single else n] = ids[:nd if single else n]
+        if single:
+            token_ids[single:single + n - nd] = ids[nd:]
+        extra = {"token_ids": token_ids}
         layout = DecodeLayout.PACKED
         if not prefill and not varlen:  # (varlen attends per sequence over the packed contexts already)
-            longest = max(64, _pow2(max(c.start + 1 for c in chunks)))
+            longest = max(64, pow2(max(c.start + 1 for c in chunks)))
             layout = self.decode_layout.pick(rows, longest, keys)
         if layout is DecodeLayout.BATCHED:
             keys = longest
             staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, varlen=varlen,
-                                    extra=extra)
+                                    single_rows=single, extra=extra)
+        # the longest query run (a chunk, or the padding sequence) bounds the kernel's grid
         max_q = rows if prefill else 1
+        if prefill and varlen:
+            longest = max((c.num_tokens for c in chunks[nd if single else 0:]), default=1)
+            max_q = min(rows - single, pow2(max(longest, rows - single - (n - (nd if single else 0)))))
         if self._start is not None:  # the step's device work starts here (its host planning came first)
             self._start.record()  # re-recorded: the later record is the one that counts
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
@@ -426,7 +398,7 @@ class GenerationExecutor:
             by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
             for k, t, i in fills:
                 _, dst, idx = by_source.setdefault(id(t), (t, [], []))
-                dst.append(int(starts[k]))
+                dst.append(int(starts[k]) + (shift if k >= nd else 0))
                 idx.append(i)
             for t, dst, idx in by_source.values():
                 staged["token_ids"].index_copy_(0, device_tensor(dst, torch.int64, dev),
@@ -434,21 +406,21 @@ class GenerationExecutor:
         unit = "prefill" if prefill else "decode"
         label = "local-graph" if prefill else None
 
-        marked, segments = _marked(items)
+        marked, segments = marked_rows(items, nd, shift)
 
         def body(inp: dict[str, torch.Tensor]):
             ctx = MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=self._runner, dtype=self.dtype,
                           hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", fallback_reason=reason,
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
-                                inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys)
+                                inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys, single)
             rec = RouteRecorder(ctx, len(view.snapshots), inp["row_valid"]) if marked else None
             logits = self.host.forward_layout(layout, inp["token_ids"], ctx if rec is None else rec)
             # every layer's counts, overflow flags and handle checks in one device vector (in the graph); with
             # a marked item, every layer's routes [L, rows, k] too (a graph of its own: unmarked steps keep theirs)
             return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
-        key = (unit, rows, keys, last_rows, bool(marked), layout.value)  # (the layout stays last)
+        key = (unit, rows, keys, last_rows, max_q, single, bool(marked), layout.value)  # (the layout stays last)
         ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
             view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
         ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")
@@ -529,16 +501,16 @@ class GenerationExecutor:
                 # a group of one: every step (prefill, mixed) runs the local path; routes come from the
                 # model's own router, so the unchecked (capturable) local dispatcher serves the whole step
                 n = sum(len(it.tokens) for it in items)
-                return self._graph_step(req, items, view, paths.bucket, reason, tag, max(16, _pow2(n)),
+                return self._graph_step(req, items, view, paths.bucket, reason, tag, shape_bucket(n, 16, 3),
                                         prefill=True, fills=fills)
         items = self._materialize(items, fills)
-        split = SplitMoE(pre, dec, *_phase_rows(items, self.host.device))
-        marked, segments = _marked(items)
+        split = SplitMoE(pre, dec, *phase_rows(items, self.host.device))
+        marked, segments = marked_rows(items)
         rec = RouteRecorder(split, len(view.snapshots)) if marked else None
         counts = None
         if items:
             chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
-            logits = self.host.forward(chunks, torch.from_numpy(_packed_ids(items)), split if rec is None else rec)
+            logits = self.host.forward(chunks, torch.from_numpy(packed_ids(items)), split if rec is None else rec)
             want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
             if want:
                 rows = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)

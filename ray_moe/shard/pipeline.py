@@ -152,6 +152,7 @@ class StepPipeline:
         self.graphs = StepGraphs()
         self.capture_errors: dict[str, str] = {}
         self.counters: dict[str, int] = {}
+        self._pool: Any = None  # one graph memory pool for every captured step of this shard (made at first capture)
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -188,7 +189,10 @@ class StepPipeline:
         if capture and captured is None and unit not in self.capture_errors and not full:
             step = CapturedStep({k: v.clone() for k, v in staged.items()})
             try:
-                step.capture(body)  # records only: no collective runs while capturing
+                # records only (no collective runs while capturing), into the shard's one graph memory pool
+                # (a new one once every graph holding the last one is released: a freed pool is not reused)
+                pool = self._pool if len(self.graphs) else None
+                self._pool = step.capture(body, pool) or pool
             except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
                 self.capture_errors[unit] = capture_failure(exc)
             else:

@@ -19,7 +19,7 @@ from ray_moe.core.errors import ConfigError
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.attention import check_flash, sequence_reference, varlen_attention
 from ray_moe.model.host import ModelHost
-from ray_moe.model.kv import SeqChunk, varlen_offsets
+from ray_moe.model.kv import SeqChunk, leading_single_rows, varlen_offsets
 from ray_moe.model.source import HFWeightSource
 from ray_moe_dev.testing.local_executor import LocalExecutor
 
@@ -74,8 +74,8 @@ def test_varlen_offsets_cover_every_row_and_key(seqs, decode, extra_rows, extra_
     assert cu_q[-1] == rows and cu_k[-1] <= keys
     if decode:  # one query per sequence, each with a key
         assert np.all(np.diff(cu_q) == 1) and np.all(np.diff(cu_k) >= 1)
-    else:
-        assert cu_k[-1] == keys
+    else:  # the padding rows are one sequence with no key: no attention work for padding
+        assert cu_k[-1] == ends.sum() and np.all(np.diff(cu_k)[len(seqs):] == 0)
 
 
 def _hosts(folder: str, calls: list | None = None):
@@ -115,9 +115,14 @@ def test_varlen_host_equals_masked_host_over_mixed_steps(hf_checkpoint, family):
             outs.append(host.forward(chunks, ids, ex))
         assert outs[0].shape == (len(chunks), vocab)
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
-    # the varlen kernel ran in every attention layer of every step, on the step's query rows
+    # the varlen kernel ran in every attention layer of every step, on the step's query rows: a step whose
+    # one-row sequences lead (the mixed step: "a"'s decode token) runs them as a call of their own
     layers = varlen.config.num_hidden_layers
-    assert calls == [sum(c.num_tokens for c in chunks) for chunks in steps for _ in range(layers)]
+    want = []
+    for chunks in steps:
+        nd, n = leading_single_rows(chunks), sum(c.num_tokens for c in chunks)
+        want += ([nd, n - nd] if 0 < nd < len(chunks) else [n]) * layers
+    assert calls == want and want[layers:layers + 2] == [1, 11]
 
 
 @pytest.mark.parametrize("decode", [False, True])
@@ -154,6 +159,44 @@ def test_padded_varlen_plan_equals_masked_plan(hf_checkpoint, decode):
     real = len(chunks) if last_rows else n
     assert context < keys
     torch.testing.assert_close(outs[1][:real], outs[0][:real], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("single", [2, 4])
+def test_split_padded_plan_equals_masked_plan(hf_checkpoint, single):
+    """A captured mixed step's two groups (``single_rows``): the decode rows first, padded with one-row
+    sequences, then the chunks padded to the step's rows; every real row's logits equal the masked path's
+    unpadded step, the padding sequences attend nothing real, and the kernel runs twice per layer."""
+    _, folder = hf_checkpoint("qwen3_moe")
+    calls: list[int] = []
+    masked, varlen = _hosts(folder, calls)
+    ex = types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
+    g = torch.Generator().manual_seed(2)
+    pre = [SeqChunk("a", 0, 6), SeqChunk("b", 0, 3)]
+    ids = torch.randint(0, masked.vocab_size, (9,), generator=g)
+    for host in (masked, varlen):
+        for c in pre + [SeqChunk("c", 0, 5)]:
+            host.kv.reserve(c.seq_id, c.start + c.num_tokens + 4)
+        host.forward(pre, ids, ex)
+    chunks = [SeqChunk("a", 6, 1), SeqChunk("b", 3, 1), SeqChunk("c", 0, 5)]  # two decode rows, a new prompt
+    new = torch.randint(0, masked.vocab_size, (7,), generator=g)
+    want = masked.forward(chunks, new, ex)  # [3, V] at each sequence's last row
+    rows, keys, last_rows = single + 8, 64, single + 2
+    tok = np.zeros(rows, dtype=np.int64)
+    tok[:2], tok[single:single + 5] = new[:2].numpy(), new[2:].numpy()
+    inp = varlen.kv.plan_padded(chunks, rows, keys, varlen.dtype, last_rows=last_rows, varlen=True,
+                                single_rows=single, extra={"token_ids": tok})
+    assert inp["cu_q"].tolist()[:single + 1] == list(range(single + 1))
+    assert inp["row_valid"].tolist() == [True, True] + [False] * (single - 2) + [True] * 5 + [False] * 3
+    assert inp["last"].tolist()[:3] == [0, 1, single + 4]
+    from ray_moe.model.kv import StepLayout
+    lay = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, inp["last"], inp["cu_q"],
+                     inp["cu_k"], 8, keys, single)
+    calls.clear()
+    got = varlen.forward_layout(lay, inp["token_ids"], ex)
+    torch.testing.assert_close(got[:3], want, atol=2e-5, rtol=1e-4)
+    assert calls == [single, 8] * varlen.config.num_hidden_layers
+    with pytest.raises(ValueError, match="single_rows=1"):
+        varlen.kv.plan_padded(chunks, rows, keys, varlen.dtype, last_rows=last_rows, varlen=True, single_rows=1)
 
 
 def test_backend_choice_and_refusals(hf_checkpoint):

@@ -204,6 +204,32 @@ def test_one_rank_prefill_and_mixed_steps_take_static_shapes_equal_greedy(tmp_pa
     assert kinds == {"prefill", "decode"}
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_captured_mixed_steps_on_the_varlen_backend_split_decode_rows_and_stay_token_equal(
+        tmp_path, eager_capture, monkeypatch, family):
+    """The varlen backend's captured mixed steps (the per-sequence reference kernel standing in for
+    FlashAttention on CPU): decode rows first as a group of their own, the prompts' chunks after, both padded;
+    every token equals transformers' greedy one and the split shapes were captured and replayed."""
+    import dataclasses
+
+    import ray_moe.model.attention as attn
+
+    monkeypatch.setattr(attn, "check_flash", lambda *a, **k: None)
+    monkeypatch.setattr(attn, "flash_varlen", attn.sequence_reference)
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    prompts, late = _prompts(11, (5, 13, 2)), _prompts(12, (9, 4, 7))
+    got = generate_inprocess(dep, prompts, 6, step_tokens=8, join_after={2: late, 4: prompts[:1]})
+    assert core.generator.host.varlen
+    assert got == _reference(model, prompts + late + prompts[:1], 6)
+    split = [k for _, k in core.generator.graphs._graphs if k[0] == "prefill" and k[5]]
+    assert split, list(core.generator.graphs._graphs)
+    assert core.pipeline.counters.get("graph_replays", 0) >= 1
+
+
 @pytest.mark.parametrize("family,ranks", [("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2), ("qwen2_moe", 1)])
 def test_batched_decode_layout_equals_greedy(tmp_path, eager_capture, family, ranks):
     """Captured decode steps with one row per sequence (each over its own padded context) give the same

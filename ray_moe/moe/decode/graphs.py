@@ -160,14 +160,18 @@ class CapturedStep:
         self.output: Any = None
         self.context: Any = None
 
-    def capture(self, body: Callable[[dict[str, torch.Tensor]], tuple[Any, Any]]) -> None:
+    def capture(self, body: Callable[[dict[str, torch.Tensor]], tuple[Any, Any]], pool: Any = None) -> Any:
         """``body(inputs) -> (output, context)``; recorded (nothing executes, no collective runs) after the
-        caller ran the same step eagerly on every rank (the warm-up)."""
+        caller ran the same step eagerly on every rank (the warm-up). ``pool``: a graph memory pool shared with
+        the other captured steps (None: a new one): steps replay one at a time on one stream and each step's
+        outputs are consumed (sampled, copied out) before the next replay, so their intermediates can share
+        memory. Returns the pool this capture used (pass it to the next capture)."""
         g = torch.cuda.CUDAGraph()
         # thread_local: control-path threads of the actor (digests, weight copies) may touch CUDA meanwhile
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             self.output, self.context = body(self.inputs)
         self.graph = g
+        return g.pool()
 
     def replay(self, staged: dict[str, torch.Tensor]) -> tuple[Any, Any]:
         """``staged``: this step's inputs, already padded to the bucket (same shapes as the stable ones)."""

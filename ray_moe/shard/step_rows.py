@@ -1,0 +1,90 @@
+# ======================================================================================================
+#  THE ROWS OF ONE GENERATION STEP (pure: numpy / torch, no Ray)
+#
+#   items (scheduler order) ──> one-row items first (decode tokens, one-token chunks) ──> packed rows
+#     ──> a captured step's static shapes: rows / keys / sequences bucketed (``shape_bucket``, ``pow2``)
+#     ──> the rows of marked items (expert statistics) and of each phase (the eager phase split)
+# ======================================================================================================
+"""Packed-row helpers and captured-shape buckets of the shard's generation steps."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+
+import numpy as np
+import torch
+
+from ray_moe.shard.records import WorkItem
+
+
+class DecodeLayout(str, Enum):
+    """How a captured decode step feeds attention.
+
+    PACKED:  every sequence's token in one row of a [1, N] batch over the packed contexts of all sequences
+             (a block-diagonal mask): attention work ~ tokens x total context
+    BATCHED: one row per sequence over its own context padded to the longest (a [B, 1] batch): attention
+             work ~ tokens x longest context, grouped-query attention without repeating keys
+    AUTO:    BATCHED unless padding every context to the longest would gather more than twice the packed
+             context (one long sequence among short ones)
+    """
+
+    PACKED = "packed"
+    BATCHED = "batched"
+    AUTO = "auto"
+
+    def pick(self, rows: int, longest: int, packed_keys: int) -> "DecodeLayout":
+        if self is not DecodeLayout.AUTO:
+            return self
+        return DecodeLayout.BATCHED if rows * longest <= 2 * packed_keys else DecodeLayout.PACKED
+
+
+def phase_rows(items: tuple[WorkItem, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode rows, prefill rows): packed row indices of the step's decode and prefill tokens, on ``device``."""
+    flags = np.fromiter((it.decode for it in items for _ in it.tokens), dtype=bool)
+    return (torch.from_numpy(np.flatnonzero(flags)).to(device), torch.from_numpy(np.flatnonzero(~flags)).to(device))
+
+
+def marked_rows(items: tuple[WorkItem, ...], after: int = 0, shift: int = 0) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
+    """The items that asked for expert statistics: (their sequence ids, (first packed row, rows) of each).
+    ``shift``: rows added before every item from index ``after`` on (a split layout's padding rows)."""
+    ids, segments, row = [], [], 0
+    for k, it in enumerate(items):
+        if it.expert_stats:
+            ids.append(it.seq_id)
+            segments.append((row + (shift if k >= after else 0), len(it.tokens)))
+        row += len(it.tokens)
+    return tuple(ids), segments
+
+
+def single_rows_first(items: tuple[WorkItem, ...]) -> tuple[WorkItem, ...]:
+    """The step's one-row items (decode tokens, one-token chunks) first, the others after, each group in order:
+    attention runs the one-row sequences as a group of their own (``StepLayout.single_rows``)."""
+    one = tuple(it for it in items if it.num_tokens == 1)
+    if len(one) in (0, len(items)):
+        return items
+    return one + tuple(it for it in items if it.num_tokens != 1)
+
+
+def packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndarray:
+    """[rows or N] int64 the step's token ids in packed order (zero padding past the real tokens)."""
+    n = sum(len(it.tokens) for it in items)
+    out = np.zeros(n if rows is None else rows, dtype=np.int64)
+    out[:n] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64, count=n)
+    return out
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def shape_bucket(n: int, floor: int, bits: int) -> int:
+    """The captured-shape bucket of a size: the smallest ``m * 2**e >= max(n, floor)`` with ``m`` of ``bits``
+    significant bits (3: eighth octaves, at most 12.5% padding; 2: quarter octaves, at most 25%)."""
+    n = max(int(n), int(floor), 1)
+    e = max(0, n.bit_length() - bits)
+    return -(-n >> e) << e
+
+
+__all__ = ["DecodeLayout", "phase_rows", "marked_rows", "single_rows_first", "packed_ids", "pow2", "shape_bucket"]
