@@ -345,11 +345,12 @@ class GenerationExecutor:
         dispatch/experts/combine, LM head) per (generation, shape): the first step of a shape runs eagerly
         (the warm-up) and is then captured; later steps copy their inputs into the graph's buffers and replay.
         decode (``prefill`` False): one token per sequence, rows = the agreed token bucket, every row sampled.
-        prefill (one-rank groups): rows = the next power of two of the step's tokens (>= 16), one sampled row
-        per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask.
-        keys = the next quarter octave of the rank's context (>= 64; the gathered context is written whole every
-        layer). A prefill step's padding rows are one sequence with
-        no key (zero attention work) and its longest query run is bucketed too. Sampling runs on the logits."""
+        prefill (one-rank groups): rows = the next quarter octave of the step's tokens (>= 16), one sampled row
+        per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask. On
+        the varlen backend a mixed step's decode rows come first as a group of their own (padded to a power of
+        two >= 16) and the chunks' padding rows are one sequence with no key (no attention work for padding).
+        keys = the next half octave of the rank's context (>= 64; the gathered context is written whole every
+        layer). Sampling runs on the logits."""
         kv, dev = self.host.kv, self.host.device
         varlen = self.host.varlen
         chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
@@ -362,12 +363,12 @@ class GenerationExecutor:
             keys = rows
         elif prefill:
             if varlen and 0 < nd < len(chunks):  # decode rows first, as a group of their own (``plan_padded``)
-                single = shape_bucket(nd, 16, 2)
+                single = max(16, pow2(nd))  # (a padding decode row costs little: its routes compute nothing)
                 rows = single + shape_bucket(n - nd, 16, 3)
             keys = shape_bucket(context + single - nd, 64, 2)
         else:
             keys = shape_bucket(context + (rows - n if varlen else 0), 64, 2)
-        last_rows = (single + max(1, pow2(len(chunks) - nd if single else len(chunks)))) if prefill else None
+        last_rows = (single + max(8, pow2(len(chunks) - nd)) if single else max(1, pow2(len(chunks)))) if prefill else None
         ids = packed_ids(items)
         shift = single - nd if single else 0  # rows of the items after the one-row group move past its padding
         token_ids = np.zeros(rows, dtype=np.int64)
@@ -385,11 +386,9 @@ class GenerationExecutor:
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, varlen=varlen,
                                     single_rows=single, extra=extra)
-        # the longest query run (a chunk, or the padding sequence) bounds the kernel's grid
-        max_q = rows if prefill else 1
-        if prefill and varlen:
-            longest = max((c.num_tokens for c in chunks[nd if single else 0:]), default=1)
-            max_q = min(rows - single, pow2(max(longest, rows - single - (n - (nd if single else 0)))))
+        # the longest query run bounds the kernel's grid: the prefill group's rows (a few sequences: a small grid
+        # either way, and one shape fewer to capture), one row per sequence in a decode step
+        max_q = rows - single if prefill else 1
         if self._start is not None:  # the step's device work starts here (its host planning came first)
             self._start.record()  # re-recorded: the later record is the one that counts
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
@@ -420,7 +419,7 @@ class GenerationExecutor:
             # a marked item, every layer's routes [L, rows, k] too (a graph of its own: unmarked steps keep theirs)
             return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
-        key = (unit, rows, keys, last_rows, max_q, single, bool(marked), layout.value)  # (the layout stays last)
+        key = (unit, rows, keys, last_rows, single, bool(marked), layout.value)  # (the layout stays last)
         ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
             view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
         ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")

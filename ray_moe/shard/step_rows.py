@@ -81,7 +81,7 @@ def pow2(n: int) -> int:
 
 def shape_bucket(n: int, floor: int, bits: int) -> int:
     """The captured-shape bucket of a size: the smallest ``m * 2**e >= max(n, floor)`` with ``m`` of ``bits``
-    significant bits (3: eighth octaves, at most 12.5% padding; 2: quarter octaves, at most 25%)."""
+    significant bits (3: quarter octaves, at most 25% padding; 2: half octaves, at most 50%)."""
     n = max(int(n), int(floor), 1)
     e = max(0, n.bit_length() - bits)
     return -(-n >> e) << e

@@ -225,7 +225,7 @@ def test_captured_mixed_steps_on_the_varlen_backend_split_decode_rows_and_stay_t
     got = generate_inprocess(dep, prompts, 6, step_tokens=8, join_after={2: late, 4: prompts[:1]})
     assert core.generator.host.varlen
     assert got == _reference(model, prompts + late + prompts[:1], 6)
-    split = [k for _, k in core.generator.graphs._graphs if k[0] == "prefill" and k[5]]
+    split = [k for _, k in core.generator.graphs._graphs if k[0] == "prefill" and k[4]]
     assert split, list(core.generator.graphs._graphs)
     assert core.pipeline.counters.get("graph_replays", 0) >= 1
 
