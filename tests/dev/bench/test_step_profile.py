@@ -1,0 +1,53 @@
+"""The step-profile benchmark's ``--quick`` preset on CPU (in process, no Ray): every variant's counts are what
+ran (output tokens, one device time per engine step, the plans within the variant's budgets, multi-step decode
+only where asked) and a profiler window on the shard's generation thread records CPU ops as data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ray_moe_bench import available, step_profile
+
+
+def test_quick_variants_and_a_profiler_window(tmp_path):
+    assert available()["step_profile"].startswith("Where a serving step's time goes")
+    out = tmp_path / "out"
+    assert step_profile.main(["--quick", "--variants", "8:64:1,8:128:2", "--windows", "1:2", "--out", str(out)]) == 0
+    (path,) = out.glob("step_profile-*.json")
+    body = json.loads(path.read_text())
+    assert body["benchmark"] == "step_profile" and body["quick"] is True
+    assert body["device"] == "cpu" and body["dtype"] == "float32" and body["layers"] == 2
+    assert {"machine", "torch"} <= set(body["hardware"])
+    work = body["workload"]
+    req, new = work["requests"], work["new_tokens"]
+    assert (req, new) == (8, 4)
+    variants = body["variants"]
+    assert [(v["prefill_graph_limit"], v["step_tokens"], v["decode_steps"]) for v in variants] == [(8, 64, 1),
+                                                                                                 (8, 128, 2)]
+    for v in variants:
+        assert v["output_tokens"] == req * new
+        assert v["output_tokens_per_s"] == pytest.approx(v["output_tokens"] / v["wall_s"])
+        assert v["steps"] >= 1 and len(v["device_ms"]) == v["steps"] and v["device_ms_complete"]
+        assert v["warm"]["steps"] >= 1 and not v["memory_events"] and v["backoffs"] == 0
+        assert len(v["plans"]) == v["steps"]  # nothing failed: every launched step was committed
+        assert all(p[1] <= v["step_tokens"] for p in v["plans"]), v["plans"]
+        assert sum(p[1] for p in v["plans"]) == work["prompt_tokens"]  # every prompt prefilled once
+        # every token past a request's first is one decode item's sub-step (the prefill samples the first)
+        assert sum(p[0] * p[2] for p in v["plans"]) == req * (new - 1)
+        assert set(v["timing_medians_ms"]) >= {"plan", "wait", "device"}
+        (w,) = v["windows"]
+        assert w["steps"] == [1, 2] and w["steps_collected"] >= 1 and w["wall_ms"] > 0
+        assert isinstance(w["kernels"], list) and w["kernel_ms_total"] >= 0
+        assert w["cpu_ops"] and all(r["calls"] >= 1 and r["self_cpu_ms"] >= 0 for r in w["cpu_ops"])
+    one, two = variants
+    assert max(p[2] for p in one["plans"]) == 1
+    assert any(p[2] == 2 for p in two["plans"]), two["plans"]
+
+
+def test_bad_variants_and_windows_are_usage_errors(tmp_path):
+    for args in (["--variants", "0:64:1"], ["--variants", "8:64"], ["--windows", "3:2"], ["--windows", "1:4,2:5"]):
+        with pytest.raises(SystemExit) as exc:
+            step_profile.main(["--quick", "--out", str(tmp_path), *args])
+        assert exc.value.code == 2, args
+    assert not list(tmp_path.glob("*.json"))
