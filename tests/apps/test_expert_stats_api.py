@@ -20,6 +20,7 @@ from ray_moe_dev.testing.hf_models import (
     save_chat_template,
     tiny_model,
 )
+from ray_moe_dev.testing.inprocess import RouteSpy
 from ray_moe_dev.testing.local_executor import LocalExecutor
 
 from ray_moe.model.seam import bind
@@ -27,18 +28,6 @@ from ray_moe.model.source import HFWeightSource
 
 KEY = "stats-key-789"
 NAME = "tiny-stats"
-
-
-class _Routes:
-    """Wraps an executor and keeps the last call's routes per layer."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.ids: dict[int, torch.Tensor] = {}
-
-    def moe_forward(self, layer, hidden, topk_ids, topk_weights):
-        self.ids[layer] = topk_ids.clone()
-        return self.inner.moe_forward(layer, hidden, topk_ids, topk_weights)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +43,7 @@ def server(ray_session, tmp_path_factory, serve_port, serve_running):
                               model_name=None, kv_tokens=256, block_size=8, step_tokens=64, max_running=64,
                               max_queued=128)
     model.eval()
-    routes = _Routes(LocalExecutor(HFWeightSource(folder)))
+    routes = RouteSpy(LocalExecutor(HFWeightSource(folder)))
     bind(model, routes)
     with serve_running(args) as base:
         yield model, routes, base

@@ -12,28 +12,15 @@ import numpy as np
 import pytest
 import torch
 from ray_moe_dev.testing.hf_models import EXPERTS, TOP_K, tiny_model
-from ray_moe_dev.testing.inprocess import InProcessDeployment, LocalTransport
+from ray_moe_dev.testing.inprocess import InProcessDeployment, RouteSpy, run_requests
 from ray_moe_dev.testing.local_executor import LocalExecutor
 
 import ray_moe
-from ray_moe.driver.loop import GenerationLoop
 from ray_moe.model.sampling import SamplingParams
 from ray_moe.model.seam import bind
 from ray_moe.model.source import HFWeightSource
 from ray_moe.moe.layer import RouteRecorder, expert_counts
 from ray_moe.shard.records import GenStepRequest, WorkItem
-
-
-class _Routes:
-    """Wraps an executor and keeps every call's routes per layer."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.ids: dict[int, torch.Tensor] = {}
-
-    def moe_forward(self, layer, hidden, topk_ids, topk_weights):
-        self.ids[layer] = topk_ids.clone()
-        return self.inner.moe_forward(layer, hidden, topk_ids, topk_weights)
 
 
 def _prompts(seed: int, lens, vocab: int = 128) -> list[list[int]]:
@@ -49,17 +36,7 @@ def _deployment(folder, ranks: int, capture: bool) -> InProcessDeployment:
 
 
 def _run(dep, requests, *, decode_steps: int):
-    transport = LocalTransport(dep)
-    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=8,
-                          decode_steps=decode_steps)
-    try:
-        handles = [loop.submit(p, params) for p, params in requests]
-        for h in handles:
-            h.result(120)
-        return handles, loop.steps, loop.overlapped
-    finally:
-        loop.close()
-        transport.close()
+    return run_requests(dep, requests, decode_steps=decode_steps)
 
 
 def _histogram(ids: torch.Tensor) -> list[int]:
@@ -89,7 +66,7 @@ def test_counts_equal_what_transformers_routers_pick(tmp_path, eager_capture, mo
             assert core.generator.counters.get("multi_step_requests", 0) > 0
         if capture:  # the captured path served marked steps (replayed graphs of their own key)
             assert core.generator.pipeline.counters.get("graph_replays", 0) > 0
-    routes = _Routes(LocalExecutor(HFWeightSource(folder)))
+    routes = RouteSpy(LocalExecutor(HFWeightSource(folder)))
     bind(model, routes)
     for p, h, asked in zip(prompts, handles, asks):
         if not asked:

@@ -14,10 +14,9 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import ray_moe
-from ray_moe.driver.loop import GenerationLoop
 from ray_moe.model.sampling import SamplingParams
 from ray_moe_dev.testing.hf_models import tiny_model
-from ray_moe_dev.testing.inprocess import InProcessDeployment, LocalTransport
+from ray_moe_dev.testing.inprocess import InProcessDeployment, run_requests
 
 
 def _prompts(seed: int, lens, vocab: int = 128) -> list[list[int]]:
@@ -26,17 +25,7 @@ def _prompts(seed: int, lens, vocab: int = 128) -> list[list[int]]:
 
 
 def _run(dep: InProcessDeployment, requests: list[tuple[list[int], SamplingParams]], *, decode_steps: int = 1):
-    transport = LocalTransport(dep)
-    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=8,
-                          decode_steps=decode_steps)
-    try:
-        handles = [loop.submit(p, params) for p, params in requests]
-        for h in handles:
-            h.result(120)
-        return handles
-    finally:
-        loop.close()
-        transport.close()
+    return run_requests(dep, requests, decode_steps=decode_steps)[0]
 
 
 def _deployment(folder: str, ranks: int, capture: bool) -> InProcessDeployment:

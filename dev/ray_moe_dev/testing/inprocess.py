@@ -186,4 +186,36 @@ def generate_inprocess(dep: InProcessDeployment, prompts: list[list[int]], max_n
         transport.close()
 
 
-__all__ = ["InProcessDeployment", "LocalTransport", "reference_output", "generate_inprocess"]
+def run_requests(dep: InProcessDeployment, requests: Sequence[tuple[list[int], SamplingParams]], *,
+                 decode_steps: int = 1, timeout_s: float = 120.0) -> tuple[list, int, int]:
+    """Each (prompt, sampling params) through the driver's real generation loop over ``dep`` (8-token steps,
+    8-token cache blocks): (the finished request handles, the steps the loop served, the steps it launched
+    while the previous one was in flight)."""
+    transport = LocalTransport(dep)
+    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=8,
+                          decode_steps=decode_steps)
+    try:
+        handles = [loop.submit(p, params) for p, params in requests]
+        for h in handles:
+            h.result(timeout_s)
+        return handles, loop.steps, loop.overlapped
+    finally:
+        loop.close()
+        transport.close()
+
+
+class RouteSpy:
+    """Wraps an executor (``moe_forward(layer, hidden, topk_ids, topk_weights)``) and keeps the routes of its
+    last call per layer (``ids``: layer -> [T, k])."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.ids: dict[int, torch.Tensor] = {}
+
+    def moe_forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        self.ids[layer] = topk_ids.clone()
+        return self.inner.moe_forward(layer, hidden, topk_ids, topk_weights)
+
+
+__all__ = ["InProcessDeployment", "LocalTransport", "reference_output", "generate_inprocess", "run_requests",
+           "RouteSpy"]
