@@ -286,12 +286,7 @@ def abort_stage(plane: Any, generation: int, staged: Mapping[int, set[tuple[int,
             plane.dead_ranks.update(dead.ranks)
         except Exception as err:  # noqa: BLE001 - the abort itself must end
             plane.log("abort-cleanup", generation, f"{method}: {type(err).__name__}: {err}")
-    try:
-        plane.registry.abandon(generation)
-    except Exception:  # noqa: BLE001
-        pass
-    plane.log("abort", generation, f"{type(exc).__name__}: {exc}")
-    plane._end()
+    _abandon(plane, generation, f"{type(exc).__name__}: {exc}")
 
 
 def roll_back_publish(plane: Any, generation: int, prior: int, exc: StageDeadlineError) -> None:
@@ -303,9 +298,15 @@ def roll_back_publish(plane: Any, generation: int, prior: int, exc: StageDeadlin
             plane.fleet.call_within(method, {r: (g,) for r in plane.live_ranks()}, plane.cfg.deadlines.publish_s)
         except Exception as err:  # noqa: BLE001 - the roll-back itself must end
             plane.log("abort-cleanup", generation, f"{method} {g}: {type(err).__name__}: {err}")
+    _abandon(plane, generation, f"publish rolled back; generation {prior} keeps serving")
+
+
+def _abandon(plane: Any, generation: int, why: str) -> None:
+    """The last steps of every abort: the candidate abandoned in the registry (best effort), logged, the
+    operation ended."""
     try:
         plane.registry.abandon(generation)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the abort itself must end
         pass
-    plane.log("abort", generation, f"publish rolled back; generation {prior} keeps serving")
+    plane.log("abort", generation, why)
     plane._end()
