@@ -506,17 +506,23 @@ async def run_online(url: str, prompts: list[list[int]], new_tokens: int, rate: 
 
 
 # ================================================================ the driver
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny Qwen3-MoE, 8 requests, 2 ranks")
-    p.add_argument("--model", metavar="DIR", help="a Hugging Face model folder (default: --random-model)")
-    p.add_argument("--random-model", action="store_true", help="random Qwen3-30B-A3B-shaped weights (default)")
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The model slice and workload flags (--layers, --workload, --requests, --new-tokens, --prompt-mean), shared
+    with the in-process step profile."""
     p.add_argument("--layers", type=int, default=48, help="decoder layers of the random Qwen3-30B-A3B slice")
     p.add_argument("--workload", type=Workload, choices=list(Workload), default=Workload.MIXED,
                    metavar="{" + ",".join(w.value for w in Workload) + "}")
     p.add_argument("--requests", type=int)
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--prompt-mean", type=int)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny Qwen3-MoE, 8 requests, 2 ranks")
+    p.add_argument("--model", metavar="DIR", help="a Hugging Face model folder (default: --random-model)")
+    p.add_argument("--random-model", action="store_true", help="random Qwen3-30B-A3B-shaped weights (default)")
+    add_workload_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks", type=int, default=None, help="ray-moe ranks (default: every GPU, 2 on CPU)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)

@@ -37,7 +37,7 @@ from ray_moe.model.config import RuntimeConfig
 from ray_moe.model.sampling import SamplingParams
 from ray_moe_bench.common import add_output_argument, host_kind, write_result
 from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
-from ray_moe_bench.serving import Workload, workload_spec
+from ray_moe_bench.serving import add_workload_arguments, workload_spec
 
 TOP_ROWS = 30
 
@@ -186,12 +186,7 @@ def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="step_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, float32, 2 layers, 8 requests")
-    p.add_argument("--layers", type=int, default=48, help="decoder layers of the random Qwen3-30B-A3B slice")
-    p.add_argument("--workload", type=Workload, choices=list(Workload), default=Workload.MIXED,
-                   metavar="{" + ",".join(w.value for w in Workload) + "}")
-    p.add_argument("--requests", type=int)
-    p.add_argument("--new-tokens", type=int)
-    p.add_argument("--prompt-mean", type=int)
+    add_workload_arguments(p)
     p.add_argument("--variants", default="48:0:0", help="G:S:D,...: prefill graph limit, step tokens, decode steps")
     p.add_argument("--windows", default="", help="a:b,...: measured-pass step ranges to profile (default: none)")
     p.add_argument("--no-warmup", action="store_true")
