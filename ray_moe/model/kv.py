@@ -288,16 +288,15 @@ class PagedKVCache:
         trash = self.trash_slot
         cq1, ck1 = varlen_offsets(lens[:nd], ends[:nd], single, kd + pad1, None)
         cq2, ck2 = varlen_offsets(lens[nd:], ends[nd:], rows - single, keys - kd - pad1, last_rows - single)
-        fill = lambda a, m, x: np.concatenate([a, np.full(m, x, dtype=np.int64)])  # noqa: E731
-        host = {"write_index": fill(np.concatenate([fill(v["write"][:nd], pad1, trash), v["write"][nd:]]),
-                                    rows - single - (n - nd), trash),
-                "read_index": fill(np.concatenate([fill(v["read"][:kd], pad1, trash), v["read"][kd:]]),
-                                   keys - k - pad1, trash),
-                "positions": fill(np.concatenate([fill(v["q_pos"][:nd], pad1, 0), v["q_pos"][nd:]]),
-                                  rows - single - (n - nd), 0),
+        def two(x: np.ndarray, cut: int, first: int, total: int, fill: int) -> np.ndarray:
+            """x[:cut] padded to ``first`` entries, then x[cut:], the whole padded to ``total``."""
+            return _pad(np.concatenate([_pad(x[:cut], first, fill), x[cut:]]), total, fill)
+
+        host = {"write_index": two(v["write"], nd, single, rows, trash),
+                "read_index": two(v["read"], kd, kd + pad1, keys, trash),
+                "positions": two(v["q_pos"], nd, single, rows, 0),
                 "cu_q": np.concatenate([cq1, cq2[1:] + single]), "cu_k": np.concatenate([ck1, ck2[1:] + kd + pad1]),
-                "last": fill(np.concatenate([np.arange(nd, dtype=np.int64), v["last"][nd:] + pad1]),
-                             last_rows - len(chunks), 0)}
+                "last": _pad(np.concatenate([np.arange(nd, dtype=np.int64), v["last"][nd:] + pad1]), last_rows, 0)}
         real = np.zeros(rows, dtype=np.int64)
         real[:nd] = 1
         real[single:single + n - nd] = 1

@@ -212,7 +212,9 @@ class GenerationExecutor:
             self.history.pop(sid, None)
         local_error: Exception | None = None
         fills: list[tuple[int, torch.Tensor, int]] = []
-        req = dataclasses.replace(req, items=single_rows_first(req.items))
+        ordered = single_rows_first(req.items)
+        if ordered is not req.items:
+            req = dataclasses.replace(req, items=ordered)
         try:
             resolved, fills = self._resolve(req.items)
             resolved, fills = self._keep_tokens(resolved, fills)
@@ -369,12 +371,11 @@ class GenerationExecutor:
         else:
             keys = shape_bucket(context + (rows - n if varlen else 0), 64, 2)
         last_rows = (single + max(8, pow2(len(chunks) - nd)) if single else max(1, pow2(len(chunks)))) if prefill else None
-        ids = packed_ids(items)
         shift = single - nd if single else 0  # rows of the items after the one-row group move past its padding
-        token_ids = np.zeros(rows, dtype=np.int64)
-        token_ids[:nd if single else n] = ids[:nd if single else n]
-        if single:
-            token_ids[single:single + n - nd] = ids[nd:]
+        token_ids = packed_ids(items, rows)
+        if single:  # the chunks' tokens move past the one-row group's padding rows
+            token_ids[single:single + n - nd] = token_ids[nd:n].copy()
+            token_ids[nd:single] = 0
         extra = {"token_ids": token_ids}
         layout = DecodeLayout.PACKED
         if not prefill and not varlen:  # (varlen attends per sequence over the packed contexts already)
