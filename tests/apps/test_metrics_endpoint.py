@@ -8,6 +8,7 @@ there, the deployment's ``ray_moe_*`` telemetry series are there with values, an
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -199,12 +200,19 @@ def test_metrics_after_a_few_completions(server):
     assert _value(fams, "ray_moe_server_oom_steps", "ray_moe_server_oom_steps_total") == 0
     assert _value(fams, "ray_moe_server_preemptions", "ray_moe_server_preemptions_total") == 0
 
-    # the deployment's telemetry, with values (cumulative: a later, idle scrape reads the same)
+    # the deployment's telemetry, with values (cumulative: later scrapes never read less, and once Ray's metrics
+    # agent has exported the last steps an idle deployment's scrapes read the same)
     assert _value(fams, "ray_moe_server_telemetry_up") == 1
     steps = sum(s.value for s in fams["ray_moe_step_latency_seconds_count"].samples)
     assert steps > 0
     assert sum(s.value for s in fams["ray_moe_remote_route_ratio_denominator"].samples) > 0  # routes served
     assert fams["ray_moe_remote_route_ratio"].samples  # the value gauge, as Ray's agent exports it
-    again = _families(httpx.get(f"{server}/metrics", timeout=60).text)
-    assert sum(s.value for s in again["ray_moe_step_latency_seconds_count"].samples) == steps
+    seen, deadline = [steps], time.monotonic() + 60
+    while True:  # the agent exports on its own period: the first scrape may precede the last steps' export
+        time.sleep(2)
+        again = _families(httpx.get(f"{server}/metrics", timeout=60).text)
+        seen.append(sum(s.value for s in again["ray_moe_step_latency_seconds_count"].samples))
+        if seen[-1] == seen[-2] or time.monotonic() > deadline:
+            break
+    assert seen == sorted(seen) and seen[-1] == seen[-2], seen
     assert _value(again, req, req + "_total", endpoint="/v1/completions", status="200") == 4
