@@ -39,7 +39,7 @@ from ray_moe_bench.common import add_output_argument, host_kind, write_result
 from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
 from ray_moe_bench.serving import add_workload_arguments, workload_spec
 
-TOP_ROWS = 30
+TOP_ROWS = 80
 
 
 def parse_ints(text: str, n: int, flag: str) -> list[tuple[int, ...]]:

@@ -8,9 +8,12 @@
 #     VARLEN:  FlashAttention-2 variable-length forward through PyTorch (aten._flash_attention_forward):
 #              each sequence's queries attend its own keys only (cu_seq_q / cu_seq_k), causal aligned at the
 #              bottom right, grouped-query attention without repeating keys; no mask is built (work ~ per
-#              sequence); capturable in a CUDA graph (the lengths live in device tensors, the maxima are the
-#              captured shape's); a mixed step's one-row (decode) sequences come first and run as a call of
-#              their own, so the prefill chunks' long query runs do not size the grid of every decode row
+#              sequence); capturable in a CUDA graph (the lengths live in device tensors, the maxima are
+#              the captured shape's); a mixed step's one-row (decode) sequences come first and run as a call
+#              of their own, so the prefill chunks' long query runs do not size the grid of every decode row
+#     PAGED DECODE (VARLEN, a step of one-row sequences only): nothing gathered; cache.update hands back the
+#              cache tensors and the in-place decode kernel (model/paged_decode.py) reads each sequence's
+#              slots [1, H, C + 1, D]
 #   ──> [1, N, H, Dv] back into the module (its output projection)
 # ======================================================================================================
 """Attention backends of the model host, registered with transformers' ``AttentionInterface``.
@@ -30,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from ray_moe.core.types import AttentionBackend
+from ray_moe.model.paged_decode import DecodeKernel
 
 VARLEN_NAME = "ray_moe_varlen"
 
@@ -59,6 +63,9 @@ class VarlenPlan:
     single_rows: the first ``single_rows`` query rows are as many one-row sequences (the first ``single_rows``
         entries of the offsets): they run as one decode-shaped call (one query per sequence) and the other
         sequences as a second call; 0: one call for all
+    slots: [K] int64 (a paged decode step: every row one sequence, the keys / values handed in are the whole
+        cache and sequence i's context is at ``slots[cu_k[i]:cu_k[i + 1]]``), read in place by
+        ``decode_kernel``; None: the keys are the packed gathered contexts
     """
 
     cu_q: torch.Tensor
@@ -67,6 +74,8 @@ class VarlenPlan:
     max_k: int
     kernel: VarlenKernel = flash_varlen
     single_rows: int = 0
+    slots: torch.Tensor | None = None
+    decode_kernel: DecodeKernel | None = None
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -84,9 +93,11 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     q = query[0].transpose(0, 1)  # [N, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    if plan.slots is not None:  # a decode step over the cache itself ([C + 1, H, D] rows), one query per sequence
+        return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale)[None], None
     if dv != d:
         v = torch.nn.functional.pad(v, (0, d - dv))
-    scale = float(scaling) if scaling is not None else d ** -0.5
     s1 = plan.single_rows
     if s1:
         # 1. the one-row sequences: one query each (the kernel's decode shape: a grid of one query block per

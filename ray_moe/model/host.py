@@ -21,6 +21,7 @@ import torch
 from ray_moe.core.errors import ConfigError
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model import attention as attn
+from ray_moe.model import paged_decode as paged
 from ray_moe.model.norms import FusedNorms, fuse_rms_norms
 from ray_moe.model.rotary import FusedRotary, fuse_rotary
 from ray_moe.model.kv import PagedKVCache, SeqChunk, StepLayout, kv_blocks_for_memory
@@ -52,7 +53,8 @@ class ModelHost:
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, kv_tokens: int,
                  block_size: int = 16, attention: AttentionBackend = AttentionBackend.AUTO,
-                 varlen_kernel: "attn.VarlenKernel | None" = None) -> None:
+                 varlen_kernel: "attn.VarlenKernel | None" = None,
+                 decode_kernel: "paged.DecodeKernel | None" = None) -> None:
         from ray_moe.model.seam import bind, register
 
         self.model = model
@@ -62,6 +64,8 @@ class ModelHost:
         register()
         self.attention, self.attention_reason = self._pick_attention(AttentionBackend(attention), varlen_kernel)
         self.varlen_kernel = varlen_kernel or attn.flash_varlen
+        # a varlen decode step reads the cache in place when the kernel serves here (else it gathers)
+        self.decode_kernel, self.decode_reason = self._pick_decode(decode_kernel, varlen_kernel)
         if self.attention is AttentionBackend.VARLEN:
             attn.register()
             self.model.config._attn_implementation = attn.VARLEN_NAME
@@ -86,6 +90,20 @@ class ModelHost:
             raise ConfigError(f"attention={want.value}: {why}")
         return AttentionBackend.MASKED, why
 
+    def _pick_decode(self, kernel: Any, varlen_kernel: Any) -> tuple[Any, str | None]:
+        """(the in-place decode kernel or None, why None): a caller's kernel as given; with a caller's varlen
+        kernel and no decode kernel, none (the caller's kernel is the reference); else the Triton kernel
+        where ``paged_decode.check_paged`` passes."""
+        if self.attention is not AttentionBackend.VARLEN:
+            return None, "the masked backend gathers the contexts"
+        if kernel is not None:
+            return kernel, None
+        if varlen_kernel is not None:
+            return None, "a caller's varlen kernel attends the gathered contexts"
+        heads, kv_heads, dq, dv = _attention_dims(self.config)
+        why = paged.check_paged(self.device, self.dtype, heads, kv_heads, dq, dv)
+        return (paged.paged_decode if why is None else None), why
+
     @staticmethod
     def skeleton(config: Any, dtype: torch.dtype) -> torch.nn.Module:
         """The transformers model on the meta device (no memory), eager attention over packed sequences."""
@@ -100,7 +118,7 @@ class ModelHost:
     def from_checkpoint(cls, folder: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                         kv_tokens: int = 4096, block_size: int = 16, **kw: Any) -> "ModelHost":
         """Every non-expert tensor read from ``folder`` (names mapped with transformers' own renamings).
-        ``kw``: the attention backend (``attention``, ``varlen_kernel``)."""
+        ``kw``: the attention backend (``attention``, ``varlen_kernel``, ``decode_kernel``)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -223,12 +241,18 @@ class ModelHost:
     def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
         """chunks: the step's sequences in packed order; token_ids: [N] int64 their new tokens (packed).
         Returns [S, V] float32 logits at each sequence's last new token. Positions must be reserved."""
-        return self.forward_layout(self.kv.plan(chunks, self.dtype, varlen=self.varlen), token_ids, executor)
+        return self.forward_layout(self.kv.plan(chunks, self.dtype, varlen=self.varlen, paged=self.paged_decode),
+                                   token_ids, executor)
 
     @property
     def varlen(self) -> bool:
         """Steps are planned for the varlen backend (per-sequence offsets, no mask)."""
         return self.attention is AttentionBackend.VARLEN
+
+    @property
+    def paged_decode(self) -> bool:
+        """Decode steps read the cache in place (``StepLayout.paged``)."""
+        return self.decode_kernel is not None
 
     @torch.no_grad()
     def forward_layout(self, layout: StepLayout, token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
@@ -241,8 +265,11 @@ class ModelHost:
         if layout.cu_q is not None:
             if not self.varlen:
                 raise ValueError("layout: a varlen plan, but this host attends with the masked backend")
+            if layout.paged and self.decode_kernel is None:
+                raise ValueError("layout: a paged decode plan, but this host has no in-place decode kernel")
             kw[attn.VARLEN_NAME] = attn.VarlenPlan(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                                                   self.varlen_kernel, layout.single_rows)
+                                                   self.varlen_kernel, layout.single_rows,
+                                                   layout.read_index if layout.paged else None, self.decode_kernel)
         elif self.varlen:
             raise ValueError("layout: the varlen backend needs a varlen plan (cu_q / cu_k)")
         try:

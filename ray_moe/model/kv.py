@@ -58,6 +58,9 @@ class StepLayout:
     single_rows: the leading query rows that are sequences of one row each (a varlen plan whose one-row
                  sequences come first: attention runs them in a decode-shaped call of their own, so a prefill
                  chunk's long query run does not size the kernel's grid for every decode row); 0: one call
+    paged:       a varlen decode step (one row per sequence) whose attention reads the cache in place:
+                 ``update`` writes the new tokens and returns the cache tensors themselves, ``read_index``
+                 names each sequence's slots (``model/paged_decode.py``); nothing is gathered
     """
 
     write_index: torch.Tensor
@@ -70,6 +73,7 @@ class StepLayout:
     max_q: int = 0
     max_k: int = 0
     single_rows: int = 0
+    paged: bool = False
 
 
 def leading_single_rows(chunks: Sequence["SeqChunk"]) -> int:
@@ -158,10 +162,12 @@ class PagedKVCache:
         """A slot no sequence owns: padding tokens of a captured step write and read it."""
         return self.capacity_tokens
 
-    def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype, *, varlen: bool = False) -> StepLayout:
+    def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype, *, varlen: bool = False,
+             paged: bool = False) -> StepLayout:
         """The layout of one step (reserve every chunk's positions first): index vectors built on the host
         (numpy, no per-token Python), uploaded once; the mask is built on the device. ``varlen``: no mask, the
-        per-sequence offsets instead (one sequence per chunk)."""
+        per-sequence offsets instead (one sequence per chunk). ``paged`` (varlen): a step of one-token chunks
+        only reads the cache in place (``StepLayout.paged``)."""
         v = self._host_plan(chunks)
         dev = self.device
         if varlen:
@@ -174,7 +180,8 @@ class PagedKVCache:
             layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"], mask=None,
                                 last=up["last"], cu_q=up["cu_q"].to(torch.int32), cu_k=up["cu_k"].to(torch.int32),
                                 max_q=int(lens.max(initial=1)), max_k=int(ends.max(initial=1)),
-                                single_rows=single if 0 < single < len(chunks) else 0)
+                                single_rows=single if 0 < single < len(chunks) else 0,
+                                paged=paged and 0 < single == len(chunks))
             self.layout = layout
             return layout
         up = {k: torch.from_numpy(x).to(dev) for k, x in v.items()}
@@ -360,7 +367,8 @@ class PagedKVCache:
     def update(self, a: torch.Tensor, b: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' seam: a [1, H_a, N, D_a], b [1, H_b, N, D_b] new tokens -> the packed contexts
-        [1, H_a, K, D_a], [1, H_b, K, D_b] (this step's tokens included)."""
+        [1, H_a, K, D_a], [1, H_b, K, D_b] (this step's tokens included); a paged layout: the whole cache
+        tensors [1, H_a, C + 1, D_a], [1, H_b, C + 1, D_b] (views, trash slot last)."""
         lay = self.layout
         if lay is None:
             raise RuntimeError("PagedKVCache.update outside a planned step")
@@ -369,6 +377,10 @@ class PagedKVCache:
             store = tuple(torch.zeros(self.capacity_tokens + 1, x.shape[1], x.shape[3], dtype=x.dtype,
                                       device=self.device) for x in (a, b))  # + the trash slot
             self._store[layer_idx] = store
+        if lay.paged:  # the decode kernel reads each sequence's slots in place: the cache itself goes back
+            for x, buf in zip((a, b), store):
+                buf.index_copy_(0, lay.write_index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
+            return store[0][None].transpose(1, 2), store[1][None].transpose(1, 2)
         out = []
         ri = lay.read_index
         rows = (1, *ri.shape) if ri.dim() == 1 else tuple(ri.shape)  # packed [1, K] or batched [B, K]

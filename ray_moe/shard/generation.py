@@ -141,7 +141,8 @@ class GenerationExecutor:
                 "max_context": int(getattr(host.config, "max_position_embeddings", 1 << 20)),
                 "eos_token_ids": host.eos_token_ids(), "fused_norm_layers": host.norms.modules,
                 "fused_rotary_modules": len(host.rotary.modules), "attention": host.attention.value,
-                "attention_reason": host.attention_reason}
+                "attention_reason": host.attention_reason, "paged_decode": host.paged_decode,
+                "paged_decode_reason": host.decode_reason}
 
     def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                decode_key: int) -> "PendingStep | MultiPending":
@@ -368,6 +369,8 @@ class GenerationExecutor:
                 single = max(16, pow2(nd))  # (a padding decode row costs little: its routes compute nothing)
                 rows = single + shape_bucket(n - nd, 16, 3)
             keys = shape_bucket(context + single - nd, 64, 2)
+        elif varlen and self.host.paged_decode:  # read in place: the slot vector's length costs an upload only,
+            keys = pow2(max(1024, context + rows - n))  # so octaves keep the captured decode shapes few
         else:
             keys = shape_bucket(context + (rows - n if varlen else 0), 64, 2)
         last_rows = (single + max(8, pow2(len(chunks) - nd)) if single else max(1, pow2(len(chunks)))) if prefill else None
@@ -390,6 +393,7 @@ class GenerationExecutor:
         # the longest query run bounds the kernel's grid: the prefill group's rows (a few sequences: a small grid
         # either way, and one shape fewer to capture), one row per sequence in a decode step
         max_q = rows - single if prefill else 1
+        paged = varlen and not prefill and self.host.paged_decode  # a decode step reads the cache in place
         if self._start is not None:  # the step's device work starts here (its host planning came first)
             self._start.record()  # re-recorded: the later record is the one that counts
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
@@ -413,7 +417,8 @@ class GenerationExecutor:
                           hidden_size=self.hidden_size, tag=f"{req.step_id}{tag}/{unit}", fallback_reason=reason,
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
-                                inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys, single)
+                                inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys, single,
+                                paged=paged)
             rec = RouteRecorder(ctx, len(view.snapshots), inp["row_valid"]) if marked else None
             logits = self.host.forward_layout(layout, inp["token_ids"], ctx if rec is None else rec)
             # every layer's counts, overflow flags and handle checks in one device vector (in the graph); with

@@ -371,7 +371,8 @@ def test_cuda_runners_match_loop(kind, dtype):
 @pytest.mark.parametrize("counts,d,f", [([0, 5, 1, 0, 16, 7, 0, 33], 256, 512),  # empty slots, > 16 rows (row loop)
                                         ([1] * 8 + [0] * 120, 2048, 768),        # a decode step: most slots empty
                                         ([3, 0, 2, 9], 64, 96),                  # f not a multiple of 64
-                                        ([0, 0, 0], 128, 64)])                   # nothing routed
+                                        ([0, 0, 0], 128, 64),                    # nothing routed
+                                        ([100, 2, 0, 40], 128, 64)])             # hot slots: many row blocks
 def test_cuda_skinny_kernels_match_the_reference(counts, d, f):
     """The decode-size Triton kernels (device offsets, no host sync) against the float64 per-row loop, the
     grouped runner's choice of them at decode sizes, and padding rows past the last offset left unread."""

@@ -1,0 +1,133 @@
+"""The in-place decode path of the varlen backend (model/paged_decode.py) on CPU: the reference kernel against
+the per-sequence varlen reference over gathered contexts, the split rule, and a host whose decode steps read
+the cache in place (the reference standing in for the Triton kernel) equal to the masked path. The Triton
+kernel itself runs in tests/model/test_paged_decode_gpu.py."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_moe.core.types import AttentionBackend
+from ray_moe.model.attention import sequence_reference
+from ray_moe.model.host import ModelHost
+from ray_moe.model.kv import SeqChunk, StepLayout
+from ray_moe.model.paged_decode import BLOCK_N, MAX_SPLITS, check_paged, decode_splits, paged_decode_reference
+from ray_moe.model.source import HFWeightSource
+from ray_moe_dev.testing.local_executor import LocalExecutor
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.sampled_from([(4, 2, 8, 8), (2, 2, 8, 4)]),
+       st.integers(0, 1000))
+def test_reference_equals_varlen_reference_over_gathered_contexts(lens, shape, seed):
+    """Sequence i's one query over the keys at its scattered slots == the varlen contract (one query row per
+    sequence, its context packed); GQA and a narrower value head; a sequence without keys is zero."""
+    hq, hk, d, dv = shape
+    g = torch.Generator().manual_seed(seed)
+    cap = sum(lens) + 7
+    k_cache = torch.randn(cap, hk, d, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(cap, hk, dv, generator=g, dtype=torch.float64)
+    slots = torch.randperm(cap, generator=g)[: sum(lens)]
+    q = torch.randn(len(lens), hq, d, generator=g, dtype=torch.float64)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    got = paged_decode_reference(q, k_cache, v_cache, slots, cu_k, max(lens), 0.4)
+    k, v = k_cache[slots], torch.nn.functional.pad(v_cache[slots], (0, d - dv))
+    cu_q = torch.arange(len(lens) + 1, dtype=torch.int32)
+    want = sequence_reference(q, k, v, cu_q, cu_k, 1, max(lens), 0.4)[..., :dv]
+    torch.testing.assert_close(got, want)
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert got[i].abs().max() == 0
+
+
+def test_split_rule_is_static_and_bounded():
+    assert decode_splits(256, 4, 4096) == 1  # a full batch fills the device with one program per (row, head)
+    assert decode_splits(1, 4, 64) == 1  # one key block: nothing to split
+    assert decode_splits(1, 4, 100_000) == MAX_SPLITS
+    assert decode_splits(4, 4, 4 * 2 * BLOCK_N) == 4  # capped by the longest context's key blocks
+    for rows in (1, 3, 16, 100, 512):
+        for max_k in (1, 63, 500, 9000):
+            s = decode_splits(rows, 8, max_k)
+            assert s & (s - 1) == 0 and 1 <= s <= MAX_SPLITS
+
+
+def test_check_names_what_it_cannot_serve():
+    assert "needs CUDA" in check_paged(torch.device("cpu"), torch.bfloat16, 4, 2, 8)
+    assert "float16 / bfloat16" in check_paged(torch.device("cuda"), torch.float32, 4, 2, 8)
+    assert "heads 4/3" in check_paged(torch.device("cuda"), torch.bfloat16, 4, 3, 8)
+
+
+def _hosts(folder, calls):
+    def decode(*a):
+        calls.append(("decode", int(a[0].shape[0])))
+        return paged_decode_reference(*a)
+
+    def varlen(*a):
+        calls.append(("varlen", int(a[0].shape[0])))
+        return sequence_reference(*a)
+
+    masked = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=512)
+    paged = ModelHost.from_checkpoint(folder, attention=AttentionBackend.VARLEN, varlen_kernel=varlen,
+                                      decode_kernel=decode, kv_tokens=512)
+    return masked, paged
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_decode_steps_read_the_cache_in_place(hf_checkpoint, family):
+    """Prefill, a mixed step (gathered: one-row group + chunks), an eager decode step and a padded decode step
+    (the captured shape: padding rows one trash key each): every step's logits equal the masked path's, and
+    the decode steps ran the decode kernel once per layer on the cache itself (no gathered context)."""
+    _, folder = hf_checkpoint(family)
+    calls: list = []
+    masked, paged = _hosts(folder, calls)
+    assert paged.paged_decode and paged.decode_reason is None and not masked.paged_decode
+    ex = types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
+    g = torch.Generator().manual_seed(0)
+    layers = paged.config.num_hidden_layers
+    steps = [[SeqChunk("a", 0, 5), SeqChunk("b", 0, 9)],
+             [SeqChunk("a", 5, 1), SeqChunk("b", 9, 4), SeqChunk("c", 0, 7)],
+             [SeqChunk("a", 6, 1), SeqChunk("b", 13, 1), SeqChunk("c", 7, 1)]]
+    for chunks in steps:
+        ids = torch.randint(0, masked.vocab_size, (sum(c.num_tokens for c in chunks),), generator=g)
+        outs = []
+        for host in (masked, paged):
+            for c in chunks:
+                host.kv.reserve(c.seq_id, c.start + c.num_tokens + 4)
+            outs.append(host.forward(chunks, ids, ex))
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+    assert calls[-layers:] == [("decode", 3)] * layers
+    assert ("decode", 1) not in calls[: 2 * layers]  # the mixed step's one-row group attends gathered keys
+    # the captured decode shape: 8 rows (5 padding sequences of one trash key), a long slot vector
+    chunks = [SeqChunk("a", 7, 1), SeqChunk("b", 14, 1), SeqChunk("c", 8, 1)]
+    rows, keys = 8, 1024
+    tok = np.zeros(rows, dtype=np.int64)
+    tok[:3] = [5, 6, 7]
+    inp = paged.kv.plan_padded(chunks, rows, keys, paged.dtype, varlen=True, extra={"token_ids": tok})
+    lay = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, None, inp["cu_q"], inp["cu_k"],
+                     1, keys, paged=True)
+    calls.clear()
+    got = paged.forward_layout(lay, inp["token_ids"], ex)
+    want = masked.forward(chunks, torch.tensor([5, 6, 7]), ex)
+    torch.testing.assert_close(got[:3], want, atol=2e-5, rtol=1e-4)
+    assert calls == [("decode", rows)] * layers
+
+
+def test_a_paged_plan_needs_the_kernel(hf_checkpoint):
+    _, folder = hf_checkpoint("qwen3_moe")
+    host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.VARLEN, varlen_kernel=sequence_reference,
+                                     kv_tokens=64)
+    assert not host.paged_decode and "caller's varlen kernel" in host.decode_reason
+    host.kv.reserve("a", 2)
+    lay = host.kv.plan([SeqChunk("a", 0, 1)], host.dtype, varlen=True, paged=True)
+    assert lay.paged
+    ex = types.SimpleNamespace(layer_entry=None)
+    with pytest.raises(ValueError, match="no in-place decode kernel"):
+        host.forward_layout(lay, torch.tensor([1]), ex)
+    # a step with a chunk of several tokens is never paged
+    assert not host.kv.plan([SeqChunk("a", 0, 2)], host.dtype, varlen=True, paged=True).paged
