@@ -101,7 +101,7 @@ class StepRequest:
                                    input=dataclasses.replace(self.input, **changes) if changes else self.input)
 
     def __reduce__(self):
-        return (StepRequest, (self.step_id, self.generation, self.kind.value, self.input, self.after))
+        return (StepRequest, (self.step_id, self.generation, self.kind, self.input, self.after))
 
 
 @dataclass(frozen=True)
