@@ -35,7 +35,7 @@ from ray_moe.ray.healer import RankHealer
 from ray_moe.ray.executor import LayerExecutor
 from ray_moe.ray.scaler import RankScaler, start_scaler
 from ray_moe.ray.transport import RayTransport, fetch_outputs
-from ray_moe.shard.records import StepRequest, StepResult
+from ray_moe.shard.records import ExpertOnlyInput, StepKind, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.routes import RouteBatch
 from ray_moe.core.env import EnvSettings, read_env
@@ -73,7 +73,7 @@ class Runtime:
         self._pg = pg
         self._env = env
         self._owns_ray = owns_ray
-        # ask every shard for host timestamps of its step stages (StepResult.marks): profiling only
+        # ask every shard for host timestamps of its step stages (ExpertOnlyOutput.marks): profiling only
         self.record_marks = False
         self._lock = threading.Lock()
         self.dtype = parse_dtype(cfg.dtype)
@@ -278,23 +278,24 @@ class Runtime:
             reqs = {}
             for r, idx in zip(ranks, parts):
                 lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
-                reqs[r] = StepRequest(
-                    step_id=step_id, generation=gen, hidden=tensor_to_wire(h[lo:hi]),
+                reqs[r] = StepRequest(step_id, gen, StepKind.EXPERT_ONLY, ExpertOnlyInput(
+                    hidden=tensor_to_wire(h[lo:hi]),
                     topk_ids=None if ids is None else ids[:, lo:hi].numpy(),
                     topk_weights=None if gates is None else gates[:, lo:hi].numpy(),
                     phase=phase, return_routes=return_routes, marks=self.record_marks,
                     layers=None if len(layers) == cfg.num_layers else layers,
-                )
+                ))
             return reqs
 
         ranks, results = self.transport.submit(requests, pinned)
-        out = torch.cat([wire_to_tensor(a, results[r].hidden_dtype) for r, a in zip(ranks, fetch_outputs(results, ranks))], 0)
+        outs = [results[r].output for r in ranks]
+        out = torch.cat([wire_to_tensor(a, o.hidden_dtype) for o, a in zip(outs, fetch_outputs(results, ranks))], 0)
         self._account(results, ranks, phase, h.shape[0], (time.perf_counter() - t0) * 1e3)
         if return_routes:
             routes = []
             for l in range(len(layers)):
-                routes.append((torch.cat([torch.from_numpy(results[r].routes[l][0]) for r in ranks], 0),
-                               torch.cat([torch.from_numpy(results[r].routes[l][1]) for r in ranks], 0)))
+                routes.append((torch.cat([torch.from_numpy(o.routes[l][0]) for o in outs], 0),
+                               torch.cat([torch.from_numpy(o.routes[l][1]) for o in outs], 0)))
             return out, routes
         return out
 

@@ -94,7 +94,7 @@ def step_record(rt: RecordingRuntime, wall_s: float) -> dict[str, Any]:
     marks = {}
     for r in ranks:  # per-stage milliseconds on each shard: device clock on CUDA, else host (mark deltas)
         prev, deltas = 0.0, {}
-        for label, host, dev in res[r].marks:
+        for label, host, dev in res[r].output.marks:
             t = dev if dev >= 0 else host
             deltas[label] = (t - prev) * 1e3
             prev = t
@@ -273,7 +273,7 @@ def run_deployment(dep: Deployment, model: Model, prof: Profile, args: argparse.
     )
     t0 = time.perf_counter()
     rt = RecordingRuntime.start(cfg)
-    rt.record_marks = True  # shard stage timestamps (host clock) in every StepResult
+    rt.record_marks = True  # shard stage timestamps (host clock) in every StepResult's output
     deploy_s = time.perf_counter() - t0
     dtype = rt.dtype
     out: dict[str, Any] = {"label": dep.label, "ranks": dep.ranks, "model": asdict(model), "num_layers": dep.layers,

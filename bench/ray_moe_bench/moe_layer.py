@@ -71,7 +71,7 @@ def _layer_ms(rt, h, ids, w, phase: str, layers: int, iters: int) -> dict[str, A
         rt.forward(h, ids, w, phase=phase)
         res = rt.last_results
         r0 = next(iter(res.values()))
-        marks = {m[0]: m for m in r0.marks}
+        marks = {m[0]: m for m in r0.output.marks}
         paths |= {ls.path for ls in r0.layers}
         if i >= 2:  # the first steps capture / warm up
             # decode replays: the graph's device work (from the agreed admission to the replay's end); else the

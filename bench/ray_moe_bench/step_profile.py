@@ -93,9 +93,9 @@ class RecordingTransport(LocalTransport):
             prof = torch.profiler.profile(activities=acts)
             self._gen(prof.__enter__)
             self._open = {"steps": [a, b], "first": self.launched, "t0": time.perf_counter(), "prof": prof}
-        items = [it for req in reqs.values() for it in req.items]
+        items = [it for req in reqs.values() for it in req.input.items]
         self.plans.append([sum(it.decode for it in items), sum(len(it.tokens) for it in items if not it.decode),
-                           max((req.steps for req in reqs.values()), default=1), self.waiting()])
+                           max((req.input.steps for req in reqs.values()), default=1), self.waiting()])
         self.launched += 1
         return super().launch(reqs)
 

@@ -2,7 +2,7 @@
 #  THE GENERATION LOOP ON THE DRIVER
 #
 #   submit(prompt) ──> Scheduler queue ──> loop thread, between steps: admit / free / plan
-#     ──> ONE actor call per rank per step: GenStepRequest (token ids + positions) ──> GenStepResult (ids)
+#     ──> ONE actor call per rank per step: StepRequest (GENERATION: token ids + positions) ──> StepResult (ids)
 #         (a step of decode items only, nothing waiting: up to decode_steps sub-steps in that one call)
 #     ──> commit: tokens to each request's stream; finished requests release their KV blocks
 #   a stale generation replans the same step on the active one; a dead rank is regrouped away and its
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
-from ray_moe.shard.records import GenStepRequest
+from ray_moe.shard.records import GenerationInput, StepKind, StepRequest, StepResult
 from ray_moe.model.sampling import SamplingParams, TokenLogprobs
 from ray_moe.driver.scheduler import Scheduler, SeqState, StepPlan
 from ray_moe.driver.transport import StepTransport
@@ -360,10 +360,10 @@ class GenerationLoop:
                     (t1 - max(step.t0, self._last_done)) * 1e3)
         self._last_done = t1
         t2 = time.perf_counter()
-        sampled = {k: v for res in results.values() for k, v in res.tokens.items()}
-        logprobs = {k: v for res in results.values() for k, v in res.logprobs.items()}
+        sampled = {k: v for res in results.values() for k, v in res.output.tokens.items()}
+        logprobs = {k: v for res in results.values() for k, v in res.output.logprobs.items()}
         with self._lock:
-            if any(res.expert_counts for res in results.values()):
+            if any(res.output.expert_counts for res in results.values()):
                 self._tally(plan, results)
             events = self.scheduler.commit(plan, sampled, logprobs)
             self.scheduler.step_succeeded()
@@ -388,11 +388,11 @@ class GenerationLoop:
                 self.timings[key].append(ms * 1e3)
         return not recovered
 
-    def _tally(self, plan: StepPlan, results: dict) -> None:
+    def _tally(self, plan: StepPlan, results: dict[int, StepResult]) -> None:
         """The step's expert counts into the handles that asked (under the lock; finished requests' dropped)."""
         items = {it.seq_id: it for its in plan.items.values() for it in its if it.expert_stats}
         for res in results.values():
-            for sid, counts in res.expert_counts.items():
+            for sid, counts in res.output.expert_counts.items():
                 h, it = self._handles.get(sid), items.get(sid)
                 if h is not None and h.tally is not None and it is not None:
                     h.tally.add(counts, res.generation, prompt=it.start < h.prompt_len)
@@ -408,11 +408,12 @@ class GenerationLoop:
 
 
 def _requests(plan: StepPlan, ranks: list[int], step_id: str, generation: int,
-              after: str | None = None) -> dict[int, GenStepRequest]:
+              after: str | None = None) -> dict[int, StepRequest]:
     """Every rank's share of ``plan`` (a rank without work joins with an empty batch)."""
     units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-    return {r: GenStepRequest(step_id, generation, plan.items.get(r, ()), plan.free.get(r, ()), units, after,
-                              plan.steps) for r in ranks}
+    return {r: StepRequest(step_id, generation, StepKind.GENERATION,
+                           GenerationInput(plan.items.get(r, ()), plan.free.get(r, ()), units, plan.steps), after)
+            for r in ranks}
 
 
 @dataclass(frozen=True, eq=False)
@@ -422,7 +423,7 @@ class _Launched:
     plan: StepPlan
     ranks: list[int]
     step_id: str
-    reqs: dict[int, GenStepRequest]
+    reqs: dict[int, StepRequest]
     refs: dict[int, Any]
     t0: float
     sent: float = 0.0

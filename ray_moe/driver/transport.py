@@ -2,7 +2,7 @@
 #  HOW THE DRIVER REACHES THE RANKS (the step transport)
 #
 #   next_step() ──> (live ranks, the generation a new step pins, a step id)
-#   launch(requests by rank) ──> handles (returns at once)   gather(handles) ──> results by rank, or the
+#   launch(StepRequest by rank) ──> handles (returns at once)   gather(handles) ──> StepResult by rank, or the
 #   first failure (a failed rank releases its peers)   recover(failure) ──> stale: the generation refreshed;
 #   dead rank: regrouped away   account(results) ──> the driver's books
 #   submit(build requests) = next_step + launch + gather, replanned after a recoverable failure
@@ -21,17 +21,19 @@ from ray_moe.core.errors import ExchangeTimeoutError, RankDeadError, StaleGenera
 from ray_moe.core.types import Phase
 from ray_moe.driver.gate import StepGate
 from ray_moe.moe.exchange.mailbox import ExchangeAborted
+from ray_moe.shard.records import StepRequest, StepResult
 
 # a step that failed with one of these is replanned (a stale generation, a dead rank, an aborted exchange)
 RECOVERABLE = (StaleGenerationError, RankDeadError, ExchangeAborted, ExchangeTimeoutError)
 
-Requests = Callable[[list[int], str, int], dict[int, Any]]
+Requests = Callable[[list[int], str, int], dict[int, StepRequest]]
 
 
 class StepTransport(ABC):
     """One deployment's ranks as the driver's loops see them. ``gate`` is held across steps (a pipelined
     generation loop holds it across consecutive steps) and taken by operations that need no step in flight.
-    Requests and results are the records of ``ray_moe.shard.records``; every rank of a step gets one."""
+    Every rank of a step gets one ``StepRequest`` (of either ``StepKind``: the same interface carries
+    ``rt.forward``'s expert-only steps and the generation loop's) and answers one ``StepResult``."""
 
     max_attempts: int = 400
 
@@ -51,11 +53,12 @@ class StepTransport(ABC):
         """(live ranks, the generation a new step pins (``pinned`` if given), a fresh step id)."""
 
     @abstractmethod
-    def launch(self, reqs: Mapping[int, Any]) -> dict[int, Any]:
+    def launch(self, reqs: Mapping[int, StepRequest]) -> dict[int, Any]:
         """Send every rank its share of one step; returns at once with a handle per rank."""
 
     @abstractmethod
-    def gather(self, step_id: str, reqs: Mapping[int, Any], handles: Mapping[int, Any]) -> dict[int, Any]:
+    def gather(self, step_id: str, reqs: Mapping[int, StepRequest],
+               handles: Mapping[int, Any]) -> dict[int, StepResult]:
         """Every rank's result of a launched step; the first failure is raised after the others are released."""
 
     @abstractmethod
@@ -64,10 +67,11 @@ class StepTransport(ABC):
         re-raise what cannot be recovered (a pinned step's stale generation, a failure with every rank alive)."""
 
     @abstractmethod
-    def account(self, results: Mapping[int, Any], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
+    def account(self, results: Mapping[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int,
+                ms: float) -> None:
         """Book one served step."""
 
-    def submit(self, requests: Requests, pinned: int | None = None) -> tuple[list[int], dict[int, Any]]:
+    def submit(self, requests: Requests, pinned: int | None = None) -> tuple[list[int], dict[int, StepResult]]:
         """One step, SPMD on every live rank: ``requests(ranks, step_id, generation)`` builds each rank's share.
 
         1. next_step: the live ranks and the generation to pin;

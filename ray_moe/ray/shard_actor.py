@@ -7,8 +7,6 @@ and ``abort_step`` run while a ``step`` waits on its peers.
 
 from __future__ import annotations
 
-import dataclasses
-
 import os
 import socket
 from typing import Any, Mapping, Sequence
@@ -17,7 +15,7 @@ import ray
 import torch
 
 from ray_moe.shard.core import ShardCore
-from ray_moe.shard.records import GenStepRequest, GenStepResult, StepRequest, StepResult
+from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.mailbox import Mailbox
 from ray_moe.moe.exchange.object_store import ObjectStoreExchange
@@ -226,12 +224,12 @@ class ExpertShardActor:
     def abort_step(self, step_id: str, reason: str) -> None:
         self.mailbox.abort(step_id + "/", reason)
 
-    def step(self, req: StepRequest | GenStepRequest) -> StepResult | GenStepResult:
-        """One step of either kind (``ShardCore.step``): the only data-path method of the actor."""
+    def step(self, req: StepRequest) -> StepResult:
+        """One step of the kind the request declares (``ShardCore.step``): the only data-path method of the actor."""
         try:
             # a CUDA output sits in the core's reused pinned buffer: copy it into the object store while the
             # core still holds its step lock (the driver fetches the ref)
-            return self.core.step(req, publish=lambda res: dataclasses.replace(res, hidden=ray.put(res.hidden)))
+            return self.core.step(req, publish=ray.put)
         finally:
             self.mailbox.forget(req.step_id + "/")
 

@@ -22,6 +22,7 @@ from ray_moe.driver.transport import StepTransport
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.placement.topology import ProcessGroupSpec
 from ray_moe.ray.remote import call
+from ray_moe.shard.records import StepRequest, StepResult
 
 
 class RayTransport(StepTransport):
@@ -56,13 +57,14 @@ class RayTransport(StepTransport):
         gen = self.generation if pinned is None else pinned
         return list(self.group.peer_order), gen, f"s{next(self._step_ids)}-{uuid.uuid4().hex[:8]}"
 
-    def launch(self, reqs: Mapping[int, Any]) -> dict[int, "ray.ObjectRef"]:
+    def launch(self, reqs: Mapping[int, StepRequest]) -> dict[int, "ray.ObjectRef"]:
         return {r: self.shards[r].step.remote(req) for r, req in reqs.items()}
 
-    def gather(self, step_id: str, reqs: Mapping[int, Any], handles: Mapping[int, "ray.ObjectRef"]) -> dict[int, Any]:
+    def gather(self, step_id: str, reqs: Mapping[int, StepRequest],
+               handles: Mapping[int, "ray.ObjectRef"]) -> dict[int, StepResult]:
         pending = list(handles.values())
         by_ref = {ref: r for r, ref in handles.items()}
-        results: dict[int, Any] = {}
+        results: dict[int, StepResult] = {}
         first_error: BaseException | None = None
         while pending:
             if len(pending) == 1:  # the last (or only) one: no wait round first
@@ -105,7 +107,8 @@ class RayTransport(StepTransport):
             raise exc
         self.handle_dead(dead)
 
-    def account(self, results: Mapping[int, Any], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
+    def account(self, results: Mapping[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int,
+                ms: float) -> None:
         self.on_step(results, ranks, phase, tokens, ms)
 
     # ---------------------------------------------------------------- generations
@@ -179,10 +182,10 @@ class RayTransport(StepTransport):
             self.on_lost(list(dead))
 
 
-def fetch_outputs(results: dict[int, Any], ranks: list[int]) -> list[np.ndarray]:
-    """Every rank's output array; CUDA shards hand large outputs over as object-store refs (one get)."""
-    refs = [(i, results[r].hidden) for i, r in enumerate(ranks) if isinstance(results[r].hidden, ray.ObjectRef)]
-    out = [results[r].hidden for r in ranks]
+def fetch_outputs(results: dict[int, StepResult], ranks: list[int]) -> list[np.ndarray]:
+    """Every rank's expert-only output array; CUDA shards hand large outputs over as object-store refs (one get)."""
+    out = [results[r].output.hidden for r in ranks]
+    refs = [(i, h) for i, h in enumerate(out) if isinstance(h, ray.ObjectRef)]
     if refs:
         for (i, _), arr in zip(refs, ray.get([ref for _, ref in refs])):
             out[i] = arr

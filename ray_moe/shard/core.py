@@ -31,7 +31,7 @@ import torch
 from ray_moe.shard.expert_store import ExpertStore, Key
 from ray_moe.shard.fault_wrappers import ShardFault, ShardFaults, wrap_paths
 from ray_moe.shard.pipeline import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder, StepPipeline
-from ray_moe.shard.records import GenStepRequest, GenStepResult, StepRequest, StepResult
+from ray_moe.shard.records import ExpertOnlyOutput, StepKind, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.protocol import ControlStatus
@@ -94,7 +94,7 @@ class ShardCore:
         self._candidate_pins: dict[int, int] = {}
         self._staging = PinnedStaging()
         self.generator: "GenerationExecutor | None" = None  # the hosted model (load_model)
-        self._gen_order = StepOrder()  # pipelined generation steps run in launch order
+        self._order = StepOrder()  # steps run in launch order (a request names the one it follows)
         self._gen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ray-moe-gen-r{rank}")
         self._gen_slots = threading.BoundedSemaphore(2)
         # one step pipeline (decode round, captured graphs, overflow rerun) for both fronts: the expert-only
@@ -266,28 +266,26 @@ class ShardCore:
             }
 
     # ================================================================ data path
-    def step(self, req: StepRequest | GenStepRequest,
-             publish: Callable[[StepResult], StepResult] | None = None) -> StepResult | GenStepResult:
-        """One step SPMD with the other ranks (one call per step, not per layer), either kind: a generation
-        step (``GenStepRequest``: token ids in, sampled token ids out, ``generate_step``) or an expert-only
-        step (``StepRequest``: hidden states through every MoE layer).
+    def step(self, req: StepRequest, publish: Callable[[np.ndarray], Any] | None = None) -> StepResult:
+        """One step SPMD with the other ranks (one call per step, not per layer), of the kind the request
+        declares (``StepKind``): GENERATION (token ids in, sampled token ids out, over the hosted model) or
+        EXPERT_ONLY (hidden states through the MoE layers). Either waits for the step it follows (``after``),
+        pins its generation and takes the step pipeline. A request of no known kind, or whose input is another
+        kind's, is refused first (``StepRequest.check``): nothing waits, pins or counts.
 
-        On CUDA an expert-only step's output reaches the host through a reused pinned buffer; the result's
-        ``hidden`` is a view of it only until the step lock is released. ``publish`` (called under the lock)
-        moves it somewhere durable (the actor shell: the Ray object store); without it the view is copied here.
+        On CUDA an expert-only step's output reaches the host through a reused pinned buffer; the output's
+        ``hidden`` is a view of it only until the step lock is released. ``publish(array)`` (called under the
+        lock) moves it somewhere durable (the actor shell: ``ray.put``); without it the view is copied here.
         """
-        if isinstance(req, GenStepRequest):
-            return self.generate_step(req)
-        if self.paths is None:
-            raise RuntimeError(f"rank {self.rank}: no exchange endpoint set")
+        kind = req.check()
+        if self.paths is None or (kind is StepKind.GENERATION and self.generator is None):
+            raise RuntimeError(f"rank {self.rank}: no exchange set" if self.paths is None else
+                               f"rank {self.rank}: no model loaded (load_model)")
         t0 = time.perf_counter()
-        with self._step_lock:
-            res = self._step(req, t0)
-            if not self._staging.holds(res.hidden):
-                return res
-            if publish is not None:
-                return publish(res)
-            return dataclasses.replace(res, hidden=np.array(res.hidden))
+        self._order.wait_turn(req.step_id, req.after, self.cfg.exchange_timeout_s)
+        if kind is StepKind.GENERATION:
+            return self._generation_step(req, t0)
+        return self._expert_only_step(req, t0, publish)
 
     @contextmanager
     def _pinned(self, generation: int, step_id: str) -> Iterator[tuple[ControlStatus, GenerationView, DataPaths]]:
@@ -332,18 +330,28 @@ class ShardCore:
                 with self._lock:
                     self._candidate_pins[generation] -= 1
 
-    def _step(self, req: StepRequest, t0: float) -> StepResult:
-        marks = Marks(req.marks, self.device.type == "cuda", t0)
-        with self._pinned(req.generation, req.step_id) as (status, view, paths):
-            y, stats, routes = self.executor.run(req, view, paths, status, marks)
-        observe = getattr(self.selector, "observe", None)
-        if observe is not None and stats:  # least-load / locality selectors learn from the rows really sent
-            observe(torch.from_numpy(np.sum([ls.rank_routes for ls in stats], axis=0)))
-        arr, dt = self._staging.to_host(y)
-        marks("hidden_out")
-        out_routes = tuple((i.cpu().numpy(), w.cpu().numpy()) for i, w in routes) if req.return_routes else None
-        return StepResult(self.rank, req.step_id, req.generation, arr, dt, stats, out_routes, self.registry.active(),
-                          time.perf_counter() - t0, marks.done())
+    def _expert_only_step(self, req: StepRequest, t0: float, publish: Callable[[np.ndarray], Any] | None) -> StepResult:
+        """One expert-only step (hidden states through the MoE layers), its turn come (``step``)."""
+        inp = req.input
+        try:
+            with self._step_lock:
+                t1 = time.perf_counter()
+                marks = Marks(inp.marks, self.device.type == "cuda", t1)
+                with self._pinned(req.generation, req.step_id) as (status, view, paths):
+                    y, stats, routes = self.executor.run(req, view, paths, status, marks)
+                observe = getattr(self.selector, "observe", None)
+                if observe is not None and stats:  # least-load / locality selectors learn from the rows really sent
+                    observe(torch.from_numpy(np.sum([ls.rank_routes for ls in stats], axis=0)))
+                arr, dt = self._staging.to_host(y)
+                marks("hidden_out")
+                routes = tuple((i.cpu().numpy(), w.cpu().numpy()) for i, w in routes) if inp.return_routes else None
+                t2 = time.perf_counter()
+                if self._staging.holds(arr):  # a view of the pinned buffer: moved somewhere durable under the lock
+                    arr = np.array(arr) if publish is None else publish(arr)
+        finally:
+            self._order.launched(req.step_id)
+        return StepResult(self.rank, req.step_id, req.generation, ExpertOnlyOutput(arr, dt, routes, marks.done()),
+                          stats, t2 - t1, self.registry.active(), queued_s=t1 - t0, actor_s=time.perf_counter() - t0)
 
     # ================================================================ serving generation
     def load_model(self, *, kv_tokens: int | None, block_size: int = 16, random_model: dict | None = None,
@@ -368,12 +376,8 @@ class ShardCore:
                     **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
             return self.generator.info()
 
-    def generate_step(self, req: "GenStepRequest") -> "GenStepResult":
-        """One generation step (token ids in, sampled token ids out), SPMD with the other ranks."""
-        if self.generator is None or self.paths is None:
-            raise RuntimeError(f"rank {self.rank}: no model loaded (load_model) or no exchange set")
-        t0 = time.perf_counter()
-        self._gen_order.wait_turn(req.step_id, req.after, self.cfg.exchange_timeout_s)
+    def _generation_step(self, req: StepRequest, t0: float) -> StepResult:
+        """One generation step (token ids in, sampled token ids out), its turn come (``step``)."""
         # always on the same thread: the actor's calls arrive on any of its pool threads, and CUDA library
         # state (cuBLAS / cuDNN handles, attention plan caches) is per thread
         with self._gen_slots:  # at most two launched steps not completed
@@ -383,7 +387,7 @@ class ShardCore:
                 if pending.ready:  # complete already: its result is queued before any later launch
                     done = self._gen_thread.submit(self._complete_step, pending, stack)
             finally:
-                self._gen_order.launched(req.step_id)  # the next step may launch now
+                self._order.launched(req.step_id)  # the next step may launch now
             if done is None:
                 # a step still on the device completes behind the next step's launch when that one is
                 # already here: the device runs the next step while the host reads this one's tokens
@@ -396,9 +400,10 @@ class ShardCore:
                     raise  # pragma: no cover - the pin never swallows an error
                 done = self._gen_thread.submit(self._complete_step, pending, stack)
             res = done.result()
-        return dataclasses.replace(res, queued_s=queued, actor_s=time.perf_counter() - t0)
+        return dataclasses.replace(res, active_generation=self.registry.active(), queued_s=queued,
+                                   actor_s=time.perf_counter() - t0)
 
-    def _launch_step(self, req: "GenStepRequest", t0: float):
+    def _launch_step(self, req: StepRequest, t0: float):
         stack = ExitStack()
         try:
             with self._step_lock:
@@ -412,7 +417,7 @@ class ShardCore:
             raise  # pragma: no cover - the pin never swallows an error
         return pending, stack, t1 - t0
 
-    def _complete_step(self, pending: "PendingStep", stack: ExitStack) -> "GenStepResult":
+    def _complete_step(self, pending: "PendingStep", stack: ExitStack) -> StepResult:
         try:
             with self._step_lock:
                 res = pending.complete()
@@ -443,4 +448,4 @@ def _backend(value: str) -> Any:
         raise ValueError(f"attention={value!r}: must be one of {[b.value for b in AttentionBackend]}") from None
 
 
-__all__ = ["ShardCore", "StepRequest", "StepResult"]
+__all__ = ["ShardCore"]

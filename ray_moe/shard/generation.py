@@ -1,9 +1,9 @@
 # ======================================================================================================
 #  ONE GENERATION STEP ON ONE SHARD (pure: no Ray)
 #
-#   GenStepRequest (token ids + positions only; a deferred decode item names the position whose token this
-#   rank sampled) ──> free finished sequences, resolve deferred tokens (host, or on the device while the
-#   step that sampled them is still running), reserve KV for the new tokens
+#   StepRequest, kind GENERATION (token ids + positions only; a deferred decode item names the position whose
+#   token this rank sampled) ──> free finished sequences, resolve deferred tokens (host, or on the device
+#   while the step that sampled them is still running), reserve KV for the new tokens
 #     ──> [decode unit on the bucket path? one agreed admission round]
 #     ──> the model's forward over the rank's tokens (data-parallel attention, paged KV cache);
 #         every MoE block: prefill rows -> normal dispatcher, decode rows -> decode dispatcher (spec 0x05E),
@@ -11,7 +11,7 @@
 #         Static shapes (decode buckets; every step of a group of one) replay one captured CUDA graph.
 #     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample on the device
 #   launch ends here for a captured step of a group of one (completed behind the next step's launch);
-#   complete: tokens and statistics read with one wait ──> GenStepResult (one token id per sampled chunk)
+#   complete: tokens and statistics read with one wait ──> StepResult (one token id per sampled chunk)
 #   multi-step decode: the sub-steps of one request launched back to back, each fed the previous one's
 #   samples on the device; one result with every sequence's tokens in position order
 # ======================================================================================================
@@ -37,7 +37,7 @@ from ray_moe.model.host import ModelHost
 from ray_moe.model.sampling import logprobs_tensor, sample_tensor
 from ray_moe.shard.pending import MultiPending, PendingStep, _GraphPending
 from ray_moe.shard.pipeline import StepPipeline
-from ray_moe.shard.records import GenStepRequest, WorkItem
+from ray_moe.shard.records import StepRequest, WorkItem
 from ray_moe.shard.step_rows import (DecodeLayout, shape_bucket, marked_rows, packed_ids, phase_rows, pow2,
                                      single_rows_first)
 
@@ -144,7 +144,7 @@ class GenerationExecutor:
                 "attention_reason": host.attention_reason, "paged_decode": host.paged_decode,
                 "paged_decode_reason": host.decode_reason}
 
-    def launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+    def launch(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                decode_key: int) -> "PendingStep | MultiPending":
         """Run a step up to its sampled tokens. A captured step of a group of one returns with its graph (and
         sampling) still running on the device: the next step can be launched before this one is completed
@@ -156,7 +156,7 @@ class GenerationExecutor:
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(req, exc) from None
 
-    def _out_of_memory(self, req: GenStepRequest, exc: BaseException) -> StepMemoryError:
+    def _out_of_memory(self, req: StepRequest, exc: BaseException) -> StepMemoryError:
         """The step's device memory error, contained: the allocator's cached blocks go back to the device
         (captured graphs keep their pools), the event is counted, and the step fails alone."""
         self.count("oom_steps")
@@ -164,31 +164,32 @@ class GenerationExecutor:
         if self.host.device.type == "cuda":
             torch.cuda.empty_cache()
             held = torch.cuda.memory_allocated(self.host.device) / 2**30
-        tokens = sum(len(it.tokens) or 1 for it in req.items) * req.steps
+        tokens = sum(len(it.tokens) or 1 for it in req.input.items) * req.input.steps
         return StepMemoryError(f"rank {self.rank}: step {req.step_id!r} ({tokens} tokens) ran out of device memory "
                                f"({held:.1f} GiB still allocated): {str(exc).splitlines()[0][:200]}",
                                rank=self.rank, step_id=req.step_id)
 
-    def _launch(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+    def _launch(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                 decode_key: int) -> "PendingStep | MultiPending":
-        if req.steps == 1:
+        work = req.input
+        if work.steps == 1:
             return self._launch_one(req, view, paths, status, decode_key)
-        if req.units != (False, True) or any(not it.decode or it.sample is None for it in req.items):
-            raise ValueError(f"steps={req.steps}: a multi-step request carries sampled decode items only")
+        if work.units != (False, True) or any(not it.decode or it.sample is None for it in work.items):
+            raise ValueError(f"steps={work.steps}: a multi-step request carries sampled decode items only")
         self.count("multi_step_requests")
         parts: list[PendingStep] = []
         sub = req
         try:
-            for j in range(req.steps):
+            for j in range(work.steps):
                 if j:
-                    sub = dataclasses.replace(
-                        req, step_id=f"{req.step_id}/{j}", free=(), steps=1,
+                    sub = req.revised(
+                        step_id=f"{req.step_id}/{j}", free=(), steps=1,
                         items=tuple(dataclasses.replace(
                             it, tokens=(), start=it.start + j, decode=True, deferred=True,
                             sample=dataclasses.replace(it.sample, position=it.sample.position + j))
-                            for it in req.items))
+                            for it in work.items))
                 else:
-                    sub = dataclasses.replace(req, steps=1)
+                    sub = req.revised(steps=1)
                 parts.append(self._launch_one(sub, view, paths, status, decode_key,
                                               parts[0].decision if parts else None))
         except BaseException:
@@ -197,7 +198,7 @@ class GenerationExecutor:
             raise
         return MultiPending(req, parts)
 
-    def _launch_one(self, req: GenStepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+    def _launch_one(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                     decode_key: int, agreed: Any = None) -> "PendingStep":
         """One step (or sub-step). ``agreed``: the decode decision of the request's first sub-step (the
         generation, the path and the token bucket hold for every sub-step: no control round of its own)."""
@@ -207,17 +208,17 @@ class GenerationExecutor:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
         kv = self.host.kv
-        for sid in req.free:
+        for sid in req.input.free:
             kv.free(sid)
             self.sampled.pop(sid, None)
             self.history.pop(sid, None)
         local_error: Exception | None = None
         fills: list[tuple[int, torch.Tensor, int]] = []
-        ordered = single_rows_first(req.items)
-        if ordered is not req.items:
-            req = dataclasses.replace(req, items=ordered)
+        ordered = single_rows_first(req.input.items)
+        if ordered is not req.input.items:
+            req = req.revised(items=ordered)
         try:
-            resolved, fills = self._resolve(req.items)
+            resolved, fills = self._resolve(req.input.items)
             resolved, fills = self._keep_tokens(resolved, fills)
             for it in resolved:
                 kv.reserve(it.seq_id, it.start + len(it.tokens))
@@ -225,7 +226,7 @@ class GenerationExecutor:
             local_error = exc
             status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
         items = () if local_error is not None else resolved
-        want_prefill, want_decode = req.units
+        want_prefill, want_decode = req.input.units
         # 1. the decode unit's path, agreed once per step
         reason, bucket, decision = None, False, None
         if want_decode:

@@ -14,7 +14,7 @@ import torch
 from ray_moe.moe.layer import MoEStep
 from ray_moe.moe.stats import merge_layer_stats
 from ray_moe.model.sampling import LogprobsPending, TokenLogprobs
-from ray_moe.shard.records import GenStepRequest, GenStepResult, WorkItem
+from ray_moe.shard.records import GenerationOutput, StepRequest, StepResult, WorkItem
 
 
 @dataclass(eq=False)
@@ -57,7 +57,7 @@ class PendingStep:
     """A launched step of one rank: ``complete`` returns its result (reads a still-running captured step's
     tokens and statistics). ``wait`` blocks, without the GIL, until the device finished it."""
 
-    def __init__(self, executor: Any, req: GenStepRequest, generation: int,
+    def __init__(self, executor: Any, req: StepRequest, generation: int,
                  items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
                  graph: _GraphPending | None = None,
                  result: tuple[dict[str, int], tuple, dict[str, TokenLogprobs], dict | None] | None = None,
@@ -85,7 +85,7 @@ class PendingStep:
         """A step that will not be completed: later steps no longer read its tokens."""
         self.executor._picks.pop(self.req.step_id, None)
 
-    def complete(self) -> GenStepResult:
+    def complete(self) -> StepResult:
         ex = self.executor
         if self.graph is not None:
             try:
@@ -96,16 +96,17 @@ class PendingStep:
             self.result, self.graph = (tokens, stats, lps, counts), None
         tokens, stats, lps, counts = self.result
         device_s, idle_s = ex.device_span(self.start, self.event)
-        return GenStepResult(ex.rank, self.req.step_id, self.generation, {k: (v,) for k, v in tokens.items()}, stats,
-                             time.perf_counter() - self.t0, self.path, self.reason, device_s=device_s, idle_s=idle_s,
-                             logprobs={k: (v,) for k, v in lps.items()}, expert_counts=counts or {})
+        out = GenerationOutput({k: (v,) for k, v in tokens.items()}, self.path, self.reason,
+                               logprobs={k: (v,) for k, v in lps.items()}, expert_counts=counts or {})
+        return StepResult(ex.rank, self.req.step_id, self.generation, out, stats, time.perf_counter() - self.t0,
+                          device_s=device_s, idle_s=idle_s)
 
 
 class MultiPending:
     """A multi-step decode request's sub-steps (``PendingStep`` each, launched back to back): the same
     interface; ``complete`` returns one result with every sequence's tokens in position order."""
 
-    def __init__(self, req: GenStepRequest, parts: list[PendingStep]) -> None:
+    def __init__(self, req: StepRequest, parts: list[PendingStep]) -> None:
         self.req, self.parts = req, parts
 
     @property
@@ -120,7 +121,7 @@ class MultiPending:
         for p in self.parts:
             p.abandon()
 
-    def complete(self) -> GenStepResult:
+    def complete(self) -> StepResult:
         results = []
         try:
             for p in self.parts:
@@ -129,18 +130,19 @@ class MultiPending:
             for p in self.parts[len(results):]:
                 p.abandon()
             raise
-        first = results[0]
-        tokens = {k: tuple(r.tokens[k][0] for r in results) for k in first.tokens}
-        lps = {k: tuple(r.logprobs[k][0] for r in results) for k in first.logprobs}
+        first, outs = results[0], [r.output for r in results]
+        tokens = {k: tuple(o.tokens[k][0] for o in outs) for k in outs[0].tokens}
+        lps = {k: tuple(o.logprobs[k][0] for o in outs) for k in outs[0].logprobs}
         counts: dict[str, np.ndarray] = {}
-        for r in results:  # every sub-step's expert counts, summed per sequence
-            for k, c in r.expert_counts.items():
+        for o in outs:  # every sub-step's expert counts, summed per sequence
+            for k, c in o.expert_counts.items():
                 counts[k] = c + counts[k] if k in counts else c.copy()
-        return GenStepResult(first.rank, self.req.step_id, first.generation, tokens,
-                             merge_layer_stats([ls for r in results for ls in r.layers]),
-                             time.perf_counter() - self.parts[0].t0, first.decode_path, first.fallback_reason,
-                             device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results),
-                             logprobs=lps, expert_counts=counts)
+        out = GenerationOutput(tokens, outs[0].decode_path, outs[0].fallback_reason, logprobs=lps,
+                               expert_counts=counts)
+        return StepResult(first.rank, self.req.step_id, first.generation, out,
+                          merge_layer_stats([ls for r in results for ls in r.layers]),
+                          time.perf_counter() - self.parts[0].t0,
+                          device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results))
 
 
 __all__ = ["PendingStep", "MultiPending"]

@@ -1,15 +1,17 @@
 # ======================================================================================================
 #  ONE STEP ON ONE SHARD (the data path; pure: no Ray)
 #
-#   ShardCore.step: pin the generation (exact refcount) ──> faults armed? wrap the step's components
-#   ──> the front of the request's kind: StepExecutor (expert-only: hidden + routes in, hidden out) or
-#       GenerationExecutor (token ids in, sampled token ids out, the model host around the MoE layers)
+#   ShardCore.step(StepRequest): the declared StepKind checked ──> its turn (the step it follows launched)
+#   ──> pin the generation (exact refcount) ──> faults armed? wrap the step's components
+#   ──> the front the kind names: EXPERT_ONLY: StepExecutor (hidden + routes in, hidden out) or
+#       GENERATION: GenerationExecutor (token ids in, sampled token ids out, the model host around the MoE layers)
 #   ──> StepPipeline, the one sequence both fronts take for a step with a decode unit:
 #       1. ONE agreed decode round (generation, epoch, digest, status, tokens, bucket key, graphs ready)
 #          ──> the bucket path (agreed token cap) or a named fallback to the normal dispatcher
 #       2. the static-shape step: replay its captured CUDA graph, else run it eagerly and capture it
 #       3. overflow agreed at the end ──> on overflow every rank reruns on the normal dispatcher (counted)
-#   ──> deferred handle checks + device statistics read with the output (one host copy) ──> the result
+#   ──> deferred handle checks + device statistics read with the output (one host copy) ──> one StepResult
+#       (the common fields and the kind's output)
 # ======================================================================================================
 """The step pipeline of one shard and its expert-only front (``StepExecutor``)."""
 
@@ -47,7 +49,7 @@ from ray_moe.moe.decode.graphs import (
 )
 from ray_moe.moe.layer import GenerationView, MoEStep
 from ray_moe.moe.stats import LayerStats
-from ray_moe.shard.records import StepRequest, StepResult
+from ray_moe.shard.records import StepRequest
 from ray_moe.core.types import DispatchPath, Phase
 
 if TYPE_CHECKING:
@@ -233,22 +235,23 @@ class StepExecutor:
     # ------------------------------------------------------------------ entry
     def run(self, req: StepRequest, view: GenerationView, paths: DataPaths, status: ControlStatus,
             marks: Marks) -> tuple[torch.Tensor, tuple[LayerStats, ...], list]:
-        """(output [T, d] on the device, layer statistics, routes used when asked)."""
-        h = as_tensor(req.hidden, self.device).to(self.dtype)
-        layers = tuple(range(self.num_layers)) if req.layers is None else tuple(req.layers)
+        """(output [T, d] on the device, layer statistics, routes used when asked) of an expert-only request."""
+        inp = req.input
+        h = as_tensor(inp.hidden, self.device).to(self.dtype)
+        layers = tuple(range(self.num_layers)) if inp.layers is None else tuple(inp.layers)
         given = None
-        if req.topk_ids is not None:
-            given = (as_tensor(req.topk_ids, self.device).to(torch.int64),
-                     as_tensor(req.topk_weights, self.device).to(torch.float32))
+        if inp.topk_ids is not None:
+            given = (as_tensor(inp.topk_ids, self.device).to(torch.int64),
+                     as_tensor(inp.topk_weights, self.device).to(torch.float32))
         routes_out: list = []
         marks("hidden_in")
         tag = req.step_id
-        if req.phase is Phase.DECODE and paths.bucket is not None:
-            y, stats = self._decode(h, given, layers, view, paths, status, tag, marks, routes_out, req.return_routes)
+        if inp.phase is Phase.DECODE and paths.bucket is not None:
+            y, stats = self._decode(h, given, layers, view, paths, status, tag, marks, routes_out, inp.return_routes)
         else:
-            reason = "bucket_disabled" if req.phase is Phase.DECODE else None
+            reason = "bucket_disabled" if inp.phase is Phase.DECODE else None
             y, stats = self._variable(h, given, layers, view, paths, status, tag, reason, routes_out,
-                                      req.return_routes)
+                                      inp.return_routes)
         marks("layers")
         return y, stats, routes_out
 
@@ -366,9 +369,9 @@ def _check_routes(given, num_experts: int, tag: str) -> Exception | None:
 
 
 class StepOrder:
-    """Generation steps launch in the order the driver sent them, although the actor is threaded: a request
-    names the step it follows (``after``) and waits until that one was launched here (it may still be
-    completing: a group of one overlaps them), successfully or not."""
+    """Steps launch in the order the driver sent them, although the actor is threaded: a request names the
+    step it follows (``StepRequest.after``) and waits until that one was launched here (a generation step may
+    still be completing: a group of one overlaps them), successfully or not."""
 
     def __init__(self, remember: int = 64) -> None:
         self._cv = threading.Condition()
@@ -412,5 +415,4 @@ class PinnedStaging:
                 and np.may_share_memory(arr, self._buf.numpy()))
 
 
-__all__ = ["StepRequest", "StepResult", "DataPaths", "StepExecutor", "Marks", "PinnedStaging", "LayerStats",
-           "StepOrder"]
+__all__ = ["DataPaths", "StepExecutor", "Marks", "PinnedStaging", "LayerStats", "StepOrder"]

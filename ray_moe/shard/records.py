@@ -2,9 +2,14 @@
 their compact wire forms. Light on purpose: numpy, the sampling spec and the layer statistics, no torch
 kernels, no dispatchers (the driver imports this module).
 
-    StepRequest / StepResult        one expert-only model step (``rt.forward``): hidden states in, out
-    GenStepRequest / GenStepResult  one generation step: token ids and positions in, sampled ids out
-    WorkItem                        one sequence's share of a generation step on its rank
+    StepRequest / StepResult   one step of either kind: the fields every step has, and the payload of its kind
+                               (``input`` / ``output``); the request declares its ``StepKind`` and the rank
+                               runs the front the kind names (never the payload's type or shape)
+    StepKind                   EXPERT_ONLY: hidden states in, out (``rt.forward``); GENERATION: token ids and
+                               positions in, sampled ids out
+    ExpertOnlyInput / ExpertOnlyOutput   the expert-only payloads (hidden states as NumPy wire pairs)
+    GenerationInput / GenerationOutput   the generation payloads (a columnar wire form / tokens in one block)
+    WorkItem                   one sequence's share of a generation step on its rank
 """
 
 from __future__ import annotations
@@ -12,13 +17,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import Any, ClassVar
 
 import numpy as np
 
+from ray_moe.core.errors import RequestError
 from ray_moe.core.types import Phase
 from ray_moe.model.sampling import SampleSpec, TokenLogprobs
 from ray_moe.moe.stats import LayerStats
+
+
+class StepKind(str, Enum):
+    """What a step runs (SGLang's ``ForwardMode``): a request declares it, its payload's class declares it too,
+    and the rank runs the front it names (``ShardCore.step``).
+
+    EXPERT_ONLY: hidden states through the MoE layers, with given routes or the rank's router (``rt.forward``)
+    GENERATION:  the hosted model's step over work items: token ids and positions in, sampled token ids out
+    """
+
+    EXPERT_ONLY = "expert_only"
+    GENERATION = "generation"
 
 
 @dataclass(frozen=True)
@@ -30,7 +49,7 @@ class WorkItem:
     the token it sampled for this sequence at position ``start`` (the driver never waits for it).
     ``keep_tokens``: the rank keeps this sequence's token ids by position (its penalties read them); set on
     every item of a penalized sequence, so the rank holds all of them. ``expert_stats``: the rank counts the
-    experts this item's rows were routed to, per MoE layer (``GenStepResult.expert_counts``)."""
+    experts this item's rows were routed to, per MoE layer (``GenerationOutput.expert_counts``)."""
 
     seq_id: str
     tokens: tuple[int, ...]
@@ -48,7 +67,77 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class StepRequest:
-    """One rank's share of one model step (all layers).
+    """One rank's share of one step (all layers), of the declared ``kind``: ``input`` is that kind's payload.
+    ``after``: the step the driver launched just before this one (steps run in launch order on every rank).
+    A request whose kind is not a ``StepKind``, or whose input declares another kind, is refused when it is
+    built, when it arrives (its wire form is rebuilt through the constructor) and by the rank before anything
+    runs (``check``)."""
+
+    step_id: str
+    generation: int
+    kind: StepKind
+    input: ExpertOnlyInput | GenerationInput
+    after: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", self.check())
+
+    def check(self) -> StepKind:
+        """The declared kind; ``RequestError`` (a ``ValueError``) naming ``kind`` or ``input`` otherwise."""
+        try:
+            kind = StepKind(self.kind)
+        except ValueError:
+            raise RequestError(f"step {self.step_id!r}: kind={self.kind!r} is not a step kind (one of "
+                               f"{[k.value for k in StepKind]})") from None
+        declared = getattr(type(self.input), "kind", None)
+        if declared is not kind:
+            raise RequestError(f"step {self.step_id!r}: kind={kind.value!r} but input is a "
+                               f"{type(self.input).__name__} (kind {getattr(declared, 'value', declared)!r})")
+        return kind
+
+    def revised(self, *, step_id: str | None = None, **changes: Any) -> StepRequest:
+        """This request with another step id and / or ``changes`` to its input's fields."""
+        return dataclasses.replace(self, step_id=self.step_id if step_id is None else step_id,
+                                   input=dataclasses.replace(self.input, **changes) if changes else self.input)
+
+    def __reduce__(self):
+        return (StepRequest, (self.step_id, self.generation, self.kind, self.input, self.after))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One rank's output of one step: the fields every step has and ``output``, the payload of the request's
+    kind. layers: every MoE layer's statistics (a multi-step request's summed over its sub-steps).
+    elapsed_s: the step on the shard; queued_s: from the actor call's arrival to the step's start (launch
+    order, the step thread or lock, the generation pin), so a driver's wait minus both is the Ray transport
+    and (de)serialisation. device_s: the step's time on the device (CUDA events around its work; 0 on CPU);
+    idle_s: how long the device sat idle between the previous step's end and this step's start (the host did
+    not keep it fed). actor_s: the call on the shard, arrival to return (a driver's round trip minus it is
+    Ray's transport). active_generation: the rank's ACTIVE generation when the step ended."""
+
+    rank: int
+    step_id: str
+    generation: int
+    output: ExpertOnlyOutput | GenerationOutput
+    layers: tuple[LayerStats, ...]
+    elapsed_s: float
+    active_generation: int | None = None
+    queued_s: float = 0.0
+    device_s: float = 0.0
+    idle_s: float = 0.0
+    actor_s: float = 0.0
+
+    @property
+    def kind(self) -> StepKind:
+        return self.output.kind
+
+    def __reduce__(self):
+        return (StepResult, _values(self))
+
+
+@dataclass(frozen=True)
+class ExpertOnlyInput:
+    """The payload of an expert-only step (``StepKind.EXPERT_ONLY``).
 
     hidden:       [T, d] float (NumPy wire pair on the wire, any float dtype)
     topk_ids:     [L, T, k] int64 or None (None: the rank routes with its own router)
@@ -56,49 +145,49 @@ class StepRequest:
     layers:       the MoE layers to run, in order (None: every layer)
     """
 
-    step_id: str
-    generation: int
+    kind: ClassVar[StepKind] = StepKind.EXPERT_ONLY
+
     hidden: Any
     topk_ids: Any = None
     topk_weights: Any = None
     phase: Phase = Phase.PREFILL
     return_routes: bool = False
-    marks: bool = False  # record host timestamps of the step's stages (StepResult.marks)
+    marks: bool = False  # record host timestamps of the step's stages (ExpertOnlyOutput.marks)
     layers: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """One rank's output of one step. ``hidden``: [T, d] NumPy in the configured dtype's wire form."""
+class ExpertOnlyOutput:
+    """The payload of an expert-only step's result. ``hidden``: [T, d] NumPy in the configured dtype's wire form
+    (a CUDA shard hands it over as an object-store ref); ``routes``: per layer (ids, weights) when asked."""
 
-    rank: int
-    step_id: str
-    generation: int
+    kind: ClassVar[StepKind] = StepKind.EXPERT_ONLY
+
     hidden: Any
     hidden_dtype: str
-    layers: tuple[LayerStats, ...]
     routes: tuple[tuple[np.ndarray, np.ndarray], ...] | None
-    active_generation: int | None
-    elapsed_s: float
     # (stage, host seconds, device seconds) since the step started, when the request asked for marks: the
     # host clock where the host got to; on CUDA the device clock (events) where the device got to (-1 on CPU)
     marks: tuple[tuple[str, float, float], ...] = ()
 
 
-@dataclass(frozen=True)
-class GenStepRequest:
-    """One rank's share of one generation step. ``units``: (prefill, decode) units this step runs on every
-    rank (the same on all ranks: a rank without rows of a unit joins it with an empty batch). ``after``: the
-    step the driver launched just before this one (pipelined steps run in launch order on every rank).
-    ``steps``: decode sub-steps (multi-step decode, every item a decode item): sub-step j feeds each
-    sequence the token it sampled in sub-step j - 1; every rank runs the same number (SPMD)."""
+def _values(record: Any) -> tuple:
+    return tuple(getattr(record, f.name) for f in dataclasses.fields(record))
 
-    step_id: str
-    generation: int
+
+@dataclass(frozen=True)
+class GenerationInput:
+    """The payload of one rank's share of one generation step (``StepKind.GENERATION``): its work items and the
+    sequences it frees first. ``units``: (prefill, decode) units this step runs on every rank (the same on all
+    ranks: a rank without rows of a unit joins it with an empty batch). ``steps``: decode sub-steps
+    (multi-step decode, every item a decode item): sub-step j feeds each sequence the token it sampled in
+    sub-step j - 1; every rank runs the same number (SPMD)."""
+
+    kind: ClassVar[StepKind] = StepKind.GENERATION
+
     items: tuple[WorkItem, ...]
     free: tuple[str, ...] = ()
     units: tuple[bool, bool] = (True, False)
-    after: str | None = None
     steps: int = 1
 
     def __post_init__(self) -> None:
@@ -129,13 +218,12 @@ class GenStepRequest:
                                 sp.repetition_penalty)
         tokens = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64,
                              count=int(ints[1].sum()))
-        return (_request_from_wire, (self.step_id, self.generation, self.free, self.units, self.after, self.steps,
-                                     [it.seq_id for it in items], ints.tobytes(), floats.tobytes(), tokens.tobytes(),
-                                     np.asarray(suppress, dtype=np.int64).tobytes()))
+        return (_input_from_wire, (self.free, self.units, self.steps,
+                                   [it.seq_id for it in items], ints.tobytes(), floats.tobytes(), tokens.tobytes(),
+                                   np.asarray(suppress, dtype=np.int64).tobytes()))
 
 
-def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints, floats, tokens,
-                       suppress=b"") -> GenStepRequest:
+def _input_from_wire(free, units, steps, ids, ints, floats, tokens, suppress=b"") -> GenerationInput:
     n = len(ids)
     start, count, flags, seed, pos, plen, until, lps, nsup = np.frombuffer(ints, dtype=np.int64).reshape(9, n).tolist()
     temp, top_p, pres, freq, rep = np.frombuffer(floats, dtype=np.float64).reshape(5, n).tolist()
@@ -152,50 +240,41 @@ def _request_from_wire(step_id, generation, free, units, after, steps, ids, ints
         items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2), bool(f & 8),
                               bool(f & 16)))
         o += c
-    return GenStepRequest(step_id, generation, tuple(items), free, units, after, steps)
+    return GenerationInput(tuple(items), free, units, steps)
 
 
 @dataclass(frozen=True)
-class GenStepResult:
-    """tokens: {sequence id: its sampled tokens in position order} for the chunks that asked for a sample (one
-    token; ``steps`` of them for a multi-step decode request). logprobs: {sequence id: one ``TokenLogprobs`` per
-    token in ``tokens``} for the sequences whose spec asked (raw logprobs: ``model.sampling``). layers: every
-    layer's statistics, summed over the sub-steps. elapsed_s: the step on the
-    shard; queued_s: from the actor call's arrival to the step's start (launch order, the step thread, the
-    generation pin), so a driver's wait minus both is the Ray transport and (de)serialisation. device_s: the
-    step's time on the device (CUDA events around its work; 0 on CPU); idle_s: how long the device sat idle
-    between the previous step's end and this step's start (the host did not keep it fed). actor_s: the actor
-    call on the shard, arrival to return (a driver's round trip minus it is Ray's transport)."""
+class GenerationOutput:
+    """The payload of a generation step's result. tokens: {sequence id: its sampled tokens in position order}
+    for the chunks that asked for a sample (one token; ``steps`` of them for a multi-step decode request).
+    decode_path / fallback_reason: the decode unit's path ("bucket" / "variable"; None without one) and why it
+    fell back. logprobs: {sequence id: one ``TokenLogprobs`` per token in ``tokens``} for the sequences whose
+    spec asked (raw logprobs: ``model.sampling``). expert_counts: {sequence id: [layers, experts] int32} for
+    the items marked ``expert_stats``."""
 
-    rank: int
-    step_id: str
-    generation: int
+    kind: ClassVar[StepKind] = StepKind.GENERATION
+
     tokens: dict[str, tuple[int, ...]]
-    layers: tuple[LayerStats, ...]
-    elapsed_s: float
     decode_path: str | None = None
     fallback_reason: str | None = None
-    queued_s: float = 0.0
-    device_s: float = 0.0
-    idle_s: float = 0.0
-    actor_s: float = 0.0
     logprobs: dict[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
     expert_counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __reduce__(self):
         """The tokens as one int64 block when every sequence has as many (they do: one per sub-step)."""
         widths = {len(v) for v in self.tokens.values()}
-        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        fields = _values(self)
         if len(widths) == 1:
             ids = list(self.tokens)
             block = np.asarray(list(self.tokens.values()), dtype=np.int64)
-            return (_result_from_wire, (ids, block.tobytes(), widths.pop(), *fields[:3], *fields[4:]))
-        return (GenStepResult, tuple(fields))
+            return (_output_from_wire, (ids, block.tobytes(), widths.pop(), *fields[1:]))
+        return (GenerationOutput, fields)
 
 
-def _result_from_wire(ids, block, width, *fields) -> GenStepResult:
+def _output_from_wire(ids, block, width, *fields) -> GenerationOutput:
     rows = np.frombuffer(block, dtype=np.int64).reshape(len(ids), width).tolist()
-    return GenStepResult(*fields[:3], dict(zip(ids, map(tuple, rows))), *fields[3:])
+    return GenerationOutput(dict(zip(ids, map(tuple, rows))), *fields)
 
 
-__all__ = ["WorkItem", "StepRequest", "StepResult", "GenStepRequest", "GenStepResult"]
+__all__ = ["StepKind", "StepRequest", "StepResult", "ExpertOnlyInput", "ExpertOnlyOutput", "GenerationInput",
+           "GenerationOutput", "WorkItem"]

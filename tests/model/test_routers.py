@@ -17,7 +17,7 @@ from ray_moe.model.config import config_from_pretrained
 from ray_moe.model.routers import CheckpointRouter, checkpoint_router
 from ray_moe.model.source import weight_source
 from ray_moe.moe.router import Router
-from ray_moe.shard.pipeline import StepRequest
+from ray_moe.shard.records import ExpertOnlyInput, StepKind, StepRequest
 
 T = 37
 
@@ -119,12 +119,13 @@ def _steps(dep: InProcessDeployment, hidden: torch.Tensor, *, layers: tuple[int,
     reqs = {}
     for r, idx in zip(ranks, parts):
         lo, hi = int(idx[0]), int(idx[-1]) + 1
-        reqs[r] = StepRequest(step_id=step_id, generation=dep.generation, hidden=tensor_to_wire(hidden[lo:hi]),
-                              topk_ids=None if routes is None else routes[0][:, lo:hi].contiguous().numpy(),
-                              topk_weights=None if routes is None else routes[1][:, lo:hi].contiguous().numpy(),
-                              layers=layers, return_routes=return_routes)
+        reqs[r] = StepRequest(step_id, dep.generation, StepKind.EXPERT_ONLY, ExpertOnlyInput(
+            hidden=tensor_to_wire(hidden[lo:hi]),
+            topk_ids=None if routes is None else routes[0][:, lo:hi].contiguous().numpy(),
+            topk_weights=None if routes is None else routes[1][:, lo:hi].contiguous().numpy(),
+            layers=layers, return_routes=return_routes))
     with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
-        outs = list(pool.map(lambda r: dep.cores[r].step(reqs[r]), ranks))
+        outs = [res.output for res in pool.map(lambda r: dep.cores[r].step(reqs[r]), ranks)]
     y = torch.cat([wire_to_tensor(o.hidden, o.hidden_dtype) for o in outs], 0)
     if not return_routes:
         return y, None

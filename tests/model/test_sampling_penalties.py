@@ -17,7 +17,7 @@ from ray_moe.model.sampling import (
     sample,
     sample_tensor,
 )
-from ray_moe.shard.records import GenStepRequest, WorkItem
+from ray_moe.shard.records import GenerationInput, WorkItem
 
 
 def _reference(row: list[float], prompt: list[int], generated: list[int], *, presence: float, frequency: float,
@@ -111,6 +111,6 @@ def test_the_wire_form_carries_every_sampling_field():
     items = (WorkItem("a", (1, 2), 10, spec, False, keep_tokens=True),
              WorkItem("b", (), 3, SampleSpec(0.0, 1.0, 1, 3), True, True),
              WorkItem("c", (5,), 0, None, False))
-    req = GenStepRequest("s", 2, items, units=(True, True))
+    req = GenerationInput(items, units=(True, True))
     back = pickle.loads(pickle.dumps(req))
     assert back == req and back.items[0].sample.suppress == (2, 0, 9) and back.items[1].sample.logprobs is None

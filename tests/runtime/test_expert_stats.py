@@ -20,7 +20,7 @@ from ray_moe.model.sampling import SamplingParams
 from ray_moe.model.seam import bind
 from ray_moe.model.source import HFWeightSource
 from ray_moe.moe.layer import RouteRecorder, expert_counts
-from ray_moe.shard.records import GenStepRequest, WorkItem
+from ray_moe.shard.records import GenerationInput, GenerationOutput, StepResult, WorkItem
 
 
 def _prompts(seed: int, lens, vocab: int = 128) -> list[list[int]]:
@@ -119,7 +119,7 @@ def test_the_mark_crosses_the_wire():
     import pickle
 
     items = (WorkItem("a", (1, 2), 0, None, False, expert_stats=True), WorkItem("b", (3,), 4, None, True))
-    back = pickle.loads(pickle.dumps(GenStepRequest("s", 0, items)))
+    back = pickle.loads(pickle.dumps(GenerationInput(items)))
     assert [it.expert_stats for it in back.items] == [True, False]
     assert back.items == items
 
@@ -127,14 +127,12 @@ def test_the_mark_crosses_the_wire():
 def test_the_counts_cross_the_wire():
     import pickle
 
-    from ray_moe.shard.records import GenStepResult
-
     counts = {"a": np.arange(6, dtype=np.int32).reshape(2, 3)}
-    res = GenStepResult(0, "s", 4, {"a": (1,), "b": (2,)}, (), 0.1, expert_counts=counts)
+    res = StepResult(0, "s", 4, GenerationOutput({"a": (1,), "b": (2,)}, expert_counts=counts), (), 0.1)
     back = pickle.loads(pickle.dumps(res))
-    assert back.tokens == res.tokens and back.generation == 4
-    np.testing.assert_array_equal(back.expert_counts["a"], counts["a"])
-    assert pickle.loads(pickle.dumps(GenStepResult(0, "s", 4, {}, (), 0.1))).expert_counts == {}
+    assert back.output.tokens == res.output.tokens and back.generation == 4
+    np.testing.assert_array_equal(back.output.expert_counts["a"], counts["a"])
+    assert pickle.loads(pickle.dumps(GenerationOutput({}))).expert_counts == {}
 
 
 def test_expert_stats_is_validated():

@@ -58,20 +58,19 @@ def test_a_deferred_token_never_sampled_is_refused_on_every_rank(tmp_path):
 
     from ray_moe.shard.generation import DeferredTokenError
 
-    from ray_moe.shard.records import GenStepRequest
-    from ray_moe.shard.records import WorkItem
+    from ray_moe.shard.records import GenerationInput, StepKind, StepRequest, WorkItem
 
     model, folder = tiny_model("mixtral", tmp_path / "m")
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4))
     for c in dep.cores.values():
         c.load_model(kv_tokens=256, block_size=8)
     bad = WorkItem("ghost", (), 5, None, True, deferred=True)
-    reqs = {0: GenStepRequest("bad", dep.generation, (bad,), (), (False, True)),
-            1: GenStepRequest("bad", dep.generation, (), (), (False, True))}
+    reqs = {r: StepRequest("bad", dep.generation, StepKind.GENERATION, GenerationInput(items, (), (False, True)))
+            for r, items in ((0, (bad,)), (1, ()))}
 
     def run(r):
         try:
-            return dep.cores[r].generate_step(reqs[r])
+            return dep.cores[r].step(reqs[r])
         except Exception as exc:  # noqa: BLE001
             return exc
 
@@ -284,7 +283,7 @@ def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_d
     multi-step decode each sub-step also feeds the next from the device."""
     import dataclasses
 
-    from ray_moe.shard.records import GenStepRequest
+    from ray_moe.shard.records import GenerationInput, StepKind, StepRequest
     from ray_moe.model.sampling import SamplingParams
     from ray_moe.driver.scheduler import Scheduler
 
@@ -301,8 +300,8 @@ def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_d
     got: dict[str, list[int]] = {r: [] for r in rids}
 
     def launch(plan, n):
-        req = GenStepRequest(f"o{n}", dep.generation, plan.items[0], plan.free[0],
-                             (plan.has_prefill or not plan.has_decode, plan.has_decode), steps=plan.steps)
+        req = StepRequest(f"o{n}", dep.generation, StepKind.GENERATION, GenerationInput(
+            plan.items[0], plan.free[0], (plan.has_prefill or not plan.has_decode, plan.has_decode), plan.steps))
         with core._pinned(req.generation, req.step_id) as (status, view, paths):
             return core.generator.launch(req, view, paths, status, core._decode_key(view) if paths.bucket else 0)
 
@@ -313,7 +312,7 @@ def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_d
         n += 1
         if flying is not None:
             res = flying[1].complete()
-            for ev in sched.commit(flying[0], res.tokens):
+            for ev in sched.commit(flying[0], res.output.tokens):
                 got[ev.request_id].append(ev.token)
         flying = nxt
         if flying is None and not sched.pending():
@@ -330,9 +329,8 @@ def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, eager_
     import numpy as np
 
     from ray_moe.core.errors import StaleGenerationError
-    from ray_moe.shard.records import GenStepRequest
+    from ray_moe.shard.records import GenerationInput, StepKind, StepRequest, WorkItem
     from ray_moe.model.sampling import SampleSpec
-    from ray_moe.shard.records import WorkItem
 
     model, folder = tiny_model("qwen3_moe", tmp_path / "q3")
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=4))
@@ -345,11 +343,12 @@ def test_a_stale_step_of_a_group_of_one_is_refused_not_captured(tmp_path, eager_
     g1 = dep.plane.apply(dep.plane.propose_rebalance(), reason="rebalance").new_generation
     assert g1 != g0
     item = WorkItem("s", (3, 4, 5), 0, SampleSpec(0.0, 1.0, 1, 3), False)
+    work = GenerationInput((item,), (), (True, False))
     with pytest.raises(StaleGenerationError):
-        core.generate_step(GenStepRequest("stale", g0, (item,), (), (True, False)))
+        core.step(StepRequest("stale", g0, StepKind.GENERATION, work))
     assert core.generator.graphs._graphs == {} or all(k[0] != g0 for k in core.generator.graphs._graphs)
-    res = core.generate_step(GenStepRequest("fresh", g1, (item,), (), (True, False)))
-    assert set(res.tokens) == {"s"}
+    res = core.step(StepRequest("fresh", g1, StepKind.GENERATION, work))
+    assert set(res.output.tokens) == {"s"}
 
 
 def test_shards_serve_a_pipelined_driver_from_concurrent_calls(tmp_path):
@@ -357,7 +356,7 @@ def test_shards_serve_a_pipelined_driver_from_concurrent_calls(tmp_path):
     still running there, each call on its own thread; the shards launch in order and stay token-equal."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ray_moe.shard.records import GenStepRequest
+    from ray_moe.shard.records import GenerationInput, StepKind, StepRequest
     from ray_moe.model.sampling import SamplingParams
     from ray_moe.driver.scheduler import Scheduler
 
@@ -374,8 +373,9 @@ def test_shards_serve_a_pipelined_driver_from_concurrent_calls(tmp_path):
 
     def send(plan, n, after):
         units = (plan.has_prefill or not plan.has_decode, plan.has_decode)
-        reqs = {r: GenStepRequest(f"c{n}", dep.generation, plan.items[r], plan.free[r], units, after) for r in (0, 1)}
-        return f"c{n}", {r: pool.submit(dep.cores[r].generate_step, reqs[r]) for r in (0, 1)}
+        reqs = {r: StepRequest(f"c{n}", dep.generation, StepKind.GENERATION,
+                               GenerationInput(plan.items[r], plan.free[r], units), after) for r in (0, 1)}
+        return f"c{n}", {r: pool.submit(dep.cores[r].step, reqs[r]) for r in (0, 1)}
 
     flying, n = None, 0
     while True:
@@ -384,7 +384,7 @@ def test_shards_serve_a_pipelined_driver_from_concurrent_calls(tmp_path):
         n += 1
         if flying is not None:
             results = {r: f.result(timeout=60) for r, f in flying[2].items()}
-            for ev in sched.commit(flying[0], {k: v for x in results.values() for k, v in x.tokens.items()}):
+            for ev in sched.commit(flying[0], {k: v for x in results.values() for k, v in x.output.tokens.items()}):
                 got[ev.request_id].append(ev.token)
         flying = nxt
         if flying is None and not sched.pending():
@@ -439,7 +439,7 @@ def test_a_multi_step_request_agrees_its_decode_path_once(tmp_path, monkeypatch)
     monkeypatch.setattr(pipeline, "decode_round", lambda *a, **k: rounds.append(1) or real_round(*a, **k))
 
     def launch(self, req, *a, **k):
-        calls.append((req.units[1], req.steps))
+        calls.append((req.input.units[1], req.input.steps))
         return real_launch(self, req, *a, **k)
 
     monkeypatch.setattr(engine.GenerationExecutor, "launch", launch)

@@ -106,6 +106,34 @@ def test_crash_fault_raises_on_its_rank_for_its_count_of_steps():
     assert one.cores[0].counters["aborted_steps"] == 2
 
 
+def test_a_staged_output_is_published_under_the_step_lock(monkeypatch):
+    """On CUDA an expert-only output is a view of the reused pinned staging buffer: ``publish`` (the actor:
+    ``ray.put``) gets the array while the step lock is held and the output carries what it returned; without
+    ``publish`` the view is copied. (On CPU nothing is staged: the buffer is pretended here.)"""
+    from ray_moe.core.wire import tensor_to_wire
+    from ray_moe.shard.records import ExpertOnlyInput, StepKind, StepRequest
+
+    one = InProcessDeployment(RuntimeConfig(**{**BASE, "num_ranks": 1, "slots_per_rank": 8}))
+    core = one.cores[0]
+    h, ids, w = _routes(5, 4, one.cfg)
+    monkeypatch.setattr(type(core._staging), "holds", lambda self, arr: True)
+    seen = []
+
+    def publish(arr):
+        seen.append((arr.shape, core._step_lock.locked()))
+        return "ref"
+
+    def req(step_id):
+        routes = ids.unsqueeze(0).expand(2, -1, -1).numpy(), w.unsqueeze(0).expand(2, -1, -1).numpy()
+        return StepRequest(step_id, one.generation, StepKind.EXPERT_ONLY, ExpertOnlyInput(tensor_to_wire(h), *routes))
+
+    res = core.step(req("p0"), publish=publish)
+    assert res.output.hidden == "ref" and seen == [((5, one.cfg.hidden_size), True)]
+    assert res.kind is StepKind.EXPERT_ONLY and res.active_generation == one.generation and res.actor_s >= res.elapsed_s
+    again = core.step(req("p1"))
+    assert isinstance(again.output.hidden, np.ndarray) and again.output.hidden.shape == (5, one.cfg.hidden_size)
+
+
 def test_parity_fault_changes_the_output_only_while_armed(dep):
     h, ids, w = _routes(6, 11, dep.cfg)
     dep.cores[0].inject_fault("parity", count=1)
@@ -126,6 +154,27 @@ def test_graph_key_fault_takes_the_explicit_eager_path(dep):
 def test_unknown_fault_kind_is_refused(dep):
     with pytest.raises(ValueError, match="kind='bogus'"):
         dep.cores[0].inject_fault("bogus")
+
+
+@pytest.mark.parametrize("kind", ["bogus", "generation"])
+def test_a_step_of_a_forged_kind_is_refused_before_anything_changes(dep, kind):
+    """The rank follows the kind a request declares: one it does not know, or one its input's class does not
+    declare (a generation kind over hidden states, refused before "no model loaded"), is refused by name with
+    no wait, no pin, no counter and no launch recorded; the rank serves the next step as before."""
+    from ray_moe.core.errors import RequestError
+    from ray_moe.core.wire import tensor_to_wire
+    from ray_moe.shard.records import ExpertOnlyInput, StepKind, StepRequest
+
+    h, ids, w = _routes(4, 8, dep.cfg)
+    core = dep.cores[0]
+    req = StepRequest("forged", dep.generation, StepKind.EXPERT_ONLY, ExpertOnlyInput(tensor_to_wire(h)), after="x")
+    object.__setattr__(req, "kind", kind)  # as if it were built or edited past the constructor
+    before = (dict(core.counters), core.refcount(dep.generation), list(core._order._done))
+    with pytest.raises(RequestError, match=f"step 'forged': kind='{kind}'"):
+        core.step(req)
+    assert (dict(core.counters), core.refcount(dep.generation), list(core._order._done)) == before
+    y, _ = dep.step(h, ids, w)
+    assert _err(y, dep.cfg, h, ids, w) < 1e-4
 
 
 def test_generation_fence_retire_and_rebalance():

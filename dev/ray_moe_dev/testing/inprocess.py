@@ -13,7 +13,7 @@ import torch
 
 from ray_moe.control.plane import ControlPlane, LocalFleet
 from ray_moe.shard.core import ShardCore
-from ray_moe.shard.records import StepRequest, StepResult
+from ray_moe.shard.records import ExpertOnlyInput, StepKind, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.local import LocalExchangeGroup
 from ray_moe.model.source import weight_source
@@ -67,10 +67,11 @@ class InProcessDeployment:
         reqs = {}
         for r, idx in zip(ranks, parts):
             lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
-            reqs[r] = StepRequest(step_id=step_id, generation=gen, hidden=tensor_to_wire(hidden[lo:hi]),
-                                  topk_ids=None if topk_ids is None else topk_ids[:, lo:hi].contiguous().numpy(),
-                                  topk_weights=None if topk_weights is None else topk_weights[:, lo:hi].contiguous().numpy(),
-                                  phase=phase)
+            reqs[r] = StepRequest(step_id, gen, StepKind.EXPERT_ONLY, ExpertOnlyInput(
+                hidden=tensor_to_wire(hidden[lo:hi]),
+                topk_ids=None if topk_ids is None else topk_ids[:, lo:hi].contiguous().numpy(),
+                topk_weights=None if topk_weights is None else topk_weights[:, lo:hi].contiguous().numpy(),
+                phase=phase))
 
         def run(r: int) -> Any:
             try:
@@ -83,7 +84,7 @@ class InProcessDeployment:
         outs = [results[r] for r in ranks]
         if any(isinstance(o, Exception) for o in outs):
             return torch.empty(0), results
-        y = torch.cat([wire_to_tensor(o.hidden, o.hidden_dtype) for o in outs], 0)
+        y = torch.cat([wire_to_tensor(o.output.hidden, o.output.hidden_dtype) for o in outs], 0)
         return y, results
 
     @staticmethod
@@ -130,10 +131,11 @@ class LocalTransport(StepTransport):
         gen = self.dep.generation if pinned is None else pinned
         return self.members(), gen, f"gen{next(self._ids)}"
 
-    def launch(self, reqs: Mapping[int, Any]) -> dict[int, Future]:
+    def launch(self, reqs: Mapping[int, StepRequest]) -> dict[int, Future]:
         return {r: self._pool.submit(self.dep.cores[r].step, req) for r, req in reqs.items()}
 
-    def gather(self, step_id: str, reqs: Mapping[int, Any], handles: Mapping[int, Future]) -> dict[int, Any]:
+    def gather(self, step_id: str, reqs: Mapping[int, StepRequest],
+               handles: Mapping[int, Future]) -> dict[int, StepResult]:
         results, first = {}, None
         for r, fut in handles.items():
             try:
@@ -150,7 +152,8 @@ class LocalTransport(StepTransport):
             return
         raise exc
 
-    def account(self, results: Mapping[int, Any], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
+    def account(self, results: Mapping[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int,
+                ms: float) -> None:
         self.steps += 1
 
     def close(self) -> None:
