@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ray_moe.core.errors import ExchangeTimeoutError, RankDeadError, StaleGenerationError
 from ray_moe.core.types import Phase
-from ray_moe.driver.gate import StepGate
+from ray_moe.driver.step_gate import StepGate
 from ray_moe.moe.exchange.mailbox import ExchangeAborted
 from ray_moe.shard.records import StepRequest, StepResult
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ray_moe.driver.gate import StepGate
+from ray_moe.driver.step_gate import StepGate
 
 
 def test_a_waiting_thread_makes_the_gate_contended_until_it_gets_in():
