@@ -15,7 +15,10 @@ memory are its own), all submitted at once, greedy, exactly ``new_tokens`` per r
                 when ``import vllm`` works; offline vLLM gives throughput only (no per-token times)
 ``--random-model`` (the default without ``--model``): Qwen3-30B-A3B's shapes with random weights, ``--layers``
 decoder layers, written with ``save_pretrained`` (and a word-level tokenizer) to a temporary folder that all
-three load. One untimed pass of the same workload warms every system up first (``--no-warmup``: none).
+three load; ``--config-only`` writes the config (and tokenizer) only: ray-moe builds the seeded model in its
+shards, transformers builds it on the device with its own initialisation (``from_config``), vLLM takes
+``load_format=dummy`` (the same shapes, each system its own random weights: throughput, not token equality).
+One untimed pass of the same workload warms every system up first (``--no-warmup``: none).
 Workloads: mixed (lognormal prompt lengths, mean 480, clipped to [16, 3.2 x mean], 128 new tokens),
 decode-heavy (32-token prompts, 256 new), prefill-heavy (uniform in [2/3, 4/3] x 1536, 16 new).
 Latency as vLLM's benchmark_serving defines it: TTFT = first token - request sent; TPOT = (last token - first
@@ -286,6 +289,16 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         rt.shutdown()
 
 
+def random_model_bytes(folder: str, dtype: Any) -> int:
+    """The parameter bytes of the folder's config at ``dtype`` (counted on the meta device: no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
+
+
 def run_transformers(spec: dict) -> dict[str, Any]:
     import torch
     from transformers import (
@@ -295,14 +308,23 @@ def run_transformers(spec: dict) -> dict[str, Any]:
     )
 
     prompts, new, device = spec["prompts"], spec["new_tokens"], spec["device"]
+    dtype = getattr(torch, spec["dtype"])
+    from_config = spec.get("random_model") is not None  # --config-only: transformers' own init, built on the device
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info(0)
-        need = folder_bytes(spec["folder"])
+        need = random_model_bytes(spec["folder"], dtype) if from_config else folder_bytes(spec["folder"])
         if need > 0.85 * free:
             return {"status": "skipped", "reason": f"weights {need / 2**30:.1f} GiB do not fit one GPU "
                                                    f"({free / 2**30:.1f} GiB free) with room for a KV cache"}
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=getattr(torch, spec["dtype"]))
+    if from_config:
+        from transformers import AutoConfig
+
+        torch.manual_seed(0)
+        with torch.device(device):  # like vLLM's load_format=dummy: the shapes, no weights on disk
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec["folder"]), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=dtype)
     model = model.to(device).eval()
     if device == "cuda":
         model.set_experts_implementation("grouped_mm")
@@ -545,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run every system in this process (tests; start times and memory are then shared)")
     p.add_argument("--keep-model", metavar="DIR", help="write the random model here and keep it")
     p.add_argument("--config-only", action="store_true",
-                   help="random model: write no weights (ray-moe builds them in its shards, vLLM takes "
-                        "load_format=dummy; transformers is skipped)")
+                   help="random model: write no weights (ray-moe builds them in its shards, transformers on "
+                        "the device with its own init, vLLM takes load_format=dummy)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
     p.add_argument("--online", action="store_true", help="HTTP against a running ray-moe serve (--url)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -613,9 +635,6 @@ def main(argv: list[str] | None = None) -> int:
                 "random_model": res["model"]["config"] if a.config_only and not a.model else None}
         systems: dict[str, dict[str, Any]] = {}
         for system in a.systems:
-            if system is System.TRANSFORMERS and spec["random_model"] is not None:
-                systems[system.value] = {"status": "skipped", "reason": "--config-only: no weights to load"}
-                continue
             if system is System.VLLM and importlib.util.find_spec("vllm") is None:
                 systems[system.value] = {"status": "skipped", "reason": "vllm is not installed (import vllm fails)"}
                 continue

@@ -12,6 +12,7 @@ import math
 
 import httpx
 import pytest
+import torch
 from ray_moe_bench import serving
 from ray_moe_bench.serving import (
     Workload,
@@ -73,6 +74,24 @@ def test_quick_preset_runs_both_systems_and_every_count_is_what_ran(ray_session,
         assert "vllm: skipped" in ratios["ray_moe_over_vllm_output_tokens_per_s_why_none"]
     lens = work["prompt_len_min_mean_max"]
     assert 16 <= lens[0] <= lens[1] <= lens[2] <= int(3.2 * 24)
+
+
+def test_config_only_builds_transformers_on_the_device_without_weights(tmp_path):
+    """``--config-only`` writes no weights; transformers' generate_batch still runs, on a model built from the
+    config with its own initialisation (the whole 48-layer shape would need its 61 GB written to disk)."""
+    out = tmp_path / "out"
+    rc = serving.main(["--quick", "--in-process", "--no-warmup", "--config-only", "--systems", "transformers",
+                       "--keep-model", str(tmp_path / "m"), "--out", str(out)])
+    assert rc == 0
+    assert not list((tmp_path / "m").glob("*.safetensors"))  # the folder holds the config and tokenizer only
+    (path,) = out.glob("serving-*.json")
+    body = json.loads(path.read_text())
+    s = body["systems"]["transformers"]
+    assert s["status"] == "ok", s
+    work = body["workload"]
+    assert s["output_tokens"] == work["requests"] * work["new_tokens"] == s["expected_output_tokens"]
+    assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["wall_s"])
+    assert serving.random_model_bytes(str(tmp_path / "m"), torch.float32) > 0
 
 
 def _scripted_server(delays_s: list[float], record: list[dict]):
