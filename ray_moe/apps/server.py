@@ -540,7 +540,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
                    max_running=args.max_running, max_queued=args.max_queued,
                    decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True),
-                   attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None))
+                   attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None),
+                   prefix_caching=getattr(args, "prefix_caching", True))
     app_name = f"ray-moe-{args.name}"
     try:
         # one proxy, on the head node, at --host only (never every node's interfaces)

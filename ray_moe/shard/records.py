@@ -181,6 +181,10 @@ class GenStepResult:
     actor_s: float = 0.0
     logprobs: dict[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
     expert_counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # prefix caching (``shard/prefix.py``): {sequence id: its prefill chunk's tokens served from cached KV
+    # blocks} (sequences with a hit only), and the step's prefill tokens on this rank (0 with it off)
+    cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefix_lookup_tokens: int = 0
 
     def __reduce__(self):
         """The tokens as one int64 block when every sequence has as many (they do: one per sub-step)."""
