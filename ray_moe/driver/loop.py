@@ -161,7 +161,7 @@ class GenerationLoop:
                  decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
                  memory_fraction: float | None = None, prefix_caching: bool = True) -> None:
         if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching={prefix_caching!r}: must be a bool")
+            raise TypeError(f"prefix_caching={prefix_caching!r}: must be a bool")
         self.prefix_caching = prefix_caching
         self.prefix_hit_tokens = self.prefix_lookup_tokens = 0  # counted from committed steps' results
         if decode_steps is None:

@@ -150,7 +150,7 @@ class Scheduler:
         if not 1 <= int(decode_steps) <= 64:
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
         if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching={prefix_caching!r}: must be a bool")
+            raise TypeError(f"prefix_caching={prefix_caching!r}: must be a bool")
         if int(prefix_slack) < 0:
             raise ValueError(f"prefix_slack={prefix_slack}: must be >= 0")
         if prefix_index_blocks is not None and int(prefix_index_blocks) < 1:

@@ -101,7 +101,7 @@ class GenerationExecutor:
         what ``memory_fraction`` of the GPU leaves after the weights (``ModelHost.size_kv``), else
         ``CPU_KV_TOKENS``. ``prefix_caching``: full KV blocks of identical prompt prefixes shared (``shard/prefix.py``)."""
         if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching={prefix_caching!r}: must be a bool")
+            raise TypeError(f"prefix_caching={prefix_caching!r}: must be a bool")
         sized = kv_tokens is None
         if sized and not 0.0 < float(memory_fraction) <= 1.0:
             raise ValueError(f"memory_fraction={memory_fraction}: must be in (0, 1]")

@@ -21,7 +21,8 @@ only) is the same in every run, and no shared block is written again. Expert sta
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ray_moe.model.kv import PagedKVCache
 from ray_moe.model.prefix_cache import chain_hashes
