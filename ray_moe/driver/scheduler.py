@@ -200,6 +200,9 @@ class Scheduler:
             bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
             if bad.size:
                 raise ValueError(f"prompt: token id {int(ids[bad[0]])} is out of range [0, {vocab_size})")
+            far = [t for t, _ in params.logit_bias if t >= vocab_size]
+            if far:
+                raise ValueError(f"logit_bias: token id {far[0]} is outside the vocabulary [0, {vocab_size})")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_context:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
@@ -401,6 +404,8 @@ class Scheduler:
             budget[s.rank] -= 0 if decode else n - min(n, free)
             all_decode = all_decode and decode
             steps = min(steps, s.params.max_new_tokens - len(s.generated) - sampling)
+            if decode and s.params.expert_stats and cached < len(s.prompt):
+                steps = 1  # a marked prompt's last token alone: its step's counts are all prompt rows
             end = cached + n
             if free and end >= self._expect[s.request_id]:
                 del self._expect[s.request_id]
@@ -425,7 +430,8 @@ class Scheduler:
             until = len(s.prompt) + p.min_tokens
             suppress = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))))
         return SampleSpec(p.temperature, p.top_p, s.seed, position, p.presence_penalty, p.frequency_penalty,
-                          p.repetition_penalty, len(s.prompt), suppress, until if suppress else 0, p.logprobs)
+                          p.repetition_penalty, len(s.prompt), suppress, until if suppress else 0, p.logprobs,
+                          p.logit_bias)
 
     def commit(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]],
                logprobs: Mapping[str, Sequence[TokenLogprobs]] | None = None) -> list[TokenEvent]:

@@ -54,3 +54,17 @@ def test_a_request_of_no_sub_steps_is_refused_by_name():
 
     with pytest.raises(ValueError, match="steps=0"):
         GenStepRequest("s", 1, (), steps=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.just(()), st.dictionaries(st.integers(0, 1 << 20), st.floats(-100, 100), max_size=6)
+                          .map(lambda d: tuple(sorted(d.items())))), min_size=1, max_size=8))
+def test_logit_bias_travels_per_item_in_the_columnar_form(biases):
+    items = tuple(WorkItem(f"q{i}", (i, 2), i, SampleSpec(0.0, 1.0, i, i + 2, suppress=(i,) * (i % 3),
+                                                         suppress_until=9, logit_bias=b), False)
+                  for i, b in enumerate(biases))
+    req = GenStepRequest("s", 1, items + (WorkItem("nosample", (1,), 0, None, True),))
+    back = pickle.loads(pickle.dumps(req))
+    assert back == req
+    assert [it.sample.logit_bias for it in back.items[:-1]] == list(biases)
+    assert all(type(t) is int and type(b) is float for it in back.items[:-1] for t, b in it.sample.logit_bias)
