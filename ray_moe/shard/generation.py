@@ -382,7 +382,7 @@ class GenerationExecutor:
             if varlen and 0 < nd < len(chunks):  # decode rows first, as a group of their own (``plan_padded``)
                 single = max(16, pow2(nd))  # (a padding decode row costs little: its routes compute nothing)
                 rows = single + shape_bucket(n - nd, 16, 3)
-            keys = shape_bucket(context + single - nd, 64, 2)
+            keys = shape_bucket(context + (single - nd if single else 0), 64, 2)  # (+ the one-row group's padding)
         else:
             keys = shape_bucket(context + (rows - n if varlen else 0), 64, 2)
         last_rows = (single + max(8, pow2(len(chunks) - nd)) if single else max(1, pow2(len(chunks)))) if prefill else None

@@ -14,7 +14,8 @@ rank's cache already holds, and the full blocks a step wrote are named for later
 
 A step that is rerun (a stale generation, a recovered rank) finds its attached and registered blocks valid and
 cuts the same positions or more: what it reports as cached (``cached_tokens``: positions of attached blocks
-only) is the same in every run, and no shared block is written again. Expert statistics of a cut chunk
+only) is the same in every run, and no shared block is written again. A chunk from position 0 whose sequence
+holds valid blocks that are not its own leading blocks (a reused id) drops them first (``_restart``). Expert statistics of a cut chunk
 (``WorkItem.expert_stats``) count only the rows it computed.
 """
 
@@ -77,6 +78,8 @@ class ShardPrefixes:
             sid, n = it.seq_id, len(it.tokens)
             looked += n
             keep = 1 if it.sample is not None else 0  # a sampled chunk computes its last token
+            if it.start == 0 and kv.held(sid):
+                self._restart(kv, it)
             v = kv.valid_tokens(sid)
             if it.start == v and kv.held(sid) * B == v:  # its next positions have no blocks yet: look up
                 full = (it.start + n - keep) // B - v // B
@@ -103,6 +106,17 @@ class ShardPrefixes:
         order = kept if len(one) in (0, len(kept)) else one + [k for k in kept if out[k].num_tokens != 1]
         where = {k: i for i, k in enumerate(order)}
         return PrefixTrim(tuple(out[k] for k in order), [(where[k], *rest) for k, *rest in fills], cached, looked)
+
+    def _restart(self, kv: PagedKVCache, it: WorkItem) -> None:
+        """A chunk from position 0 of a sequence that already holds blocks: a rerun when its valid blocks are
+        this chunk's own (their names equal the chunk's leading blocks'); else the id names other content (a
+        driver that restarted reuses ids its predecessor never freed here): the old blocks are dropped, so a
+        shared block is never cut past or written with other tokens."""
+        valid = kv.valid_hashes(it.seq_id)
+        if valid and (len(valid) > len(it.tokens) // kv.block_size
+                      or chain_hashes(None, it.tokens[:len(valid) * kv.block_size], kv.block_size) != valid):
+            kv.free(it.seq_id)
+            self.forget(it.seq_id)
 
     def commit(self, kv: PagedKVCache, items: Sequence[WorkItem]) -> None:
         """Step 3 for the step's (resolved, uncut) ``items``, once its forward was launched."""

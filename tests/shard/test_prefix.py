@@ -141,3 +141,21 @@ def test_penalties_read_the_cached_prefix_tokens(tmp_path):
         out[on] = [h.result() for h in handles]
         assert (stats["prefix"]["hit_tokens"] > 0) == on
     assert out[True] == out[False]
+
+
+def test_a_reused_sequence_id_with_other_tokens_drops_its_old_blocks():
+    """A restarted driver reuses ids its predecessor never freed on the rank: the old valid blocks are not
+    this prompt's, so they are dropped (never cut past, never written); a shared one stays intact."""
+    kv, pre = PagedKVCache(16, 4), ShardPrefixes()
+    old = list(range(12))
+    _step(pre, kv, [_chunk("a", old, 0, True)])
+    _step(pre, kv, [_chunk("b", old, 0, True)])  # b shares a's two named blocks
+    shared = kv.slots("a", 0, 8).tolist()
+    cut = _step(pre, kv, [_chunk("a", [9] * 12, 0, True)])  # "a" again, other tokens
+    assert cut.cached == {} and cut.items[0].start == 0
+    assert set(kv.slots("a", 0, 8).tolist()).isdisjoint(shared)  # fresh blocks: b's are untouched
+    assert kv.slots("b", 0, 8).tolist() == shared and kv.valid_tokens("b") == 8
+    # a chunk shorter than its sequence's valid blocks cannot show they are its own: dropped too, then looked
+    # up afresh (its first block is still cached by name)
+    short = _step(pre, kv, [_chunk("b", old[:5], 0, False)])
+    assert short.items[0].start == 4 and short.cached == {"b": 4} and kv.valid_tokens("b") == 4
