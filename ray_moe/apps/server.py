@@ -194,10 +194,9 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             if getattr(req, "model", None) not in (None, model_name):
                 return None, _error(404, f"model: {req.model!r} is not served here (serving {model_name!r})",
                                     "model", "model_not_found")
-            if hasattr(req, "stops"):
-                if req.stops() and self.tokenizer is None:
-                    return None, _error(400, "stop: stop strings need a tokenizer in the checkpoint folder "
-                                             "(use stop_token_ids)", "stop")
+            if hasattr(req, "stops") and req.stops() and self.tokenizer is None:
+                return None, _error(400, "stop: stop strings need a tokenizer in the checkpoint folder "
+                                         "(use stop_token_ids)", "stop")
             return req, None
 
         def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True):

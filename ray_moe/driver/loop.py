@@ -54,7 +54,8 @@ class ExpertTally:
     """One request's routed experts so far (``SamplingParams.expert_stats``): prompt / generated: [layers,
     experts] int64 counts of (token, expert) routes of its prompt rows and of its generated tokens' rows (a
     row at a position before the prompt's end counts as prompt; rows recomputed after a preemption or a lost
-    rank count again, as does a multi-step decode's sub-step past the request's end within that step);
+    rank count again, as does a multi-step decode's sub-step past the request's end within that step; prompt
+    rows served from the prefix cache are not computed and not counted);
     generations: the placement generations its steps ran on."""
 
     prompt: np.ndarray | None = None

@@ -61,6 +61,10 @@ def test_prefix_caching_off_assigns_least_loaded_and_chunks_by_budget():
     assert _rank(s, c) != _rank(s, a) and s.prefix_routed == 0 and not s._prefix_index
     with pytest.raises(TypeError, match="prefix_caching=1: must be a bool"):
         _sched(prefix_caching=1)
+    from ray_moe.driver.loop import GenerationLoop
+
+    with pytest.raises(TypeError, match="prefix_caching='no': must be a bool"):
+        GenerationLoop(None, prefix_caching="no")  # refused before any shard loads the model
     with pytest.raises(ValueError, match="prefix_slack=-1"):
         _sched(prefix_slack=-1)
     with pytest.raises(ValueError, match="prefix_index_blocks=0"):

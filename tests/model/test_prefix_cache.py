@@ -108,7 +108,7 @@ def test_pool_refuses_what_it_cannot_do():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("reserve attach free".split()), st.integers(0, 3), st.integers(1, 12),
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "attach", "free"]), st.integers(0, 3), st.integers(1, 12),
                           st.integers(0, 2)), max_size=40))
 def test_blocks_are_conserved_free_plus_held_plus_cached(ops):
     """Any sequence of reservations (registering the full blocks of a prompt drawn from 3 families), attaches

@@ -9,7 +9,13 @@ import torch
 from pydantic import ValidationError
 
 from ray_moe.driver.scheduler import Scheduler
-from ray_moe.model.sampling import SampleSpec, SamplingParams, logprobs_tensor, process_logits, sample
+from ray_moe.model.sampling import (
+    SampleSpec,
+    SamplingParams,
+    logprobs_tensor,
+    process_logits,
+    sample,
+)
 
 
 def _logits() -> torch.Tensor:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ray_moe_dev.testing.hf_models import tiny_model
+from ray_moe_dev.testing.inprocess import InProcessDeployment, serve_requests
 
 import ray_moe
 from ray_moe.model.kv import PagedKVCache
 from ray_moe.model.sampling import SampleSpec, SamplingParams
 from ray_moe.shard.prefix import ShardPrefixes
 from ray_moe.shard.records import WorkItem
-from ray_moe_dev.testing.hf_models import tiny_model
-from ray_moe_dev.testing.inprocess import InProcessDeployment, serve_requests
 
 SPEC = SampleSpec(0.0, 1.0, 0, 0)
 
@@ -130,7 +130,7 @@ def test_greedy_tokens_are_equal_with_and_without_prefix_caching(tmp_path, famil
 def test_penalties_read_the_cached_prefix_tokens(tmp_path):
     """A penalized sequence keeps its token ids by position (``keep_tokens``): the cut chunk's cached prefix
     is in that history, so repetition penalties give the same tokens with and without prefix caching."""
-    model, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    _, folder = tiny_model("qwen3_moe", tmp_path / "m")
     prompts = _prompts(4)[:3]
     sp = SamplingParams(max_new_tokens=6, repetition_penalty=1.5, frequency_penalty=0.5, ignore_eos=True)
     out = {}

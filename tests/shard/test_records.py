@@ -41,8 +41,9 @@ def test_step_result_round_trips_tokens_and_statistics():
     ls = LayerStats(2, 9, 3, 1, np.arange(4), np.array([6, 3]), {5: 4, 9: 5}, "bucket-graph", None)
     for tokens in ({"a": (1, 2, 3), "b": (4, 5, 6)}, {"a": (7,)}, {}, {"a": (1,), "b": (2, 3)}):
         res = GenStepResult(1, "s1", 4, tokens, (ls,), 0.5, "bucket", None, queued_s=0.1, device_s=0.2, idle_s=0.3,
-                            actor_s=0.6)
+                            actor_s=0.6, cached_tokens={"a": 16}, prefix_lookup_tokens=40)
         back = pickle.loads(cloudpickle.dumps(res))
+        assert (back.cached_tokens, back.prefix_lookup_tokens) == ({"a": 16}, 40)
         assert back.tokens == tokens and all(type(v) is tuple for v in back.tokens.values())
         assert (back.rank, back.step_id, back.generation, back.elapsed_s, back.decode_path, back.queued_s,
                 back.device_s, back.idle_s, back.actor_s) == (1, "s1", 4, 0.5, "bucket", 0.1, 0.2, 0.3, 0.6)
