@@ -22,8 +22,9 @@ which rank was recently given which prompt blocks (the chained block hashes of `
 names the shards cache their KV blocks under; approximate: a rank may have evicted them since). A new request
 goes to the rank with the longest run of its prompt's leading blocks in that index, unless that rank runs more
 than ``prefix_slack`` sequences beyond the least-loaded rank that fits it (then, as without a match, the
-least-loaded one): a shared prefix is computed once per rank instead of once per request. The matched tokens
-count outside the step's prefill budget (they are expected cached: no compute).
+least-loaded one): a shared prefix is computed once per rank instead of once per request. Matched blocks that
+rank has already prefilled (a committed step covered them) count outside the step's prefill budget (expected
+cached: no compute); blocks only assigned so far (a burst of requests with one prefix) route, not budget.
 
     sched = Scheduler(ranks=[0, 1], kv_blocks=256, block_size=16, max_context=4096)
     rid = sched.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
@@ -157,8 +158,10 @@ class Scheduler:
             raise ValueError(f"prefix_index_blocks={prefix_index_blocks}: must be >= 1")
         self.prefix_caching, self.prefix_slack = prefix_caching, int(prefix_slack)
         self.prefix_index_blocks = int(prefix_index_blocks or min(1 << 18, int(kv_blocks) * max(1, len(ranks))))
-        self._prefix_index: OrderedDict[tuple[int, int], None] = OrderedDict()  # (rank, block hash), LRU first
+        # (rank, block hash) -> whether that rank has prefilled it (a committed step covered it), LRU first
+        self._prefix_index: OrderedDict[tuple[int, int], bool] = OrderedDict()
         self._expect: dict[str, int] = {}  # prompt tokens a new sequence's rank likely caches (index matches)
+        self._prompt_blocks: dict[str, tuple[list[int], int]] = {}  # running prefill: (its hashes, marked)
         self.prefix_routed = 0
         if int(keep_finished) < 0:
             raise ValueError(f"keep_finished={keep_finished}: must be >= 0")
@@ -246,6 +249,7 @@ class Scheduler:
             if s.rank in gone and s.state is SeqState.RUNNING:
                 s.rank, s.cached, s.state = None, 0, SeqState.WAITING
                 self._expect.pop(s.request_id, None)
+                self._prompt_blocks.pop(s.request_id, None)
                 s.moves += 1
                 self.moved += 1
                 moved.append(s.request_id)
@@ -277,6 +281,7 @@ class Scheduler:
                     self._to_free[s.rank].append(s.request_id)
                 s.rank, s.cached, s.state = None, 0, SeqState.WAITING
                 self._expect.pop(s.request_id, None)
+                self._prompt_blocks.pop(s.request_id, None)
                 back.append(s.request_id)
         for rid in reversed(back):
             self._queue.appendleft(rid)
@@ -341,29 +346,45 @@ class Scheduler:
     def _prefix_rank(self, s_id: str, hashes: list[int], fits: list[int], loads: dict[int, int], least: int) -> int:
         """The rank for a request whose prompt blocks are ``hashes``: the one of ``fits`` with the longest run
         of them in the index (ties: the less loaded), within ``prefix_slack`` of the least load; else
-        ``least``. Its blocks are recorded (most recently used) under the chosen rank, and the matched tokens
-        expected cached there: its first chunks may exceed the step's prefill budget by them (they cost no
-        compute where the rank still holds them; one that was evicted is computed in a larger step)."""
+        ``least``. Its blocks are recorded (most recently used) under the chosen rank, and the leading matched
+        blocks that rank has prefilled are expected cached there: its first chunks may exceed the step's prefill
+        budget by them (no compute where the rank still holds them; evicted ones are computed in a larger step)."""
         floor = min(loads[u] for u in fits)
+        index = self._prefix_index
         best, best_n = least, 0
         for u in fits:
             if loads[u] > floor + self.prefix_slack:
                 continue
             n = 0
-            while n < len(hashes) and (u, hashes[n]) in self._prefix_index:
+            while n < len(hashes) and (u, hashes[n]) in index:
                 n += 1
             if n > best_n or (n == best_n and n and (loads[u], self._used[u], u) < (loads[best], self._used[best], best)):
                 best, best_n = u, n
         self.prefix_routed += best != least
-        if best_n:
-            self._expect[s_id] = best_n * self.block_size
-        index = self._prefix_index
+        ready = 0
+        while ready < best_n and index[(best, hashes[ready])]:
+            ready += 1
+        if ready:
+            self._expect[s_id] = ready * self.block_size
+        self._prompt_blocks[s_id] = (hashes, 0)
         for h in hashes:
-            index[(best, h)] = None
+            index[(best, h)] = index.get((best, h), False)
             index.move_to_end((best, h))
         while len(index) > self.prefix_index_blocks:
             index.popitem(last=False)
         return best
+
+    def _prefilled(self, s: SeqStatus) -> None:
+        """``s``'s rank has now written its prompt blocks below ``s.cached``: marked prefilled in the index."""
+        hashes, marked = self._prompt_blocks[s.request_id]
+        done = min(len(hashes), s.cached // self.block_size)
+        for h in hashes[marked:done]:
+            if (s.rank, h) in self._prefix_index:
+                self._prefix_index[(s.rank, h)] = True
+        if done >= len(hashes):
+            del self._prompt_blocks[s.request_id]
+        else:
+            self._prompt_blocks[s.request_id] = (hashes, max(marked, done))
 
     def plan(self, ahead: StepPlan | None = None) -> StepPlan:
         """The next step. ``ahead``: a step launched but not committed yet; this plan follows it (its chunks
@@ -450,6 +471,8 @@ class Scheduler:
                 if s is None or s.state is not SeqState.RUNNING or s.rank != r:
                     continue
                 s.cached = it.start + it.num_tokens + (plan.steps - 1)
+                if it.seq_id in self._prompt_blocks:
+                    self._prefilled(s)
                 if it.sample is None:
                     continue
                 got = sampled[it.seq_id]
@@ -479,6 +502,7 @@ class Scheduler:
         s.state = SeqState.FINISHED
         self.seqs.pop(s.request_id, None)
         self._expect.pop(s.request_id, None)
+        self._prompt_blocks.pop(s.request_id, None)
         if self.keep_finished:
             self.finished[s.request_id] = s
             self.finished.move_to_end(s.request_id)

@@ -41,10 +41,11 @@ def test_a_request_follows_its_prefix_to_the_rank_that_got_it():
 def test_the_longest_match_wins_and_a_much_busier_rank_is_passed_over():
     s = _sched(ranks=(0, 1, 2), prefix_slack=1)
     h = chain_hashes(None, BASE[:16], 4)
-    for key in ((0, h[0]), (0, h[1]), (0, h[2]), (1, h[0])):  # rank 0 got three of the blocks, rank 1 one
-        s._prefix_index[key] = None
+    # rank 0 got three of the blocks (prefilled the first two so far), rank 1 one (prefilled)
+    for key, done in (((0, h[0]), True), ((0, h[1]), True), ((0, h[2]), False), ((1, h[0]), True)):
+        s._prefix_index[key] = done
     assert s._prefix_rank("x", h, [0, 1, 2], {0: 1, 1: 1, 2: 0}, least=2) == 0  # longest, within the slack
-    assert s._expect["x"] == 12  # three blocks expected cached there
+    assert s._expect["x"] == 8  # the two prefilled blocks are expected cached there, not the third
     assert s._prefix_rank("y", h, [0, 1, 2], {0: 2, 1: 1, 2: 0}, least=2) == 1  # rank 0 is 2 beyond: rank 1
     assert s._prefix_rank("z", h, [0, 1, 2], {0: 3, 1: 3, 2: 0}, least=2) == 2  # both too busy: least-loaded
     assert "z" not in s._expect and s.prefix_routed == 2
@@ -87,14 +88,19 @@ def test_the_index_is_bounded_lru_and_forgets_departed_ranks():
 def test_chunks_end_on_block_boundaries_and_expected_hits_ride_outside_the_budget():
     s = Scheduler([0], kv_blocks=64, block_size=4, max_context=256, step_tokens=6)
     a = s.submit(list(range(14)), SP)
+    burst = s.submit(list(range(14)), SP)  # the same prompt at once: its blocks are assigned, not prefilled
     first = s.plan()
-    (it,) = first.items[0]
-    assert (it.start, len(it.tokens)) == (0, 4)  # 6 rounded down to the block boundary
+    # a: 6 rounded down to the block boundary; the burst request's 2 left of the budget reach no boundary, and
+    # nothing is expected cached for it (so no budget beyond the step's): it waits
+    assert {x.seq_id: (x.start, len(x.tokens)) for x in first.items[0]} == {a: (0, 4)}
+    assert burst not in s._expect
     s.commit(first, {})
-    b = s.submit(list(range(14)), SP)  # the same prompt: three blocks expected cached on rank 0
-    plan = s.plan(ahead=None)
+    while s.seqs[a].cached < 14:  # a's prefill to its end (its first token sampled)
+        plan = s.plan()
+        s.commit(plan, {x.seq_id: 1 for x in plan.items[0] if x.sample is not None})
+    b = s.submit(list(range(14)), SP)  # now three prefilled blocks are expected cached on rank 0
+    plan = s.plan()
     got = {x.seq_id: (x.start, len(x.tokens)) for x in plan.items[0]}
-    assert got[a] == (4, 4)
-    # 12 expected-cached tokens beyond the 2 left of the budget: the whole prompt in one chunk (2 computed)
+    # 12 expected-cached tokens beyond the budget: b's whole prompt in one chunk (2 computed)
     assert got[b] == (0, 14) and s.seqs[b].rank == 0
     assert b not in s._expect  # its expectation is used up once its chunk passed it
