@@ -15,7 +15,9 @@ memory are its own), all submitted at once, greedy, exactly ``new_tokens`` per r
                 when ``import vllm`` works; offline vLLM gives throughput only (no per-token times)
 ``--random-model`` (the default without ``--model``): Qwen3-30B-A3B's shapes with random weights, ``--layers``
 decoder layers, written with ``save_pretrained`` (and a word-level tokenizer) to a temporary folder that all
-three load. One untimed pass of the same workload warms every system up first (``--no-warmup``: none).
+three load. One untimed pass of the same workload warms every system up first (``--no-warmup``: none; ray-moe's
+timed pass then finds the warm pass's full prompt blocks in its prefix cache, as vLLM's does when its prefix caching is on:
+``--no-prefix-caching`` turns ray-moe's off).
 Workloads: mixed (lognormal prompt lengths, mean 480, clipped to [16, 3.2 x mean], 128 new tokens),
 decode-heavy (32-token prompts, 256 new), prefill-heavy (uniform in [2/3, 4/3] x 1536, 16 new).
 Latency as vLLM's benchmark_serving defines it: TTFT = first token - request sent; TPOT = (last token - first
@@ -238,7 +240,8 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         engine = rt.serving(kv_tokens=spec.get("kv_tokens") or (None if spec["device"] == "cuda" else busiest + 64 * len(prompts)),
                             block_size=16, attention=spec.get("attention") or "auto", random_model=conf,
                             step_tokens=spec["step_tokens"], max_running=spec["max_running"],
-                            max_queued=max(4096, len(prompts)), decode_steps=spec.get("decode_steps"))
+                            max_queued=max(4096, len(prompts)), decode_steps=spec.get("decode_steps"),
+                            prefix_caching=spec.get("prefix_caching", True))
         start_s = time.perf_counter() - t0
         # the product has no ignore_eos: the scheduler's EOS set is emptied so every request makes its budget
         engine.scheduler.eos = frozenset()
@@ -541,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-tp", type=int, default=None, help="vLLM tensor_parallel_size (default: --ranks)")
     p.add_argument("--vllm-args", type=json.loads, default={}, help="extra LLM(...) keyword arguments, JSON")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="ray-moe without prefix caching (the warm pass runs the same prompts: with it, the timed "
+                        "pass finds their full blocks cached, as vLLM's prefix cache does when on)")
     p.add_argument("--in-process", action="store_true",
                    help="run every system in this process (tests; start times and memory are then shared)")
     p.add_argument("--keep-model", metavar="DIR", help="write the random model here and keep it")
@@ -607,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"folder": folder, "prompts": prompts, "new_tokens": work.new_tokens, "device": device,
                 "dtype": dtype, "ranks": ranks, "max_running": a.max_running, "step_tokens": a.step_tokens,
                 "decode_steps": a.decode_steps, "decode_capacity": a.decode_capacity, "kv_tokens": a.kv_tokens, "attention": a.attention,
-                "warmup": not a.no_warmup, "timeout_s": a.timeout,
+                "warmup": not a.no_warmup, "timeout_s": a.timeout, "prefix_caching": a.prefix_caching,
                 "vllm_tp": a.vllm_tp or ranks,
                 "vllm_args": {**({"load_format": "dummy"} if a.config_only else {}), **a.vllm_args},
                 "random_model": res["model"]["config"] if a.config_only and not a.model else None}
