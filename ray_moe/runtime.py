@@ -531,7 +531,7 @@ class Runtime:
     def serving(self, *, kv_tokens: int | None = None, block_size: int = 16, step_tokens: int | None = None,
                 max_running: int = 256, max_queued: int = 4096, random_model: dict[str, Any] | None = None,
                 decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
-                memory_fraction: float | None = None) -> "GenerationLoop":
+                memory_fraction: float | None = None, prefix_caching: bool = True) -> "GenerationLoop":
         """The deployment's generation loop (started on first use: every shard loads the model's non-expert
         modules and a paged KV cache; the arguments are ``GenerationLoop``'s and apply to the first call).
         ``random_model`` (a transformers config dict): seeded random non-expert weights of that model instead
@@ -545,10 +545,10 @@ class Runtime:
                     raise ValueError("checkpoint=None: generation needs a model folder "
                                      "(RuntimeConfig.from_pretrained(folder, ...))")
                 self._engine = GenerationLoop(self.transport, device=self.cfg.device, kv_tokens=kv_tokens, block_size=block_size,
-                                                step_tokens=step_tokens, max_running=max_running,
-                                                max_queued=max_queued, random_model=random_model,
-                                                decode_steps=decode_steps, fused_kernels=fused_kernels,
-                                                attention=attention, memory_fraction=memory_fraction)
+                                              step_tokens=step_tokens, max_running=max_running, max_queued=max_queued,
+                                              random_model=random_model, decode_steps=decode_steps,
+                                              fused_kernels=fused_kernels, attention=attention,
+                                              memory_fraction=memory_fraction, prefix_caching=prefix_caching)
             return self._engine
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,

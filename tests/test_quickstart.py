@@ -47,5 +47,5 @@ def test_readme_quickstart_runs_as_pasted(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"completion: '.*' CompletionUsage\(completion_tokens=8, prompt_tokens=13, total_tokens=21", out), out[-3000:]
-    assert "chat: '" in out, out[-3000:]
+    assert re.search(r"chat: ['\"]", out), out[-3000:]  # (sampled at temperature 1: the text may hold a quote)
     assert (tmp_path / "tiny-moe" / "config.json").exists()

@@ -106,8 +106,9 @@ def bench_ray_moe(conf: dict, device: str, dtype_name: str, prefill: int, batche
     out: dict[str, Any] = {"deploy_s": time.perf_counter() - t0}
     try:
         kv = max(batches) * (32 + new + 16) + prefill + 1024
+        # (no prefix caching: the same prompt is timed again and again, and its prefill must be computed each time)
         engine = rt.serving(kv_tokens=kv, block_size=16, step_tokens=max(prefill, 256), max_running=max(batches),
-                            random_model=conf, decode_steps=decode_steps[0])
+                            random_model=conf, decode_steps=decode_steps[0], prefix_caching=False)
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, conf["vocab_size"], (prefill,), generator=g).tolist()
         rt.generate([prompt], max_new_tokens=1)

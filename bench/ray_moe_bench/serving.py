@@ -18,7 +18,9 @@ decoder layers, written with ``save_pretrained`` (and a word-level tokenizer) to
 three load; ``--config-only`` writes the config (and tokenizer) only: ray-moe builds the seeded model in its
 shards, transformers builds it on the device with its own initialisation (``from_config``), vLLM takes
 ``load_format=dummy`` (the same shapes, each system its own random weights: throughput, not token equality).
-One untimed pass of the same workload warms every system up first (``--no-warmup``: none).
+One untimed pass warms every system up first (``--no-warmup``: none) on prompts of the same lengths whose token
+ids are shifted by one (``warmup_prompts``): the same step shapes, no shared block, so no system's prefix cache
+(vLLM's is on by default, ray-moe's too) serves the timed pass from the warm one.
 Workloads: mixed (lognormal prompt lengths, mean 480, clipped to [16, 3.2 x mean], 128 new tokens),
 decode-heavy (32-token prompts, 256 new), prefill-heavy (uniform in [2/3, 4/3] x 1536, 16 new).
 Latency as vLLM's benchmark_serving defines it: TTFT = first token - request sent; TPOT = (last token - first
@@ -241,13 +243,14 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         engine = rt.serving(kv_tokens=spec.get("kv_tokens") or (None if spec["device"] == "cuda" else busiest + 64 * len(prompts)),
                             block_size=16, attention=spec.get("attention") or "auto", random_model=conf,
                             step_tokens=spec["step_tokens"], max_running=spec["max_running"],
-                            max_queued=max(4096, len(prompts)), decode_steps=spec.get("decode_steps"))
+                            max_queued=max(4096, len(prompts)), decode_steps=spec.get("decode_steps"),
+                            prefix_caching=spec.get("prefix_caching", True))
         start_s = time.perf_counter() - t0
         # the product has no ignore_eos: the scheduler's EOS set is emptied so every request makes its budget
         engine.scheduler.eos = frozenset()
         params = SamplingParams(max_new_tokens=new, temperature=0.0)
 
-        def one_pass() -> tuple[list[list[int]], float, list[float], list[list[float]]]:
+        def one_pass(prompts: list[list[int]]) -> tuple[list[list[int]], float, list[float], list[list[float]]]:
             stamps: list[list[float]] = [[] for _ in prompts]
 
             def on_event(i: int) -> Callable[[Any], None]:
@@ -262,9 +265,9 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
             return outs, time.perf_counter() - t, sent, stamps
 
         if spec["warmup"]:
-            one_pass()
+            one_pass(spec["warm_prompts"])
         steps0 = engine.steps
-        outs, wall, sent, stamps = one_pass()
+        outs, wall, sent, stamps = one_pass(prompts)
         res = token_metrics(prompts, outs, wall, sent, stamps)
         res.update(start_s=start_s, engine_steps=engine.steps - steps0, decode_steps=engine.scheduler.decode_steps,
                    settings={"ranks": ranks, "decode_token_capacity": cap, "kv_tokens_per_rank": engine.kv_tokens,
@@ -297,6 +300,13 @@ def random_model_bytes(folder: str, dtype: Any) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
     return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
+
+
+def warmup_prompts(prompts: list[list[int]], vocab: int) -> list[list[int]]:
+    """The warm pass's prompts: the timed prompts' lengths (the same step shapes, so every system has captured
+    / compiled them) with every token id shifted by one, so no cache block of the warm pass equals one of the
+    timed pass (a prefix cache would otherwise serve the timed prompts from the warm-up)."""
+    return [[(t + 1) % vocab for t in p] for p in prompts]
 
 
 def run_transformers(spec: dict) -> dict[str, Any]:
@@ -336,8 +346,8 @@ def run_transformers(spec: dict) -> dict[str, Any]:
     blocks = sum(math.ceil((len(p) + new) / page) for p in prompts) + 1
     cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=spec["step_tokens"] or 2048)
     warm = spec["warmup"]
-    if warm:  # the same workload: its manager (sized for these requests) is kept for the timed pass
-        model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, persistent_manager=True,
+    if warm:  # the same lengths: its manager (sized for these requests) is kept for the timed pass
+        model.generate_batch(spec["warm_prompts"], generation_config=gen, continuous_batching_config=cb, persistent_manager=True,
                              progress_bar=False)
     t = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True,
@@ -373,7 +383,7 @@ def run_vllm(spec: dict) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     if spec["warmup"]:
-        llm.generate(inputs, params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in spec["warm_prompts"]], params, use_tqdm=False)
     t = time.perf_counter()
     got = llm.generate(inputs, params, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -563,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-tp", type=int, default=None, help="vLLM tensor_parallel_size (default: --ranks)")
     p.add_argument("--vllm-args", type=json.loads, default={}, help="extra LLM(...) keyword arguments, JSON")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="ray-moe without prefix caching (the warm pass's prompts share no block with the timed "
+                        "ones either way)")
     p.add_argument("--in-process", action="store_true",
                    help="run every system in this process (tests; start times and memory are then shared)")
     p.add_argument("--keep-model", metavar="DIR", help="write the random model here and keep it")
@@ -626,10 +639,11 @@ def main(argv: list[str] | None = None) -> int:
         res["workload"]["prompt_tokens"] = sum(len(x) for x in prompts)
         res["workload"]["prompt_len_min_mean_max"] = [min(map(len, prompts)), sum(map(len, prompts)) / len(prompts),
                                                       max(map(len, prompts))]
-        spec = {"folder": folder, "prompts": prompts, "new_tokens": work.new_tokens, "device": device,
+        spec = {"folder": folder, "prompts": prompts, "warm_prompts": warmup_prompts(prompts, vocab),
+                "new_tokens": work.new_tokens, "device": device,
                 "dtype": dtype, "ranks": ranks, "max_running": a.max_running, "step_tokens": a.step_tokens,
                 "decode_steps": a.decode_steps, "decode_capacity": a.decode_capacity, "kv_tokens": a.kv_tokens, "attention": a.attention,
-                "warmup": not a.no_warmup, "timeout_s": a.timeout,
+                "warmup": not a.no_warmup, "timeout_s": a.timeout, "prefix_caching": a.prefix_caching,
                 "vllm_tp": a.vllm_tp or ranks,
                 "vllm_args": {**({"load_format": "dummy"} if a.config_only else {}), **a.vllm_args},
                 "random_model": res["model"]["config"] if a.config_only and not a.model else None}

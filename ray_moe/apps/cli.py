@@ -401,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                     help="keep transformers' own RMSNorm and rotary embedding on cuda (default: the fused kernels, "
                          "each taken only where it reproduces transformers' own)")
+    sv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                    help="compute every prompt's KV cache (default: full KV blocks of identical prompt prefixes are "
+                         "shared within a rank, and requests go to the rank that holds their prefix)")
     sv.add_argument("--max-queued", type=int, default=1024,
                     help="requests in flight before new ones get 503 (overload)")
     sv.add_argument("--eplb", type=eplb_flag, default="auto", metavar="off|auto|periodic:N",

@@ -18,7 +18,9 @@ series                                                         type       from
                                                                           sequence per choice)
 ``ray_moe_server_kv_cache_blocks_used{rank}`` / ``_total``,    gauge      KV blocks the running sequences reserve
 ``ray_moe_server_kv_cache_usage_ratio``                                   (prompt + max_tokens), over every rank
-``ray_moe_server_prefix_cache_hit_ratio``                      gauge      0: prefix caching is not implemented yet
+``ray_moe_server_prefix_cache_hit_tokens_total`` /            counter    prompt tokens served from cached KV blocks
+``ray_moe_server_prefix_cache_lookup_tokens_total``                       / every prefill token (committed steps)
+``ray_moe_server_prefix_cache_hit_ratio``                      gauge      hit tokens / lookup tokens (0 before any)
 ``ray_moe_server_oom_steps_total``                             counter    steps that ran out of device memory
 ``ray_moe_server_preemptions_total``                           counter    sequences such a step gave back
 ``ray_moe_*`` (``ray.prometheus.exported_metrics``)            as there   the deployment's telemetry, read when
@@ -51,8 +53,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
-PREFIX_CACHE_HELP = ("prefix cache hit rate: prefix caching is not implemented yet, so no KV block is shared between "
-                     "requests and this reads 0")
+PREFIX_CACHE_HELP = ("prefix cache hit rate: prompt tokens served from cached KV blocks over every prefill token "
+                     "(prefix_cache_hit_tokens_total / prefix_cache_lookup_tokens_total; 0 before any prefill)")
 
 
 class ApiRoute(str, Enum):
@@ -83,7 +85,8 @@ class ApiRoute(str, Enum):
 @dataclass(frozen=True)
 class EngineState:
     """What the generation loop's scheduler holds at one instant (read-only): sequences running and waiting,
-    KV blocks reserved and held per rank, the out-of-memory steps and the sequences they preempted."""
+    KV blocks reserved and held per rank, the out-of-memory steps and the sequences they preempted, and the
+    prompt tokens served from cached KV blocks over every prefill token (prefix caching's counters)."""
 
     running: int
     waiting: int
@@ -91,6 +94,8 @@ class EngineState:
     blocks_total: dict[int, int]
     oom_steps: int
     preempted: int
+    prefix_hit_tokens: int = 0
+    prefix_lookup_tokens: int = 0
 
     @classmethod
     def read(cls, engine: Any) -> "EngineState":
@@ -114,7 +119,8 @@ class EngineState:
         # every out-of-memory step halves the budgets once (``memory_backoff``): ``backoffs`` counts them all,
         # ``memory_events`` keeps the last 64 only
         oom = max(int(getattr(sched, "backoffs", 0)), len(getattr(engine, "memory_events", ())))
-        return cls(running, waiting, used, {r: int(sched.kv_blocks) for r in ranks}, oom, int(sched.preempted))
+        return cls(running, waiting, used, {r: int(sched.kv_blocks) for r in ranks}, oom, int(sched.preempted),
+                   int(getattr(engine, "prefix_hit_tokens", 0)), int(getattr(engine, "prefix_lookup_tokens", 0)))
 
 
 class EngineCollector:
@@ -139,12 +145,18 @@ class EngineCollector:
         ratio = GaugeMetricFamily(PREFIX + "kv_cache_usage_ratio",
                                   "KV cache blocks reserved over all blocks, every rank (0..1)")
         prefix = GaugeMetricFamily(PREFIX + "prefix_cache_hit_ratio", PREFIX_CACHE_HELP)
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens", "prompt tokens served from cached KV "
+                                   "blocks (prefix caching: computed once, shared within a rank)")
+        looked = CounterMetricFamily(PREFIX + "prefix_cache_lookup_tokens", "prefill tokens of the generation "
+                                     "steps, each looked up in the prefix cache (0 with prefix caching off)")
         oom = CounterMetricFamily(PREFIX + "oom_steps", "generation steps that ran out of device memory "
                                   "(contained: their sequences preempted, the step budgets halved)")
         pre = CounterMetricFamily(PREFIX + "preemptions",
                                   "sequences given back to the queue by out-of-memory steps (recomputed)")
-        prefix.add_metric([], 0.0)
         if st is not None:
+            hits.add_metric([], st.prefix_hit_tokens)
+            looked.add_metric([], st.prefix_lookup_tokens)
+            prefix.add_metric([], st.prefix_hit_tokens / st.prefix_lookup_tokens if st.prefix_lookup_tokens else 0.0)
             running.add_metric([], st.running)
             waiting.add_metric([], st.waiting)
             for r in st.blocks_total:
@@ -154,7 +166,7 @@ class EngineCollector:
             ratio.add_metric([], sum(st.blocks_used.values()) / all_blocks if all_blocks else 0.0)
             oom.add_metric([], st.oom_steps)
             pre.add_metric([], st.preempted)
-        yield from (running, waiting, used, total, ratio, prefix, oom, pre)
+        yield from (running, waiting, used, total, ratio, prefix, hits, looked, oom, pre)
 
 
 class TelemetryCollector:

@@ -4,8 +4,9 @@ Unknown fields are accepted and ignored, as the OpenAI API does: ``ignored_field
 them back in ``X-Ray-MoE-Ignored-Fields``). The shard's sampler honours ``logprobs`` (completions: 0..20
 alternatives; chat: ``logprobs`` true with ``top_logprobs`` 0..20), ``presence_penalty`` / ``frequency_penalty``
 ([-2, 2], over the generated tokens), ``repetition_penalty`` (> 0, over prompt and generated tokens),
-``min_tokens`` and ``ignore_eos``. ``logit_bias`` is accepted at its default only; another value is a 400 naming
-the field (``unsupported_sampler_field``), never a silent ignore. ``ray_moe`` holds ray-moe's own fields (no
+``min_tokens``, ``ignore_eos`` and ``logit_bias`` (OpenAI's: {token id as a string: bias in [-100, 100]} added
+to the logits before sampling; the logprobs stay the raw ones, before it; a key that is not a token id, an id
+outside the vocabulary or a bias out of range is a 400 naming the field and the key). ``ray_moe`` holds ray-moe's own fields (no
 OpenAI server has them; ``RayMoEOptions``): ``{"expert_stats": true}`` returns, per choice, the experts its
 tokens were routed to per MoE layer and the placement generations that served it; an unknown key in it is a
 400 naming it.
@@ -22,6 +23,7 @@ UNSUPPORTED_HEADER = "X-Ray-MoE-Unsupported-Fields"
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's bound; OpenAI's is 20 for chat, 5 for completions)
 MAX_N = 16  # choices per prompt
 MAX_STOPS = 16  # stop strings per request
+MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's bound)
 CHAT_DEFAULT_MAX_TOKENS = 1024  # a chat request without max_tokens: this many, or what fits the context and KV budget
 
 
@@ -107,8 +109,7 @@ class _Generation(BaseModel):
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
-    # not computed by the shard's sampler: accepted at its default only (``unsupported_sampler_field``)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias}; ids checked against the vocabulary on submit
     ray_moe: RayMoEOptions | None = None  # ray-moe's own fields
 
     @field_validator("stop")
@@ -118,6 +119,16 @@ class _Generation(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(v)}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: Any) -> Any:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer as a string)")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{key!r}]={bias!r} is outside [-100, 100]")
+        return v
+
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -125,10 +136,6 @@ class _Generation(BaseModel):
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
-
-    def unsupported_sampler_field(self) -> str | None:
-        """The first field set to a value the shard's sampler does not honour (``logit_bias``), or None."""
-        return "logit_bias" if self.logit_bias not in (None, {}) else None
 
     def sampler_logprobs(self) -> int | None:
         """Alternatives per sampled token for ``SamplingParams.logprobs`` (None: no logprobs)."""
@@ -141,7 +148,8 @@ class _Generation(BaseModel):
                     ignore_eos=self.ignore_eos, min_tokens=min(self.min_tokens, max_new_tokens),
                     presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                    logprobs=self.sampler_logprobs(), expert_stats=self.wants_expert_stats)
+                    logprobs=self.sampler_logprobs(), expert_stats=self.wants_expert_stats,
+                    logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()})
 
     @property
     def wants_expert_stats(self) -> bool:

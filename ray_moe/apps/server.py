@@ -6,7 +6,7 @@
                                  "top_p", "seed", "n", "stop", "stop_token_ids", "echo", "stream", "stream_options",
                                  "return_token_ids", "skip_special_tokens", "user", "logprobs" (0..20),
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                                 "ignore_eos", "ray_moe": {"expert_stats"}} -> choices with "text" (when the folder
+                                 "ignore_eos", "logit_bias", "ray_moe": {"expert_stats"}} -> choices with "text" (when the folder
                                  has a tokenizer), "token_ids", "logprobs" ({"tokens", "token_logprobs",
                                  "top_logprobs", "text_offset"}) and, when asked, "ray_moe" ({"expert_stats"})
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "logprobs": true, "top_logprobs", ...}
@@ -21,9 +21,9 @@
 Text is exact: streamed pieces concatenate to the non-streamed text (``detokenize.IncrementalDetokenizer``), special
 tokens are skipped unless ``skip_special_tokens`` is false, text prompts get BOS as the tokenizer adds it. ``stop``
 strings are matched on that text across token boundaries and cut (the request is cancelled there). ``n`` samples
-use seeds ``seed + i``. Unknown fields are ignored and named in ``X-Ray-MoE-Ignored-Fields``; ``logit_bias`` at
-other than its default gets 400 (not supported). Logprobs are the raw ones (log-softmax of the model's logits,
-before penalties and temperature; ``model.sampling``), for the generated tokens (not the prompt's, with ``echo``);
+use seeds ``seed + i``. Unknown fields are ignored and named in ``X-Ray-MoE-Ignored-Fields``; ``logit_bias`` is
+added to the logits before sampling. Logprobs are the raw ones (log-softmax of the model's logits, before the
+bias, penalties and temperature; ``model.sampling``), for the generated tokens (not the prompt's, with ``echo``);
 a token's text is its id decoded alone (``token_id:<id>`` without a tokenizer), its ``text_offset`` where the
 completion's text stood when it arrived.
 
@@ -194,14 +194,9 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             if getattr(req, "model", None) not in (None, model_name):
                 return None, _error(404, f"model: {req.model!r} is not served here (serving {model_name!r})",
                                     "model", "model_not_found")
-            if hasattr(req, "unsupported_sampler_field"):
-                field = req.unsupported_sampler_field()
-                if field is not None:
-                    return None, _error(400, f"{field}={getattr(req, field)!r}: not supported (ray-moe's sampler "
-                                             f"does not compute it); leave it out or send its default", field)
-                if req.stops() and self.tokenizer is None:
-                    return None, _error(400, "stop: stop strings need a tokenizer in the checkpoint folder "
-                                             "(use stop_token_ids)", "stop")
+            if hasattr(req, "stops") and req.stops() and self.tokenizer is None:
+                return None, _error(400, "stop: stop strings need a tokenizer in the checkpoint folder "
+                                         "(use stop_token_ids)", "stop")
             return req, None
 
         def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True):
@@ -376,7 +371,8 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                                                            "code": None}})
                 except ValueError as exc:  # too long for the context or the KV budget, bad token ids
                     self._cancel(choices)
-                    return _error(400, str(exc), prompt_field if "prompt" in str(exc) else None, headers=headers)
+                    param = "logit_bias" if str(exc).startswith("logit_bias") else prompt_field if "prompt" in str(exc) else None
+                    return _error(400, str(exc), param, headers=headers)
                 except RayMoEError as exc:
                     self._cancel(choices)
                     return _error(503, str(exc), None, "server_error", headers=headers)
@@ -540,7 +536,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
                    max_running=args.max_running, max_queued=args.max_queued,
                    decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True),
-                   attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None))
+                   attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None),
+                   prefix_caching=getattr(args, "prefix_caching", True))
     app_name = f"ray-moe-{args.name}"
     try:
         # one proxy, on the head node, at --host only (never every node's interfaces)

@@ -17,6 +17,7 @@ import numpy as np
 from ray_moe.core.telemetry.metrics import MetricName, Telemetry
 from ray_moe.core.telemetry.quantiles import EvidenceClass, summarize
 from ray_moe.core.types import Phase
+from ray_moe.shard.records import StepKind
 
 if TYPE_CHECKING:
     from ray_moe.shard.records import StepResult
@@ -30,6 +31,8 @@ class RuntimeStats:
     accepted_routes: routes the shards accepted and served; dropped_routes: attempted routes that were not
     served (the call raised: refused input, or a step that failed for good). The data paths never drop an
     accepted route (admission refusals rerun eagerly), so dropped = attempted - accepted.
+    prefix_hit_tokens / prefix_lookup_tokens: prompt tokens generation steps served from cached KV blocks, and
+    every prefill token of those steps (with prefix caching on; ``shard/prefix.py``).
     """
 
     steps: int = 0
@@ -48,6 +51,8 @@ class RuntimeStats:
     bucket_layers: int = 0  # decode (step, layer) units served by the fixed-capacity bucket path
     graph_replays: int = 0  # of those, units replayed from a captured CUDA graph
     fallbacks: dict[str, int] = field(default_factory=dict)  # decode units that took the variable path, by reason
+    prefix_hit_tokens: int = 0
+    prefix_lookup_tokens: int = 0
 
     def ratios(self) -> dict[str, dict[str, float | int | None]]:
         def r(n: int, d: int) -> dict[str, float | int | None]:
@@ -61,6 +66,7 @@ class RuntimeStats:
             "same_gpu": r(self.accepted_routes - self.remote_routes, self.accepted_routes),
             "same_node_remote_gpu": r(self.remote_routes - self.inter_node_routes, self.accepted_routes),
             "different_node": r(self.inter_node_routes, self.accepted_routes),
+            "prefix_cache_hit": r(self.prefix_hit_tokens, self.prefix_lookup_tokens),
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -80,6 +86,8 @@ class RuntimeStats:
             "graph_replays": self.graph_replays,
             "last_step": dict(self.last_step),
             "fallbacks": dict(self.fallbacks),
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_lookup_tokens": self.prefix_lookup_tokens,
             "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "max": lat.max, "n": lat.n},
         }
 
@@ -148,6 +156,9 @@ class StepBooks:
             for r in ranks:
                 res = results[r]
                 gen = res.generation
+                if res.kind is StepKind.GENERATION:  # (an expert-only step prefills nothing)
+                    s.prefix_hit_tokens += sum(res.output.cached_tokens.values())
+                    s.prefix_lookup_tokens += res.output.prefix_lookup_tokens
                 for ls in res.layers:
                     acc, rem, inter = acc + ls.accepted, rem + ls.remote, inter + ls.inter_node
                     self._load[ls.layer] += ls.expert_counts

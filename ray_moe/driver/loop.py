@@ -54,7 +54,8 @@ class ExpertTally:
     """One request's routed experts so far (``SamplingParams.expert_stats``): prompt / generated: [layers,
     experts] int64 counts of (token, expert) routes of its prompt rows and of its generated tokens' rows (a
     row at a position before the prompt's end counts as prompt; rows recomputed after a preemption or a lost
-    rank count again, as does a multi-step decode's sub-step past the request's end within that step);
+    rank count again, as does a multi-step decode's sub-step past the request's end within that step; prompt
+    rows served from the prefix cache are not computed and not counted);
     generations: the placement generations its steps ran on."""
 
     prompt: np.ndarray | None = None
@@ -151,12 +152,19 @@ class GenerationLoop:
     trip runs; 1 on CPU (no device to keep fed: every step's load reaches the rebalancer's window and
     requests join at every step; the CPU demo takes about the same time either way). fused_kernels: the model's
     RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
-    keeps transformers' own)."""
+    keeps transformers' own). prefix_caching: KV blocks of identical prompt prefixes are shared within a rank
+    and new requests routed to the rank holding their prefix (``shard/prefix.py``, ``Scheduler``); the prompt
+    tokens served from those blocks over every prefill token are ``prefix_hit_tokens / prefix_lookup_tokens``
+    (committed steps: a recovered step counts once; ``prefix_stats``)."""
 
     def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int | None = 8192, block_size: int = 16, step_tokens: int | None = None,
                  max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
                  decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
-                 memory_fraction: float | None = None) -> None:
+                 memory_fraction: float | None = None, prefix_caching: bool = True) -> None:
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching={prefix_caching!r}: must be a bool")
+        self.prefix_caching = prefix_caching
+        self.prefix_hit_tokens = self.prefix_lookup_tokens = 0  # counted from committed steps' results
         if decode_steps is None:
             decode_steps = DEFAULT_DECODE_STEPS_CUDA if device == "cuda" else 1
         if step_tokens is None:
@@ -179,7 +187,8 @@ class GenerationLoop:
         self.max_context = int(info["max_context"])
         self.scheduler = Scheduler(transport.members(), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
                                    max_context=self.max_context, step_tokens=step_tokens, max_running=max_running,
-                                   eos_token_ids=info.get("eos_token_ids", ()), decode_steps=decode_steps)
+                                   eos_token_ids=info.get("eos_token_ids", ()), decode_steps=decode_steps,
+                                   prefix_caching=prefix_caching)
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -248,7 +257,8 @@ class GenerationLoop:
         todo = [r for r in ranks if r not in self._loaded]
         infos = self.transport.load_model(todo, kv_tokens=self.kv_tokens, block_size=self.block_size,
                                           random_model=self.random_model, fused_kernels=self.fused_kernels,
-                                          attention=self.attention, memory_fraction=self.memory_fraction)
+                                          attention=self.attention, memory_fraction=self.memory_fraction,
+                                          prefix_caching=self.prefix_caching)
         self._loaded.update(todo)
         # the scheduler plans one cache size for every rank: the smallest (memory-sized caches may differ)
         return min(infos, key=lambda i: int(i["kv_blocks"])) if infos else {}
@@ -368,6 +378,9 @@ class GenerationLoop:
             events = self.scheduler.commit(plan, sampled, logprobs)
             self.scheduler.step_succeeded()
             self.steps += 1
+            for res in results.values():
+                self.prefix_hit_tokens += sum(res.output.cached_tokens.values())
+                self.prefix_lookup_tokens += res.output.prefix_lookup_tokens
             for ev in events:
                 h = self._handles.get(ev.request_id)
                 if h is None:
@@ -396,6 +409,14 @@ class GenerationLoop:
                 h, it = self._handles.get(sid), items.get(sid)
                 if h is not None and h.tally is not None and it is not None:
                     h.tally.add(counts, res.generation, prompt=it.start < h.prompt_len)
+
+    def prefix_stats(self) -> dict[str, float | int | None]:
+        """Prefix caching so far: prompt tokens served from cached KV blocks (``hit_tokens``) over the prefill
+        tokens of every committed step (``lookup_tokens``), their ratio (None before any prefill), and the
+        requests routed to a rank for their prefix rather than the least-loaded one."""
+        hit, looked = self.prefix_hit_tokens, self.prefix_lookup_tokens
+        return {"enabled": self.prefix_caching, "hit_tokens": hit, "lookup_tokens": looked,
+                "hit_ratio": hit / looked if looked else None, "routed": self.scheduler.prefix_routed}
 
     def timing_summary(self, last: int | None = None) -> dict[str, float]:
         """Median milliseconds per step of each part (the last ``last`` steps)."""

@@ -14,6 +14,18 @@ sequences back the same way (``preempt``: recompute) and halves the step's prefi
 sequences (``memory_backoff``); each budget doubles back towards its configured value after
 ``RECOVER_AFTER_STEPS`` clean steps.
 
+Prefix caching (``prefix_caching``; the shards share KV blocks of identical prompt prefixes, ``shard/prefix.py``):
+a prefill chunk that does not reach the end of its sequence ends on a block boundary (a shard looks cached
+blocks up chunk after chunk; a sequence whose budget share this step does not reach its next boundary waits a
+step). Prefix-aware assignment: the scheduler keeps a bounded LRU index of
+which rank was recently given which prompt blocks (the chained block hashes of ``model/prefix_cache.py``, the
+names the shards cache their KV blocks under; approximate: a rank may have evicted them since). A new request
+goes to the rank with the longest run of its prompt's leading blocks in that index, unless that rank runs more
+than ``prefix_slack`` sequences beyond the least-loaded rank that fits it (then, as without a match, the
+least-loaded one): a shared prefix is computed once per rank instead of once per request. Matched blocks that
+rank has already prefilled (a committed step covered them) count outside the step's prefill budget (expected
+cached: no compute); blocks only assigned so far (a burst of requests with one prefix) route, not budget.
+
     sched = Scheduler(ranks=[0, 1], kv_blocks=256, block_size=16, max_context=4096)
     rid = sched.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
     plan = sched.plan()                      # StepPlan: per-rank work items
@@ -33,6 +45,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from ray_moe.model.kv import KVBudgetError
+from ray_moe.model.prefix_cache import chain_hashes
 from ray_moe.model.sampling import SampleSpec, SamplingParams, TokenLogprobs
 from ray_moe.shard.records import WorkItem
 
@@ -113,13 +126,19 @@ class TokenEvent:
 
 
 RECOVER_AFTER_STEPS = 64  # clean steps after a memory backoff before the budgets double back
+# prefix-aware assignment: a rank that holds a request's prompt prefix takes it while it runs at most this many
+# sequences more than the least-loaded rank that fits the request
+PREFIX_LOAD_SLACK = 4
 
 
 class Scheduler:
     """kv_blocks / block_size: every rank's cache; max_context: the model's positions; step_tokens: the
     prefill token budget of one rank in one step (decode tokens always run); decode_steps: the most decode
     sub-steps of one step (multi-step decode; 1: one token per sequence per step); keep_finished: finished
-    sequences kept for inspection (``status``), the oldest dropped first.
+    sequences kept for inspection (``status``), the oldest dropped first. prefix_caching: route a new request
+    to the rank that recently got its prompt's prefix (module docstring), within ``prefix_slack`` sequences of
+    the least-loaded rank; ``prefix_index_blocks``: the index's bound (default: every rank's blocks, at most
+    2**18); ``prefix_routed`` counts the requests it sent elsewhere than the least-loaded rank.
 
     ``seqs`` holds the live (waiting and running) sequences only: a finished one moves to the bounded
     ``finished`` record, so a long-running server's per-step work and memory do not grow with every request
@@ -127,9 +146,23 @@ class Scheduler:
 
     def __init__(self, ranks: Sequence[int], *, kv_blocks: int, block_size: int, max_context: int,
                  step_tokens: int = 2048, max_running: int = 256, eos_token_ids: Iterable[int] = (),
-                 decode_steps: int = 1, keep_finished: int = 1024) -> None:
+                 decode_steps: int = 1, keep_finished: int = 1024, prefix_caching: bool = True,
+                 prefix_slack: int = PREFIX_LOAD_SLACK, prefix_index_blocks: int | None = None) -> None:
         if not 1 <= int(decode_steps) <= 64:
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching={prefix_caching!r}: must be a bool")
+        if int(prefix_slack) < 0:
+            raise ValueError(f"prefix_slack={prefix_slack}: must be >= 0")
+        if prefix_index_blocks is not None and int(prefix_index_blocks) < 1:
+            raise ValueError(f"prefix_index_blocks={prefix_index_blocks}: must be >= 1")
+        self.prefix_caching, self.prefix_slack = prefix_caching, int(prefix_slack)
+        self.prefix_index_blocks = int(prefix_index_blocks or min(1 << 18, int(kv_blocks) * max(1, len(ranks))))
+        # (rank, block hash) -> whether that rank has prefilled it (a committed step covered it), LRU first
+        self._prefix_index: OrderedDict[tuple[int, int], bool] = OrderedDict()
+        self._expect: dict[str, int] = {}  # prompt tokens a new sequence's rank likely caches (index matches)
+        self._prompt_blocks: dict[str, tuple[list[int], int]] = {}  # running prefill: (its hashes, marked)
+        self.prefix_routed = 0
         if int(keep_finished) < 0:
             raise ValueError(f"keep_finished={keep_finished}: must be >= 0")
         self.keep_finished = int(keep_finished)
@@ -170,6 +203,9 @@ class Scheduler:
             bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
             if bad.size:
                 raise ValueError(f"prompt: token id {int(ids[bad[0]])} is out of range [0, {vocab_size})")
+            far = [t for t, _ in params.logit_bias if t >= vocab_size]
+            if far:
+                raise ValueError(f"logit_bias: token id {far[0]} is outside the vocabulary [0, {vocab_size})")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_context:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
@@ -212,6 +248,8 @@ class Scheduler:
         for s in self.seqs.values():
             if s.rank in gone and s.state is SeqState.RUNNING:
                 s.rank, s.cached, s.state = None, 0, SeqState.WAITING
+                self._expect.pop(s.request_id, None)
+                self._prompt_blocks.pop(s.request_id, None)
                 s.moves += 1
                 self.moved += 1
                 moved.append(s.request_id)
@@ -221,6 +259,9 @@ class Scheduler:
         self._used = {r: self._used.get(r, 0) for r in self.ranks}
         for r in gone:
             self._used.pop(r, None)
+        if gone:  # their caches went with them
+            for key in [k for k in self._prefix_index if k[0] in gone]:
+                del self._prefix_index[key]
         self._to_free = {r: self._to_free.get(r, []) for r in self.ranks}  # departed ranks took their caches
         return moved
 
@@ -239,6 +280,8 @@ class Scheduler:
                     self._used[s.rank] -= self.blocks(s.reserve_tokens)
                     self._to_free[s.rank].append(s.request_id)
                 s.rank, s.cached, s.state = None, 0, SeqState.WAITING
+                self._expect.pop(s.request_id, None)
+                self._prompt_blocks.pop(s.request_id, None)
                 back.append(s.request_id)
         for rid in reversed(back):
             self._queue.appendleft(rid)
@@ -284,11 +327,64 @@ class Scheduler:
             if not fits:
                 return  # FIFO: the head waits for blocks to free up
             r = min(fits, key=lambda u: (loads[u], self._used[u], u))
+            hashes = self._prefix_hashes(s)
+            if hashes:
+                r = self._prefix_rank(s.request_id, hashes, fits, loads, r)
             self._queue.popleft()
             self._used[r] += need
             s.rank, s.cached, s.state = r, 0, SeqState.RUNNING
             loads[r] += 1
             running += 1
+
+    def _prefix_hashes(self, s: SeqStatus) -> list[int]:
+        """The chained hashes of the prompt's full blocks a rank can share (never the last token's block, as
+        the shards) with prefix caching on; else []."""
+        if not self.prefix_caching:
+            return []
+        return chain_hashes(None, s.prompt[:len(s.prompt) - 1], self.block_size)
+
+    def _prefix_rank(self, s_id: str, hashes: list[int], fits: list[int], loads: dict[int, int], least: int) -> int:
+        """The rank for a request whose prompt blocks are ``hashes``: the one of ``fits`` with the longest run
+        of them in the index (ties: the less loaded), within ``prefix_slack`` of the least load; else
+        ``least``. Its blocks are recorded (most recently used) under the chosen rank, and the leading matched
+        blocks that rank has prefilled are expected cached there: its first chunks may exceed the step's prefill
+        budget by them (no compute where the rank still holds them; evicted ones are computed in a larger step)."""
+        floor = min(loads[u] for u in fits)
+        index = self._prefix_index
+        best, best_n = least, 0
+        for u in fits:
+            if loads[u] > floor + self.prefix_slack:
+                continue
+            n = 0
+            while n < len(hashes) and (u, hashes[n]) in index:
+                n += 1
+            if n > best_n or (n == best_n and n and (loads[u], self._used[u], u) < (loads[best], self._used[best], best)):
+                best, best_n = u, n
+        self.prefix_routed += best != least
+        ready = 0
+        while ready < best_n and index[(best, hashes[ready])]:
+            ready += 1
+        if ready:
+            self._expect[s_id] = ready * self.block_size
+        self._prompt_blocks[s_id] = (hashes, 0)
+        for h in hashes:
+            index[(best, h)] = index.get((best, h), False)
+            index.move_to_end((best, h))
+        while len(index) > self.prefix_index_blocks:
+            index.popitem(last=False)
+        return best
+
+    def _prefilled(self, s: SeqStatus) -> None:
+        """``s``'s rank has now written its prompt blocks below ``s.cached``: marked prefilled in the index."""
+        hashes, marked = self._prompt_blocks[s.request_id]
+        done = min(len(hashes), s.cached // self.block_size)
+        for h in hashes[marked:done]:
+            if (s.rank, h) in self._prefix_index:
+                self._prefix_index[(s.rank, h)] = True
+        if done >= len(hashes):
+            del self._prompt_blocks[s.request_id]
+        else:
+            self._prompt_blocks[s.request_id] = (hashes, max(marked, done))
 
     def plan(self, ahead: StepPlan | None = None) -> StepPlan:
         """The next step. ``ahead``: a step launched but not committed yet; this plan follows it (its chunks
@@ -316,13 +412,24 @@ class Scheduler:
                     total, deferred = total + sampling, True
             left = total - cached
             decode = left == 1 and cached > 0
-            n = 1 if decode else min(left, max(0, budget[s.rank]))
+            free = 0 if decode else max(0, self._expect.get(s.request_id, 0) - cached)  # likely cached on its rank
+            n = 1 if decode else min(left, max(0, budget[s.rank]) + free)
+            if not decode and self.prefix_caching and cached + n < total and self.step_tokens >= self.block_size:
+                aligned = (cached + n) // self.block_size * self.block_size  # chunks end on block boundaries
+                if aligned > cached:
+                    n = aligned - cached
+                elif cached % self.block_size == 0:
+                    continue  # (the next step's budget reaches the boundary: the oldest prefill goes first)
             if n <= 0:
                 continue
-            budget[s.rank] -= 0 if decode else n
+            budget[s.rank] -= 0 if decode else n - min(n, free)
             all_decode = all_decode and decode
             steps = min(steps, s.params.max_new_tokens - len(s.generated) - sampling)
+            if decode and s.params.expert_stats and cached < len(s.prompt):
+                steps = 1  # a marked prompt's last token alone: its step's counts are all prompt rows
             end = cached + n
+            if free and end >= self._expect[s.request_id]:
+                del self._expect[s.request_id]
             spec = self._spec(s, end) if end == total else None
             tokens = () if deferred else s.token_slice(cached, end)
             items[s.rank].append(WorkItem(s.request_id, tokens, cached, spec, decode, deferred,
@@ -344,7 +451,8 @@ class Scheduler:
             until = len(s.prompt) + p.min_tokens
             suppress = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))))
         return SampleSpec(p.temperature, p.top_p, s.seed, position, p.presence_penalty, p.frequency_penalty,
-                          p.repetition_penalty, len(s.prompt), suppress, until if suppress else 0, p.logprobs)
+                          p.repetition_penalty, len(s.prompt), suppress, until if suppress else 0, p.logprobs,
+                          p.logit_bias)
 
     def commit(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]],
                logprobs: Mapping[str, Sequence[TokenLogprobs]] | None = None) -> list[TokenEvent]:
@@ -363,6 +471,8 @@ class Scheduler:
                 if s is None or s.state is not SeqState.RUNNING or s.rank != r:
                     continue
                 s.cached = it.start + it.num_tokens + (plan.steps - 1)
+                if it.seq_id in self._prompt_blocks:
+                    self._prefilled(s)
                 if it.sample is None:
                     continue
                 got = sampled[it.seq_id]
@@ -391,6 +501,8 @@ class Scheduler:
             self._to_free[s.rank].append(s.request_id)
         s.state = SeqState.FINISHED
         self.seqs.pop(s.request_id, None)
+        self._expect.pop(s.request_id, None)
+        self._prompt_blocks.pop(s.request_id, None)
         if self.keep_finished:
             self.finished[s.request_id] = s
             self.finished.move_to_end(s.request_id)

@@ -13,7 +13,13 @@ varlen backend (``model/attention.py``) runs FlashAttention per sequence from th
 (no mask is built: ``plan(..., varlen=True)``).
 
 Writes are positional, so a step that is rerun (a stale generation, an overflowed bucket) rewrites the same
-slots with the same values: sequence bookkeeping only changes through ``reserve`` and ``free``.
+slots with the same values: sequence bookkeeping only changes through ``reserve``, ``free``, ``attach`` and
+``register``.
+
+Prefix caching (``model/prefix_cache.py``): blocks are reference counted; a full block whose content is written
+is named by a chained hash of its tokens (``register``), and a new sequence with the same leading tokens holds
+those blocks instead of computing them (``attach``). A freed block that has a name stays cached (found by hash)
+until the pool needs it (LRU): ``free_blocks`` counts it as available, so the budget is unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 import torch
 
 from ray_moe.core.errors import RayMoEError
+from ray_moe.model.prefix_cache import BlockPool
 
 
 class KVBudgetError(RayMoEError, ValueError):
@@ -101,8 +108,11 @@ class PagedKVCache:
         self.block_size = int(block_size)
         self.device = torch.device(device)
         self.dtype = dtype
-        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() gives the lowest id
+        self.pool = BlockPool(self.num_blocks)  # free / held / cached blocks (``model/prefix_cache.py``)
         self._blocks: dict[str, list[int]] = {}
+        # per sequence: the hashes of its leading blocks whose content is written and named (``register``,
+        # ``attach``): they may be shared, and a rerun step need not compute them again
+        self._valid: dict[str, list[int]] = {}
         self._slot_arr: dict[str, np.ndarray] = {}  # [held blocks * B] slot of each reserved position
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layout: StepLayout | None = None
@@ -114,7 +124,8 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation may take: free ones and cached ones (prefix caching evicts those on demand)."""
+        return self.pool.available
 
     def blocks_for(self, tokens: int) -> int:
         return -(-int(tokens) // self.block_size)
@@ -124,27 +135,74 @@ class PagedKVCache:
         return len(self._blocks.get(seq_id, ()))
 
     def can_reserve(self, seq_id: str, end: int) -> bool:
-        return self.blocks_for(end) - self.held(seq_id) <= len(self._free)
+        return self.blocks_for(end) - self.held(seq_id) <= self.pool.available
 
     def reserve(self, seq_id: str, end: int) -> None:
         """Make positions ``0 .. end - 1`` of ``seq_id`` addressable (idempotent; never shrinks)."""
         need = self.blocks_for(end) - self.held(seq_id)
         if need <= 0:
             return
-        if need > len(self._free):
+        if need > self.pool.available:
             raise KVBudgetError(f"sequence {seq_id!r}: {end} tokens need {self.blocks_for(end)} cache blocks of "
-                                f"{self.block_size}; {len(self._free)} free of {self.num_blocks} on this rank")
+                                f"{self.block_size}; {self.pool.available} free of {self.num_blocks} on this rank")
         blocks = self._blocks.setdefault(seq_id, [])
         for _ in range(need):
-            blocks.append(self._free.pop())
-        b = np.asarray(blocks, dtype=np.int64)  # slot of every reserved position, kept per sequence
+            blocks.append(self.pool.take())
+        self._index(seq_id)
+
+    def _index(self, seq_id: str) -> None:
+        b = np.asarray(self._blocks[seq_id], dtype=np.int64)  # slot of every reserved position, kept per sequence
         self._slot_arr[seq_id] = (b[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
 
     def free(self, seq_id: str) -> None:
-        for b in self._blocks.pop(seq_id, ()):
-            self._free.append(b)
+        """Drop ``seq_id``'s blocks: a block no other sequence holds becomes free, or cached when its content
+        is named (findable by hash until the pool needs it)."""
+        self.pool.release(self._blocks.pop(seq_id, ()))
         self._slot_arr.pop(seq_id, None)
-        self._free.sort(reverse=True)
+        self._valid.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ prefix caching (bookkeeping)
+    def valid_hashes(self, seq_id: str) -> list[int]:
+        """The hashes of ``seq_id``'s leading blocks with written, named content (a copy)."""
+        return list(self._valid.get(seq_id, ()))
+
+    def valid_tokens(self, seq_id: str) -> int:
+        """Positions ``0 .. n - 1`` of ``seq_id`` hold written, named content (n, a multiple of the block)."""
+        return len(self._valid.get(seq_id, ())) * self.block_size
+
+    def attach(self, seq_id: str, hashes: Sequence[int]) -> int:
+        """Extend ``seq_id`` with the cached blocks named ``hashes`` (chained on from its valid blocks), in
+        order up to the first one not cached: each attached block's reference count goes up instead of a block
+        being allocated. Only while the sequence holds nothing past its valid blocks (else 0: its next
+        positions have blocks of their own). Returns the blocks attached."""
+        blocks = self._blocks.get(seq_id, [])
+        valid = self._valid.get(seq_id, [])
+        if len(blocks) != len(valid):
+            return 0
+        got = []
+        for h in hashes:
+            b = self.pool.find(h)
+            if b is None:
+                break
+            self.pool.share(b)
+            got.append(b)
+        if got:
+            self._blocks.setdefault(seq_id, []).extend(got)
+            self._valid.setdefault(seq_id, []).extend(hashes[:len(got)])
+            self._index(seq_id)
+        return len(got)
+
+    def register(self, seq_id: str, hashes: Sequence[int]) -> None:
+        """``seq_id``'s next blocks after its valid ones now hold written content named ``hashes`` (chained):
+        each is registered for sharing (unless another block already holds that content) and counts as valid."""
+        blocks = self._blocks.get(seq_id, [])
+        valid = self._valid.setdefault(seq_id, [])
+        if len(valid) + len(hashes) > len(blocks):
+            raise KVBudgetError(f"sequence {seq_id!r}: {len(valid) + len(hashes)} blocks registered, "
+                                f"{len(blocks)} held")
+        for h in hashes:
+            self.pool.register(blocks[len(valid)], h)
+            valid.append(h)
 
     def sequences(self) -> list[str]:
         return sorted(self._blocks)

@@ -5,14 +5,15 @@ A sampled token depends only on the logits, the request's sampling parameters, t
 penalties) and the position it is sampled for (the generator is seeded from (seed, position)), so a step that
 is rerun (a stale generation, a requeued sequence) samples the same token again.
 
-The logits are processed in vLLM's order before the token is picked: the repetition penalty (Hugging Face
+The logits are processed in vLLM's order before the token is picked: the logit bias (OpenAI's ``logit_bias``:
+a bias in [-100, 100] added to a token's logit), the repetition penalty (Hugging Face
 semantics, over prompt + generated tokens: a positive logit divided by it, a negative one multiplied), then the
 frequency and presence penalties (OpenAI semantics, over the generated tokens only: ``logit -= frequency *
 count + presence * (count > 0)``), then the min_tokens mask (end-of-sequence and stop ids at -inf while fewer
 than ``min_tokens`` tokens were generated), then temperature and top-p.
 
 Logprobs are the RAW ones (vLLM's default ``raw_logprobs``): ``log_softmax`` of the model's logits before any
-penalty, mask or temperature, in float32; the sampled token's logprob and the ``logprobs`` most likely
+bias, penalty, mask or temperature, in float32; the sampled token's logprob and the ``logprobs`` most likely
 alternatives (ids and logprobs, most likely first).
 """
 
@@ -23,9 +24,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20  # top alternatives per sampled token
+MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's bound)
 
 
 class SamplingParams(BaseModel):
@@ -37,8 +39,10 @@ class SamplingParams(BaseModel):
     prompt + generated; 1: off); logprobs: None (none), or 0..20 alternatives per sampled token (the sampled
     token's own logprob always comes with them); expert_stats: the request's routed experts per MoE layer (counts
     of (token, expert) pairs, prompt and generated apart) and the placement generations that served it come
-    back with it (``RequestHandle.expert_stats``; off: no step does any extra work). A bad value raises a
-    ``ValidationError`` (a ``ValueError``) naming the field and the value."""
+    back with it (``RequestHandle.expert_stats``; off: no step does any extra work); logit_bias: {token id: bias
+    in [-100, 100]} added to those logits before the penalties (a mapping, kept as sorted (id, bias) pairs; the
+    ids are checked against the vocabulary at submission). A bad value raises a ``ValidationError`` (a
+    ``ValueError``) naming the field and the value."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -54,6 +58,22 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     expert_stats: bool = Field(default=False, strict=True)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, v):
+        """{id: bias} or (id, bias) pairs -> sorted pairs; ids >= 0, biases finite in [-100, 100]."""
+        pairs = list(v.items()) if isinstance(v, dict) else list(v or ())
+        out = {}
+        for pair in pairs:
+            tok, bias = pair
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias: key {tok!r} is not a token id (an integer >= 0)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{tok}]: {bias!r} is not a bias in [-100, 100]")
+            out[int(tok)] = float(bias)
+        return tuple(sorted(out.items()))
 
     @model_validator(mode="after")
     def _consistent(self) -> "SamplingParams":
@@ -77,7 +97,8 @@ class SampleSpec:
     presence_penalty / frequency_penalty / repetition_penalty: as ``SamplingParams`` (the rank reads the
     sequence's tokens before ``position``; the first ``prompt_len`` are the prompt); suppress: token ids masked
     to -inf while ``position < suppress_until`` (min_tokens: end-of-sequence and stop ids); logprobs: None, or
-    how many alternatives to return with the sampled token's logprob."""
+    how many alternatives to return with the sampled token's logprob; logit_bias: (token id, bias) pairs added to
+    the logits first."""
 
     temperature: float
     top_p: float
@@ -90,6 +111,7 @@ class SampleSpec:
     suppress: tuple[int, ...] = ()
     suppress_until: int = 0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -137,16 +159,23 @@ def _generator(seed: int, position: int, device: torch.device) -> torch.Generato
 
 def process_logits(logits: torch.Tensor, specs: Sequence[SampleSpec],
                    contexts: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
-    """logits [S, V] float -> the logits the token is picked from: penalties and the min_tokens mask applied
-    (a copy when any row changes; the input itself otherwise). contexts[i]: row i's tokens before its position
-    (prompt + generated; needed when its spec is ``penalized``)."""
-    todo = [i for i, sp in enumerate(specs) if sp.penalized or sp.masked]
+    """logits [S, V] float -> the logits the token is picked from: the logit bias, penalties and the min_tokens
+    mask applied (a copy when any row changes; the input itself otherwise). contexts[i]: row i's tokens before
+    its position (prompt + generated; needed when its spec is ``penalized``). A bias of an id outside the
+    vocabulary raises ``ValueError`` (submission refuses it first)."""
+    todo = [i for i, sp in enumerate(specs) if sp.penalized or sp.masked or sp.logit_bias]
     if not todo:
         return logits
     out = logits.clone()
     vocab = out.shape[-1]
     for i in todo:
         sp, row = specs[i], out[i]
+        if sp.logit_bias:
+            ids, bias = zip(*sp.logit_bias)
+            if max(ids) >= vocab:
+                raise ValueError(f"logit_bias: token id {max(ids)} is outside the vocabulary [0, {vocab})")
+            row[torch.as_tensor(ids, dtype=torch.int64, device=out.device)] += torch.as_tensor(
+                bias, dtype=row.dtype, device=out.device)
         if sp.penalized:
             ctx = None if contexts is None else contexts[i]
             if ctx is None:

@@ -356,13 +356,13 @@ class ShardCore:
     # ================================================================ serving generation
     def load_model(self, *, kv_tokens: int | None, block_size: int = 16, random_model: dict | None = None,
                    fused_kernels: bool = True, attention: str = "auto",
-                   memory_fraction: float | None = None) -> dict[str, Any]:
+                   memory_fraction: float | None = None, prefix_caching: bool = True) -> dict[str, Any]:
         """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
         config dict ``random_model``); routed experts stay this shard's slots. ``fused_kernels``: the model's
         RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``).
         ``attention``: an ``AttentionBackend`` value. ``kv_tokens`` None: the cache is sized from the memory
-        ``memory_fraction`` of the GPU leaves after the weights (``GenerationExecutor.load``).
-        Returns the model's limits."""
+        ``memory_fraction`` of the GPU leaves after the weights (``GenerationExecutor.load``). ``prefix_caching``:
+        KV blocks of identical prompt prefixes shared (``shard/prefix.py``). Returns the model's limits."""
         from ray_moe.shard.generation import GenerationExecutor
 
         with self._step_lock:
@@ -372,7 +372,7 @@ class ShardCore:
                     self.rank, checkpoint=cfg.checkpoint, random_model=random_model, num_layers=cfg.num_layers,
                     hidden_size=cfg.hidden_size, top_k=cfg.top_k, seed=cfg.seed, device=self.device,
                     dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels,
-                    attention=_backend(attention), pipeline=self.pipeline,
+                    attention=_backend(attention), pipeline=self.pipeline, prefix_caching=prefix_caching,
                     **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
             return self.generator.info()
 

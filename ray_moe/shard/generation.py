@@ -37,6 +37,7 @@ from ray_moe.model.host import ModelHost
 from ray_moe.model.sampling import logprobs_tensor, sample_tensor
 from ray_moe.shard.pending import MultiPending, PendingStep, _GraphPending
 from ray_moe.shard.pipeline import StepPipeline
+from ray_moe.shard.prefix import ShardPrefixes
 from ray_moe.shard.records import StepRequest, WorkItem
 from ray_moe.shard.step_rows import (DecodeLayout, shape_bucket, marked_rows, packed_ids, phase_rows, pow2,
                                      single_rows_first)
@@ -58,7 +59,7 @@ class GenerationExecutor:
     """Runs generation steps for one shard over its ModelHost (``step_ctx`` builds MoEStep contexts)."""
 
     def __init__(self, rank: int, host: ModelHost, *, hidden_size: int, top_k: int, dtype: torch.dtype,
-                 pipeline: StepPipeline | None = None) -> None:
+                 pipeline: StepPipeline | None = None, prefix_caching: bool = True) -> None:
         self.rank = rank
         self.host = host
         self.hidden_size = hidden_size
@@ -77,6 +78,8 @@ class GenerationExecutor:
         self.sampled: dict[str, dict[int, int]] = {}
         # the token ids of sequences whose penalties read them (``WorkItem.keep_tokens``), index = position
         self.history: dict[str, list[int]] = {}
+        # prefix caching: prefill chunks skip the cached blocks of their prompt (``shard/prefix.py``)
+        self.prefixes = ShardPrefixes(prefix_caching)
         # launched steps not completed yet: step id -> (sampled tokens [S] on the device, {(seq, position): i})
         self._picks: dict[str, tuple[torch.Tensor, dict[tuple[str, int], int]]] = {}
         # device timing (CUDA): the launching step's start event, the last completed step's end event
@@ -87,8 +90,8 @@ class GenerationExecutor:
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
              top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int | None,
              block_size: int, fused_kernels: bool = True, attention: AttentionBackend = AttentionBackend.AUTO,
-             memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline: StepPipeline | None = None
-             ) -> "GenerationExecutor":
+             memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline: StepPipeline | None = None,
+             prefix_caching: bool = True) -> "GenerationExecutor":
         """A shard's model: the non-expert modules (transformers classes) from ``checkpoint``, or seeded random
         ones of the transformers config dict ``random_model`` (benchmarks). Routed experts stay the shard's
         slots. ``num_layers`` must equal the model's MoE layer count. ``fused_kernels``: the model's RMSNorm layers
@@ -96,7 +99,9 @@ class GenerationExecutor:
         ``models.rotary``). ``attention``: the attention backend (``model/attention.py``; AUTO: FlashAttention
         varlen where its check passes on this device and dtype). ``kv_tokens`` None: on CUDA the cache takes
         what ``memory_fraction`` of the GPU leaves after the weights (``ModelHost.size_kv``), else
-        ``CPU_KV_TOKENS``."""
+        ``CPU_KV_TOKENS``. ``prefix_caching``: full KV blocks of identical prompt prefixes shared (``shard/prefix.py``)."""
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching={prefix_caching!r}: must be a bool")
         sized = kv_tokens is None
         if sized and not 0.0 < float(memory_fraction) <= 1.0:
             raise ValueError(f"memory_fraction={memory_fraction}: must be in (0, 1]")
@@ -118,7 +123,8 @@ class GenerationExecutor:
         if sized and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             host.size_kv(float(memory_fraction), max(WORKSPACE_MIN_BYTES, int(WORKSPACE_SHARE * total)))
-        executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype, pipeline=pipeline)
+        executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype, pipeline=pipeline,
+                       prefix_caching=prefix_caching)
         if host.norms.modules:
             executor.count("fused_norm_layers", host.norms.modules)
         if host.rotary.modules:
@@ -142,7 +148,7 @@ class GenerationExecutor:
                 "eos_token_ids": host.eos_token_ids(), "fused_norm_layers": host.norms.modules,
                 "fused_rotary_modules": len(host.rotary.modules), "attention": host.attention.value,
                 "attention_reason": host.attention_reason, "paged_decode": host.paged_decode,
-                "paged_decode_reason": host.decode_reason}
+                "paged_decode_reason": host.decode_reason, "prefix_caching": self.prefixes.enabled}
 
     def launch(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                decode_key: int) -> "PendingStep | MultiPending":
@@ -212,14 +218,21 @@ class GenerationExecutor:
             kv.free(sid)
             self.sampled.pop(sid, None)
             self.history.pop(sid, None)
+            self.prefixes.forget(sid)
         local_error: Exception | None = None
         fills: list[tuple[int, torch.Tensor, int]] = []
+        whole, prefix = (), ({}, 0)
         ordered = single_rows_first(req.input.items)
         if ordered is not req.input.items:
             req = req.revised(items=ordered)
         try:
             resolved, fills = self._resolve(req.input.items)
             resolved, fills = self._keep_tokens(resolved, fills)
+            whole = resolved  # (uncut: the prompt blocks it writes are named after the launch)
+            cut = self.prefixes.trim(kv, resolved, fills)
+            resolved, fills, prefix = cut.items, cut.fills, (cut.cached, cut.looked_up)
+            self.count("prefix_lookup_tokens", cut.looked_up)
+            self.count("prefix_hit_tokens", sum(cut.cached.values()))
             for it in resolved:
                 kv.reserve(it.seq_id, it.start + len(it.tokens))
         except (KVBudgetError, DeferredTokenError) as exc:
@@ -249,13 +262,15 @@ class GenerationExecutor:
         out = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills)
         if local_error is not None:
             raise local_error
+        self.prefixes.commit(kv, whole)
         path = ("bucket" if bucket else "variable") if want_decode else None
         if isinstance(out, _GraphPending):
             if paths.exchange.size == 1:  # no overflow to agree on: complete it later
                 if out.picked is not None:
                     self._picks[req.step_id] = (out.picked, {(it.seq_id, it.sample.position): i
                                                              for i, it in enumerate(out.want)})
-                return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision)
+                return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision,
+                                   prefix=prefix)
             out = out.finish()
         tokens, stats, overflow, lps, counts = out
         if bucket and self.pipeline.overflowed(paths.exchange, overflow, req.step_id):
@@ -266,7 +281,7 @@ class GenerationExecutor:
             path = "variable"
         self.finished(items, tokens)
         return PendingStep(self, req, view.generation, items, t0, path, reason, result=(tokens, stats, lps, counts),
-                           decision=decision)
+                           decision=decision, prefix=prefix)
 
     def _resolve(self, items: tuple[WorkItem, ...]) -> tuple[tuple[WorkItem, ...], list[tuple[int, torch.Tensor, int]]]:
         """Deferred decode items get the token this rank sampled for them (at their start position): from the
@@ -369,7 +384,7 @@ class GenerationExecutor:
             if varlen and 0 < nd < len(chunks):  # decode rows first, as a group of their own (``plan_padded``)
                 single = max(16, pow2(nd))  # (a padding decode row costs little: its routes compute nothing)
                 rows = single + shape_bucket(n - nd, 16, 3)
-            keys = shape_bucket(context + single - nd, 64, 2)
+            keys = shape_bucket(context + (single - nd if single else 0), 64, 2)  # (+ the one-row group's padding)
         elif varlen and self.host.paged_decode:  # read in place: the slot vector's length costs an upload only,
             keys = pow2(max(1024, context + rows - n))  # so octaves keep the captured decode shapes few
         else:

@@ -61,8 +61,9 @@ class PendingStep:
                  items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
                  graph: _GraphPending | None = None,
                  result: tuple[dict[str, int], tuple, dict[str, TokenLogprobs], dict | None] | None = None,
-                 decision: Any = None) -> None:
+                 decision: Any = None, prefix: tuple[dict[str, int], int] = ({}, 0)) -> None:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
+        self.prefix = prefix  # (cached tokens per sequence, prefill tokens looked up): ``shard/prefix.py``
         self.decision = decision  # the decode unit's agreed decision (None: no decode round)
         self.t0, self.path, self.reason = t0, path, reason
         self.graph, self.result = graph, result
@@ -97,7 +98,8 @@ class PendingStep:
         tokens, stats, lps, counts = self.result
         device_s, idle_s = ex.device_span(self.start, self.event)
         out = GenerationOutput({k: (v,) for k, v in tokens.items()}, self.path, self.reason,
-                               logprobs={k: (v,) for k, v in lps.items()}, expert_counts=counts or {})
+                               logprobs={k: (v,) for k, v in lps.items()}, expert_counts=counts or {},
+                               cached_tokens=dict(self.prefix[0]), prefix_lookup_tokens=self.prefix[1])
         return StepResult(ex.rank, self.req.step_id, self.generation, out, stats, time.perf_counter() - self.t0,
                           device_s=device_s, idle_s=idle_s)
 

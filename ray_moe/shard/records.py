@@ -204,6 +204,9 @@ class GenerationInput:
         ints = np.zeros((9, n), dtype=np.int64)
         floats = np.zeros((5, n), dtype=np.float64)  # temperature, top_p, presence, frequency, repetition
         suppress: list[int] = []
+        nbias = np.zeros(n, dtype=np.int64)  # logit bias pairs per item, then every item's ids and biases
+        bias_ids: list[int] = []
+        bias: list[float] = []
         for i, it in enumerate(items):
             sp = it.sample
             ints[0, i], ints[1, i] = it.start, len(it.tokens)
@@ -214,29 +217,40 @@ class GenerationInput:
                 ints[7, i] = -1 if sp.logprobs is None else sp.logprobs
                 ints[8, i] = len(sp.suppress)
                 suppress.extend(sp.suppress)
+                if sp.logit_bias:
+                    nbias[i] = len(sp.logit_bias)
+                    bias_ids.extend(t for t, _ in sp.logit_bias)
+                    bias.extend(b for _, b in sp.logit_bias)
                 floats[:, i] = (sp.temperature, sp.top_p, sp.presence_penalty, sp.frequency_penalty,
                                 sp.repetition_penalty)
         tokens = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64,
                              count=int(ints[1].sum()))
         return (_input_from_wire, (self.free, self.units, self.steps,
                                    [it.seq_id for it in items], ints.tobytes(), floats.tobytes(), tokens.tobytes(),
-                                   np.asarray(suppress, dtype=np.int64).tobytes()))
+                                   np.asarray(suppress, dtype=np.int64).tobytes(), nbias.tobytes(),
+                                   np.asarray(bias_ids, dtype=np.int64).tobytes(),
+                                   np.asarray(bias, dtype=np.float64).tobytes()))
 
 
-def _input_from_wire(free, units, steps, ids, ints, floats, tokens, suppress=b"") -> GenerationInput:
+def _input_from_wire(free, units, steps, ids, ints, floats, tokens, suppress=b"", nbias=b"", bias_ids=b"",
+                     bias=b"") -> GenerationInput:
     n = len(ids)
     start, count, flags, seed, pos, plen, until, lps, nsup = np.frombuffer(ints, dtype=np.int64).reshape(9, n).tolist()
     temp, top_p, pres, freq, rep = np.frombuffer(floats, dtype=np.float64).reshape(5, n).tolist()
     flat = np.frombuffer(tokens, dtype=np.int64).tolist()
     sup = np.frombuffer(suppress, dtype=np.int64).tolist()
-    items, o, so = [], 0, 0
+    nb = np.frombuffer(nbias, dtype=np.int64).tolist() or [0] * n
+    bid, bval = np.frombuffer(bias_ids, dtype=np.int64).tolist(), np.frombuffer(bias, dtype=np.float64).tolist()
+    items, o, so, bo = [], 0, 0, 0
     for i, sid in enumerate(ids):
         f, c = flags[i], count[i]
         sample = None
         if f & 4:
             sample = SampleSpec(temp[i], top_p[i], seed[i], pos[i], pres[i], freq[i], rep[i], plen[i],
-                                tuple(sup[so:so + nsup[i]]), until[i], None if lps[i] < 0 else lps[i])
+                                tuple(sup[so:so + nsup[i]]), until[i], None if lps[i] < 0 else lps[i],
+                                tuple(zip(bid[bo:bo + nb[i]], bval[bo:bo + nb[i]])))
             so += nsup[i]
+            bo += nb[i]
         items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2), bool(f & 8),
                               bool(f & 16)))
         o += c
@@ -259,6 +273,10 @@ class GenerationOutput:
     fallback_reason: str | None = None
     logprobs: dict[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
     expert_counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # prefix caching (``shard/prefix.py``): {sequence id: its prefill chunk's tokens served from cached KV
+    # blocks} (sequences with a hit only), and the step's prefill tokens on this rank (0 with it off)
+    cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefix_lookup_tokens: int = 0
 
     def __reduce__(self):
         """The tokens as one int64 block when every sequence has as many (they do: one per sub-step)."""

@@ -78,8 +78,15 @@ def test_scheduler_gauges_read_reserved_blocks_and_the_queue():
     assert _value(fams, "ray_moe_server_preemptions", "ray_moe_server_preemptions_total") == 2
     assert _value(fams, "ray_moe_server_oom_steps", "ray_moe_server_oom_steps_total") == 1
     assert _value(fams, "ray_moe_server_kv_cache_blocks_total", rank="1") == 10
-    assert _value(fams, "ray_moe_server_prefix_cache_hit_ratio") == 0.0
+    assert _value(fams, "ray_moe_server_prefix_cache_hit_ratio") == 0.0  # no prefill yet: 0, not a division
     assert fams["ray_moe_server_prefix_cache_hit_ratio"].documentation == PREFIX_CACHE_HELP
+
+    loop = _Loop(sched)
+    loop.prefix_hit_tokens, loop.prefix_lookup_tokens = 48, 160  # the loop's counters (committed steps)
+    fams = _families(generate_latest(ServerMetrics(lambda: loop, lambda: None).registry).decode())
+    hit, look = "ray_moe_server_prefix_cache_hit_tokens", "ray_moe_server_prefix_cache_lookup_tokens"
+    assert _value(fams, hit, hit + "_total") == 48 and _value(fams, look, look + "_total") == 160
+    assert _value(fams, "ray_moe_server_prefix_cache_hit_ratio") == pytest.approx(0.3)
 
 
 def test_ttft_and_tpot_come_from_the_token_times():
@@ -155,7 +162,9 @@ def test_metrics_after_a_few_completions(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     url = f"{server}/v1/completions"
     body = {"model": "tiny-metrics", "temperature": 0.0, "ignore_eos": True}
-    sent = [([1, 2, 3, 4], 5, 1), ([5, 6, 7], 3, 2), ([9, 8, 7, 6, 5, 4], 1, 1)]  # (prompt, max_tokens, n)
+    shared = list(range(20, 37))  # 17 tokens: two full blocks of 8 before the last token's block
+    # (prompt, max_tokens, n), one after the other: the last one finds the one before's two blocks cached
+    sent = [([1, 2, 3, 4], 5, 1), ([5, 6, 7], 3, 2), ([9, 8, 7, 6, 5, 4], 1, 1), (shared, 2, 1), (shared, 2, 1)]
     for prompt, max_tokens, n in sent:
         r = httpx.post(url, headers=auth, json={**body, "prompt": prompt, "max_tokens": max_tokens, "n": n},
                        timeout=120)
@@ -173,7 +182,7 @@ def test_metrics_after_a_few_completions(server):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     fams = _families(r.text)
     req = "ray_moe_server_requests"
-    assert _value(fams, req, req + "_total", endpoint="/v1/completions", status="200") == 4
+    assert _value(fams, req, req + "_total", endpoint="/v1/completions", status="200") == 6
     assert _value(fams, req, req + "_total", endpoint="/v1/completions", status="400") == 1
     assert _value(fams, req, req + "_total", endpoint="/v1/models", status="401") == 1
     assert _value(fams, req, req + "_total", endpoint="/v1/models", status="200") == 1
@@ -185,18 +194,23 @@ def test_metrics_after_a_few_completions(server):
     assert _value(fams, "ray_moe_server_prompt_tokens", "ray_moe_server_prompt_tokens_total") == prompt_tokens
     assert _value(fams, "ray_moe_server_generation_tokens", "ray_moe_server_generation_tokens_total") == generated
     ttft, tpot = "ray_moe_server_time_to_first_token_seconds", "ray_moe_server_time_per_output_token_seconds"
-    assert _value(fams, ttft, ttft + "_count") == 5  # one per choice: 1 + 2 + 1 + 1
-    assert _value(fams, tpot, tpot + "_count") == 4  # choices of 2+ tokens (max_tokens=1 has none)
+    assert _value(fams, ttft, ttft + "_count") == 7  # one per choice: 1 + 2 + 1 + 1 + 1 + 1
+    assert _value(fams, tpot, tpot + "_count") == 6  # choices of 2+ tokens (max_tokens=1 has none)
     assert 0 < _value(fams, ttft, ttft + "_sum") < 600
-    assert _value(fams, ttft, ttft + "_bucket", le="+Inf") == 5
+    assert _value(fams, ttft, ttft + "_bucket", le="+Inf") == 7
 
     assert _value(fams, "ray_moe_server_requests_running") == 0
     assert _value(fams, "ray_moe_server_requests_waiting") == 0
     assert {s.labels["rank"]: s.value for s in fams["ray_moe_server_kv_cache_blocks_total"].samples} == \
         {"0": 32, "1": 32}  # 256 KV tokens / blocks of 8, per rank
     assert _value(fams, "ray_moe_server_kv_cache_usage_ratio") == 0.0
-    assert _value(fams, "ray_moe_server_prefix_cache_hit_ratio") == 0.0
-    assert "not implemented" in fams["ray_moe_server_prefix_cache_hit_ratio"].documentation
+    # prefix caching: every choice's prompt is prefilled (n=2: twice); the second shared prompt is routed to the
+    # first one's rank and finds its two full blocks there
+    prefilled = sum(len(p) * n for p, _, n in sent) + 5
+    hit, look = "ray_moe_server_prefix_cache_hit_tokens", "ray_moe_server_prefix_cache_lookup_tokens"
+    assert _value(fams, hit, hit + "_total") == 16
+    assert _value(fams, look, look + "_total") == prefilled
+    assert _value(fams, "ray_moe_server_prefix_cache_hit_ratio") == pytest.approx(16 / prefilled)
     assert _value(fams, "ray_moe_server_oom_steps", "ray_moe_server_oom_steps_total") == 0
     assert _value(fams, "ray_moe_server_preemptions", "ray_moe_server_preemptions_total") == 0
 
@@ -215,4 +229,4 @@ def test_metrics_after_a_few_completions(server):
         if seen[-1] == seen[-2] or time.monotonic() > deadline:
             break
     assert seen == sorted(seen) and seen[-1] == seen[-2], seen
-    assert _value(again, req, req + "_total", endpoint="/v1/completions", status="200") == 4
+    assert _value(again, req, req + "_total", endpoint="/v1/completions", status="200") == 6

@@ -214,7 +214,9 @@ def test_logprobs_through_the_openai_client_equal_the_models_log_softmax(server)
     streamed = [c.choices[0].logprobs for c in client.completions.create(
         model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=3, stream=True,
         extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
-    assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
+    # (the same prompt again: it is served from the prefix cache, its KV computed in another step's batch, so
+    # its logprobs equal to float rounding, not bit for bit; the tokens are the same)
+    assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
     # chat: content entries with top_logprobs, streamed and not
     messages = [{"role": "user", "content": "Name an expert."}]
     chat_ids = _post(base, "/tokenize", {"messages": messages}).json()["tokens"]
@@ -230,7 +232,7 @@ def test_logprobs_through_the_openai_client_equal_the_models_log_softmax(server)
     chunks = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True,
                                             top_logprobs=2, stream=True, extra_body={"ignore_eos": True})
     got = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert got == [e.logprob for e in content]
+    assert got == pytest.approx([e.logprob for e in content], abs=1e-5)  # (prefix-cached, as above)
     plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0)
     assert plain.choices[0].logprobs is None
 

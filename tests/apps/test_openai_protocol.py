@@ -1,5 +1,5 @@
 """The request bodies (``ray_moe.apps.openai_protocol``) and the server's pure helpers, without Ray: unknown
-fields ignored and named, the sampler fields checked and carried into ``SamplingParams`` (``logit_bias`` refused
+fields ignored and named, the sampler fields checked and carried into ``SamplingParams`` (``logit_bias`` checked
 by name), the logprobs forms, prompts in every shape,
 ``Choice`` (stop strings and stop token ids on the text, finish reasons), the bearer check and the key file."""
 
@@ -27,13 +27,19 @@ def test_unknown_fields_are_named_and_the_sampler_fields_reach_sampling_params()
     req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2, "suffix": "", "user": "u",
                                             "presence_penalty": 0.5, "logprobs": 3, "ignore_eos": True,
                                             "min_tokens": 4, "repetition_penalty": 1.2, "seed": 5})
-    assert req.ignored_fields() == ["best_of", "suffix"] and req.unsupported_sampler_field() is None
+    assert req.ignored_fields() == ["best_of", "suffix"]
     params = SamplingParams(**req.sampling(16, 2, (7,)))
     assert (params.presence_penalty, params.repetition_penalty, params.logprobs, params.ignore_eos,
             params.min_tokens, params.seed, params.stop_token_ids) == (0.5, 1.2, 3, True, 4, 7, (7,))
     assert SamplingParams(**req.sampling(2, 0, ())).min_tokens == 2  # never beyond the choice's max_tokens
-    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": {"3": 1.0}}
-                                            ).unsupported_sampler_field() == "logit_bias"
+    biased = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": {"3": 1.5, "10": -100}})
+    assert SamplingParams(**biased.sampling(4, 0, ())).logit_bias == ((3, 1.5), (10, -100.0))
+    assert SamplingParams(**req.sampling(4, 0, ())).logit_bias == ()
+    for bias, why in (({"x": 1.0}, "key 'x' is not a token id"), ({"-1": 1.0}, "key '-1' is not a token id"),
+                      ({"2": 100.5}, r"logit_bias\['2'\]=100.5 is outside \[-100, 100\]"),
+                      ({"2": float("nan")}, "outside")):
+        with pytest.raises(ValidationError, match=why):
+            CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": bias})
     for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0),
                          ("logprobs", 21), ("min_tokens", -1)):
         with pytest.raises(ValidationError, match=field):

@@ -90,10 +90,9 @@ def test_every_accepted_field_has_a_row_with_a_known_status():
 
 def test_the_statuses_match_the_models():
     rows = _field_rows()
-    assert rows["logit_bias"][2] == "refused (400)"
-    # the refusal is real: a non-default logit_bias is named by the model, its default is not
-    assert CompletionRequest(model="m", prompt="x", logit_bias={"1": 2.0}).unsupported_sampler_field() == "logit_bias"
-    assert CompletionRequest(model="m", prompt="x", logit_bias={}).unsupported_sampler_field() is None
+    assert rows["logit_bias"][2] == "supported"
+    # it is real: the bias reaches the sampling parameters the shard's sampler adds to the logits
+    assert CompletionRequest(model="m", prompt="x", logit_bias={"1": 2.0}).sampling(4, 0, ())["logit_bias"] == {1: 2.0}
     # a field the README does not list is ignored and named (the header), not refused
     req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2, "suffix": "!"})
     assert req.ignored_fields() == ["best_of", "suffix"]

@@ -77,6 +77,28 @@ def test_completions_from_token_ids_and_text_equal_greedy_generate(server):
     assert [m.id for m in client.models.list().data] == [name]
 
 
+def test_logit_bias_forces_and_bans_tokens_through_the_openai_client(server):
+    model, base, name, _ = server
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    ids = [5, 17, 40, 2, 9]
+    plain = _greedy(model, ids, 4)
+    forced = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0, logit_bias={"33": 100})
+    assert forced.choices[0].model_extra["token_ids"] == [33] * 4
+    banned = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0,
+                                       logit_bias={str(plain[0]): -100})
+    got = banned.choices[0].model_extra["token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    logits[plain[0]] -= 100
+    assert got[0] == int(logits.argmax()) != plain[0]  # the next-best token, as transformers' logits rank it
+    r = httpx.post(f"{base}/v1/completions", headers=_auth(), timeout=30,
+                   json={"model": name, "prompt": ids, "max_tokens": 2, "logit_bias": {"99999": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert "99999 is outside the vocabulary" in r.json()["error"]["message"]
+
+
 def test_streaming_sends_events_then_done(server):
     model, base, name, _ = server
     ids = [3, 3, 7]
@@ -142,7 +164,9 @@ def test_sentencepiece_streamed_text_equals_the_non_streamed_text(server):
     ({"model": "tiny-qwen3", "prompt": [1], "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": "tiny-qwen3", "prompt": [1], "logprobs": 21}, "logprobs"),
     ({"model": "tiny-qwen3", "prompt": [1], "max_tokens": 2, "min_tokens": -1}, "min_tokens"),
-    ({"model": "tiny-qwen3", "prompt": [1], "logit_bias": {"5": 3}}, "logit_bias"),
+    ({"model": "tiny-qwen3", "prompt": [1], "logit_bias": {"five": 3}}, "logit_bias"),      # not a token id
+    ({"model": "tiny-qwen3", "prompt": [1], "logit_bias": {"5": 101}}, "logit_bias"),       # beyond 100
+    ({"model": "tiny-qwen3", "prompt": [1], "logit_bias": {"99999": 1}}, "logit_bias"),     # outside the vocabulary
     ({"model": "tiny-qwen3", "prompt": [1], "n": 0}, "n"),
     ({"model": "tiny-qwen3", "prompt": [[1, 2], []]}, "prompt"),
 ])

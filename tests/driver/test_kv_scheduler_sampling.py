@@ -56,7 +56,8 @@ def test_scheduler_refuses_what_can_never_fit_and_others_run():
 
 
 def test_scheduler_chunks_prefill_samples_at_the_end_and_requeues_a_lost_rank():
-    s = Scheduler([0, 1], kv_blocks=16, block_size=4, max_context=256, step_tokens=5)
+    s = Scheduler([0, 1], kv_blocks=16, block_size=4, max_context=256, step_tokens=5,
+                  prefix_caching=False)  # (chunks of the budget, not block-aligned)
     a = s.submit(list(range(12)), SamplingParams(max_new_tokens=3))
     b = s.submit([7, 8], SamplingParams(max_new_tokens=3))
     plan = s.plan()

@@ -256,6 +256,14 @@ def test_serve_fused_kernels_flag_parses():
     assert build_parser().parse_args(base + ["--no-fused-kernels"]).fused_kernels is False
 
 
+def test_serve_prefix_caching_flag_parses():
+    from ray_moe.apps.cli import build_parser
+
+    base = ["serve", "--checkpoint", "/tmp/x", "--ranks", "2"]
+    assert build_parser().parse_args(base).prefix_caching is True
+    assert build_parser().parse_args(base + ["--no-prefix-caching"]).prefix_caching is False
+
+
 def test_fused_line_says_what_took_the_kernels_and_what_kept_its_own():
     from ray_moe.apps.cli import fused_line
 

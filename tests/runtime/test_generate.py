@@ -118,6 +118,14 @@ def test_generate_and_stream_equal_transformers(served):
     with pytest.raises(ValueError, match="context of 128 positions"):
         rt.generate([[1] * 120], max_new_tokens=10)
     assert rt.generate(prompts[:1], max_new_tokens=3) == _reference(model, prompts[:1], 3)
+    # prefix caching through the Ray path: a prompt extending one served before is routed to its rank and
+    # finds its two full blocks (16 tokens) there; the driver's books count them over the 18 prefilled tokens
+    shared = _prompts(9, (17,))[0]
+    rt.generate([shared], max_new_tokens=2)
+    before = rt.stats()["ratios"]["prefix_cache_hit"]
+    assert rt.generate([shared + [5]], max_new_tokens=3) == _reference(model, [shared + [5]], 3)
+    after = rt.stats()["ratios"]["prefix_cache_hit"]
+    assert (after["numerator"] - before["numerator"], after["denominator"] - before["denominator"]) == (16, 18)
     s = rt.stats()
     assert s["phase_steps"].get("decode", 0) > 0 and s["bucket_layers"] > 0
     # the driver pipelined its steps: launched before the previous one was collected, decode inputs deferred

@@ -73,10 +73,11 @@ def test_an_expert_only_request_round_trips_with_its_arrays_out_of_band(t, d, ro
 
 def test_a_generation_result_round_trips_tokens_and_statistics():
     for tokens in ({"a": (1, 2, 3), "b": (4, 5, 6)}, {"a": (7,)}, {}, {"a": (1,), "b": (2, 3)}):
-        res = StepResult(1, "s1", 4, GenerationOutput(tokens, "bucket", None), (_ls(),), 0.5, 4, queued_s=0.1,
+        res = StepResult(1, "s1", 4, GenerationOutput(tokens, "bucket", None, cached_tokens={"a": 16}, prefix_lookup_tokens=40), (_ls(),), 0.5, 4, queued_s=0.1,
                          device_s=0.2, idle_s=0.3, actor_s=0.6)
         back = pickle.loads(cloudpickle.dumps(res))
         assert back.kind is StepKind.GENERATION
+        assert (back.output.cached_tokens, back.output.prefix_lookup_tokens) == ({"a": 16}, 40)
         assert back.output.tokens == tokens and all(type(v) is tuple for v in back.output.tokens.values())
         assert (back.rank, back.step_id, back.generation, back.elapsed_s, back.output.decode_path, back.queued_s,
                 back.device_s, back.idle_s, back.actor_s, back.active_generation) == (1, "s1", 4, 0.5, "bucket", 0.1,
@@ -130,3 +131,17 @@ def test_a_forged_kind_is_refused_when_it_arrives():
     with pytest.raises(RequestError, match="kind='expert_only'"):
         pickle.loads(pickle.dumps(req))
     assert dataclasses.replace(req, kind=StepKind.GENERATION).check() is StepKind.GENERATION
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.just(()), st.dictionaries(st.integers(0, 1 << 20), st.floats(-100, 100), max_size=6)
+                          .map(lambda d: tuple(sorted(d.items())))), min_size=1, max_size=8))
+def test_logit_bias_travels_per_item_in_the_columnar_form(biases):
+    items = tuple(WorkItem(f"q{i}", (i, 2), i, SampleSpec(0.0, 1.0, i, i + 2, suppress=(i,) * (i % 3),
+                                                         suppress_until=9, logit_bias=b), False)
+                  for i, b in enumerate(biases))
+    req = StepRequest("s", 1, StepKind.GENERATION, GenerationInput(items + (WorkItem("nosample", (1,), 0, None, True),)))
+    back = pickle.loads(pickle.dumps(req))
+    assert back == req
+    assert [it.sample.logit_bias for it in back.input.items[:-1]] == list(biases)
+    assert all(type(t) is int and type(b) is float for it in back.input.items[:-1] for t, b in it.sample.logit_bias)

@@ -194,14 +194,28 @@ def run_requests(dep: InProcessDeployment, requests: Sequence[tuple[list[int], S
     """Each (prompt, sampling params) through the driver's real generation loop over ``dep`` (8-token steps,
     8-token cache blocks): (the finished request handles, the steps the loop served, the steps it launched
     while the previous one was in flight)."""
+    handles, stats = serve_requests(dep, requests, decode_steps=decode_steps, timeout_s=timeout_s)
+    return handles, stats["steps"], stats["overlapped"]
+
+
+def serve_requests(dep: InProcessDeployment, requests: Sequence[tuple[list[int], SamplingParams]], *,
+                   after: Sequence[Sequence[tuple[list[int], SamplingParams]]] = (), decode_steps: int = 1,
+                   timeout_s: float = 120.0, **loop_options: Any) -> tuple[list, dict[str, Any]]:
+    """``run_requests`` with the loop's options (``GenerationLoop``'s keywords; default 8-token steps and
+    blocks, 1024 cache tokens) and waves: each group of ``after`` is submitted once every earlier request is
+    done. Returns (the finished handles in submission order, {"steps", "overlapped", "prefix": the loop's
+    ``prefix_stats()``})."""
     transport = LocalTransport(dep)
-    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=8,
-                          decode_steps=decode_steps)
+    opts = {"kv_tokens": 1024, "block_size": 8, "step_tokens": 8, **loop_options}
+    loop = GenerationLoop(transport, device="cpu", decode_steps=decode_steps, **opts)
     try:
-        handles = [loop.submit(p, params) for p, params in requests]
-        for h in handles:
-            h.result(timeout_s)
-        return handles, loop.steps, loop.overlapped
+        handles: list = []
+        for wave in (requests, *after):
+            new = [loop.submit(p, params) for p, params in wave]
+            for h in new:
+                h.result(timeout_s)
+            handles += new
+        return handles, {"steps": loop.steps, "overlapped": loop.overlapped, "prefix": loop.prefix_stats()}
     finally:
         loop.close()
         transport.close()
@@ -221,4 +235,4 @@ class RouteSpy:
 
 
 __all__ = ["InProcessDeployment", "LocalTransport", "reference_output", "generate_inprocess", "run_requests",
-           "RouteSpy"]
+           "serve_requests", "RouteSpy"]
