@@ -2,7 +2,7 @@
 ``--api-key-file``: chat completions (non-streamed and streamed, the official ``openai`` client), streamed text
 equal to the non-streamed text with non-ASCII, ``stop`` (truncated across tokens, the request ended there),
 ``stop_token_ids``, ``n`` (seeds seed+i), ``echo``, a list of prompts (indices), ``usage``, ``/tokenize``,
-``/detokenize``, ``/v1/models/{id}``, the lowercase bearer scheme, the --host/--port refusal while a Serve
+``/detokenize``, ``/v1/models/{id}``, prefix caching (hits on /metrics, greedy tokens unchanged), the lowercase bearer scheme, the --host/--port refusal while a Serve
 instance listens elsewhere, and ``ray-moe status`` finding the deployment without --name."""
 
 from __future__ import annotations
@@ -285,3 +285,33 @@ def test_status_finds_the_deployment_without_a_name(server, capsys):
         assert code == 2 and "http-bl" in err and "several" in err
     assert main(["status", "--name", "nope"]) == 2
     assert "http-bl" in capsys.readouterr().err
+
+
+def test_a_repeated_prefix_is_served_from_the_cache_with_the_same_greedy_tokens(server):
+    """Prefix caching through the server: a prompt sharing another's first full blocks (block size 8) finds them
+    cached (the hit-token counter on /metrics grows by whole blocks) and its greedy tokens still equal the
+    model's own ``generate`` on the whole prompt (the uncached reference)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model, base, tok, _ = server
+
+    def hits() -> float:
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=60).text)}
+        return sum(s.value for s in fams["ray_moe_server_prefix_cache_hit_tokens"].samples
+                   if s.name.endswith("_total"))
+
+    shared = tok("mixture of experts models route every token to a few experts and the runtime keeps them "
+                 "balanced while it serves", add_special_tokens=True)["input_ids"]
+    assert len(shared) >= 24
+    first, second = shared + tok(" first")["input_ids"], shared + tok(" second one")["input_ids"]
+    before = hits()
+    a = _complete(base, prompt=first, max_tokens=5, temperature=0, ignore_eos=True, return_token_ids=True)
+    mid = hits()
+    b = _complete(base, prompt=second, max_tokens=5, temperature=0, ignore_eos=True, return_token_ids=True)
+    after = hits()
+    assert a["choices"][0]["token_ids"] == _greedy(model, first, 5)
+    assert b["choices"][0]["token_ids"] == _greedy(model, second, 5)
+    # the second prompt's full blocks of the shared part came from the cache (it may share a block with an
+    # earlier test's prompt too, so at least, in whole blocks)
+    gained = after - mid
+    assert gained >= 8 * (len(shared) // 8) - 8 and gained % 8 == 0, (before, mid, after)
