@@ -2,8 +2,9 @@
 ``--api-key-file``: chat completions (non-streamed and streamed, the official ``openai`` client), streamed text
 equal to the non-streamed text with non-ASCII, ``stop`` (truncated across tokens, the request ended there),
 ``stop_token_ids``, ``n`` (seeds seed+i), ``echo``, a list of prompts (indices), ``usage``, ``/tokenize``,
-``/detokenize``, ``/v1/models/{id}``, prefix caching (hits on /metrics, greedy tokens unchanged), the lowercase bearer scheme, the --host/--port refusal while a Serve
-instance listens elsewhere, and ``ray-moe status`` finding the deployment without --name."""
+``/detokenize``, ``/v1/models/{id}``, prefix caching (hits on /metrics, greedy tokens unchanged), the lowercase
+bearer scheme, the --host/--port refusal while a Serve instance listens elsewhere, and ``ray-moe status``
+finding the deployment without --name."""
 
 from __future__ import annotations
 
