@@ -99,12 +99,27 @@ def shard_lines(status: dict[int, dict]) -> dict[str, dict]:
     """Per rank: steps served, generation steps, captured-graph replays, deferred decode inputs, multi-step
     decode calls, the device time its generation steps took (CUDA; 0 on CPU), a failed CUDA-graph capture
     (its steps then run eagerly: slower, still exact), and the fused kernels its model took (CUDA: norm
-    layers, rotary; what kept transformers' own and why; None without a model)."""
-    keys = ("steps", "generate_steps", "graph_replays", "deferred_tokens", "multi_step_requests")
+    layers, rotary; what kept transformers' own and why; None without a model), prompt tokens served from its
+    prefix cache out of those looked up, and its KV block pool (free / held / cached blocks, evictions)."""
+    keys = ("steps", "generate_steps", "graph_replays", "deferred_tokens", "multi_step_requests",
+            "prefix_hit_tokens", "prefix_lookup_tokens")
     return {str(r): {**{k: int(st.get("counters", {}).get(k, 0)) for k in keys},
                      "device_busy_s": st.get("counters", {}).get("device_busy_us", 0) / 1e6,
-                     "capture_error": st.get("capture_error"), "fused_kernels": st.get("fused_kernels")}
+                     "capture_error": st.get("capture_error"), "fused_kernels": st.get("fused_kernels"),
+                     "kv_blocks": st.get("kv_blocks")}
             for r, st in sorted(status.items())}
+
+
+def prefix_line(sh: dict) -> str:
+    """``; prefix cache 48 of 160 prompt tokens (30.0%), blocks 10 held / 4 cached / 50 free, 2 evicted``, or ""
+    before any prefill."""
+    looked, hit, kv = sh.get("prefix_lookup_tokens", 0), sh.get("prefix_hit_tokens", 0), sh.get("kv_blocks")
+    if not looked:
+        return ""
+    out = f"; prefix cache {hit} of {looked} prompt tokens ({100.0 * hit / looked:.1f}%)"
+    if kv:
+        out += f", blocks {kv['held']} held / {kv['cached']} cached / {kv['free']} free, {kv['evictions']} evicted"
+    return out
 
 
 def fused_line(fk: dict | None) -> str:
@@ -165,7 +180,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                f"{sh['graph_replays']} graph replays, {sh['deferred_tokens']} deferred"
                + (f", {sh['device_busy_s']:.2f} s on the device" if sh["device_busy_s"] else "")
                if sh["generate_steps"] else "no generation")
-        print(f"  rank {r}: {sh['steps']} steps, {gen}" + fused_line(sh["fused_kernels"])
+        print(f"  rank {r}: {sh['steps']} steps, {gen}" + fused_line(sh["fused_kernels"]) + prefix_line(sh)
               + (f"; CAPTURE FAILED (steps run eagerly): {sh['capture_error']}" if sh["capture_error"] else ""))
     tel = rt.telemetry_table()
     if tel:

@@ -263,6 +263,9 @@ class ShardCore:
                 "graphs": len(self.pipeline.graphs),
                 "capture_error": self.pipeline.capture_error,
                 "fused_kernels": None if self.generator is None else self.generator.fused_kernels(),
+                # the KV block pool: free / held / cached blocks and cached blocks evicted (``model/prefix_cache``)
+                "kv_blocks": None if self.generator is None else {**self.generator.host.kv.pool.counts(),
+                                                                   "evictions": self.generator.host.kv.pool.evictions},
             }
 
     # ================================================================ data path

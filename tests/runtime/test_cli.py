@@ -244,8 +244,19 @@ def test_status_shard_lines_name_a_failed_capture():
     assert list(out) == ["0", "1"]
     assert out["1"] == {"steps": 7, "generate_steps": 5, "graph_replays": 3, "deferred_tokens": 4,
                         "multi_step_requests": 2, "device_busy_s": 1.5, "capture_error": "decode: RuntimeError: x",
-                        "fused_kernels": None}
+                        "fused_kernels": None, "prefix_hit_tokens": 0, "prefix_lookup_tokens": 0, "kv_blocks": None}
     assert out["0"]["steps"] == 0 and out["0"]["capture_error"] is None
+
+
+def test_status_prints_the_prefix_cache_share_and_the_block_pool():
+    from ray_moe.apps.cli import prefix_line, shard_lines
+
+    kv = {"free": 50, "held": 10, "cached": 4, "hashed": 9, "evictions": 2}
+    out = shard_lines({0: {"counters": {"prefix_hit_tokens": 48, "prefix_lookup_tokens": 160}, "kv_blocks": kv},
+                       1: {"counters": {}}})
+    assert prefix_line(out["0"]) == ("; prefix cache 48 of 160 prompt tokens (30.0%), blocks 10 held / 4 cached / "
+                                     "50 free, 2 evicted")
+    assert prefix_line(out["1"]) == ""  # no prefill yet: nothing to say
 
 
 def test_serve_fused_kernels_flag_parses():

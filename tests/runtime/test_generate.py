@@ -126,6 +126,11 @@ def test_generate_and_stream_equal_transformers(served):
     assert rt.generate([shared + [5]], max_new_tokens=3) == _reference(model, [shared + [5]], 3)
     after = rt.stats()["ratios"]["prefix_cache_hit"]
     assert (after["numerator"] - before["numerator"], after["denominator"] - before["denominator"]) == (16, 18)
+    pools = [st["kv_blocks"] for st in rt.shard_status().values()]  # every block free, held or cached
+    assert all(p["free"] + p["held"] + p["cached"] == 12 and p["cached"] >= 0 for p in pools), pools
+    # the shared prompt's two full blocks stay findable (held until the driver's next step frees its sequences, then
+    # cached)
+    assert sum(p["hashed"] for p in pools) >= 2, pools
     s = rt.stats()
     assert s["phase_steps"].get("decode", 0) > 0 and s["bucket_layers"] > 0
     # the driver pipelined its steps: launched before the previous one was collected, decode inputs deferred
