@@ -272,7 +272,8 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         res.update(start_s=start_s, engine_steps=engine.steps - steps0, decode_steps=engine.scheduler.decode_steps,
                    settings={"ranks": ranks, "decode_token_capacity": cap, "kv_tokens_per_rank": engine.kv_tokens,
                              "attention": engine.attention_backend,
-                             "step_tokens": engine.scheduler.configured[0], "max_running": spec["max_running"]},
+                             "step_tokens": engine.scheduler.configured[0], "max_running": spec["max_running"],
+                             "prefix_caching": spec.get("prefix_caching", True)},
                    latency_note="host timestamps of the generation loop's token events in the driver; with "
                                 "multi-step decode (decode_steps > 1) tokens arrive in bursts (ITL ~0 inside one)",
                    memory={**_cuda_peak(), "note": "torch counters of the driver process only: the model lives "
