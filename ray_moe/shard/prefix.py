@@ -28,6 +28,7 @@ from typing import Any
 from ray_moe.model.kv import PagedKVCache
 from ray_moe.model.prefix_cache import chain_hashes
 from ray_moe.shard.records import WorkItem
+from ray_moe.shard.step_rows import single_rows_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +102,8 @@ class ShardPrefixes:
                 out.append(dataclasses.replace(it, tokens=it.tokens[skip:], start=it.start + skip))
             else:
                 out.append(it)
-        kept = [k for k, it in enumerate(out) if it is not None]
-        one = [k for k in kept if out[k].num_tokens == 1]
-        order = kept if len(one) in (0, len(kept)) else one + [k for k in kept if out[k].num_tokens != 1]
+        kept = [k for k, it in enumerate(out) if it is not None]  # then one-row items first again (cut chunks)
+        order = [kept[i] for i in single_rows_order([out[k] for k in kept])]
         where = {k: i for i, k in enumerate(order)}
         return PrefixTrim(tuple(out[k] for k in order), [(where[k], *rest) for k, *rest in fills], cached, looked)
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from enum import Enum
 
 import numpy as np
@@ -57,13 +58,20 @@ def marked_rows(items: tuple[WorkItem, ...], after: int = 0, shift: int = 0) -> 
     return tuple(ids), segments
 
 
-def single_rows_first(items: tuple[WorkItem, ...]) -> tuple[WorkItem, ...]:
-    """The step's one-row items (decode tokens, one-token chunks) first, the others after, each group in order:
-    attention runs the one-row sequences as a group of their own (``StepLayout.single_rows``)."""
-    one = tuple(it for it in items if it.num_tokens == 1)
+def single_rows_order(items: Sequence[WorkItem]) -> list[int]:
+    """Indices of ``items`` with the one-row items (decode tokens, one-token chunks) first, the others after,
+    each group in order (the identity when all or none have one row)."""
+    one = [k for k, it in enumerate(items) if it.num_tokens == 1]
     if len(one) in (0, len(items)):
-        return items
-    return one + tuple(it for it in items if it.num_tokens != 1)
+        return list(range(len(items)))
+    return one + [k for k, it in enumerate(items) if it.num_tokens != 1]
+
+
+def single_rows_first(items: tuple[WorkItem, ...]) -> tuple[WorkItem, ...]:
+    """The step's items in ``single_rows_order``: attention runs the one-row sequences as a group of their own
+    (``StepLayout.single_rows``). The same tuple when the order does not change."""
+    order = single_rows_order(items)
+    return items if order == list(range(len(items))) else tuple(items[k] for k in order)
 
 
 def packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndarray:
@@ -87,4 +95,4 @@ def shape_bucket(n: int, floor: int, bits: int) -> int:
     return -(-n >> e) << e
 
 
-__all__ = ["DecodeLayout", "phase_rows", "marked_rows", "single_rows_first", "packed_ids", "pow2", "shape_bucket"]
+__all__ = ["DecodeLayout", "phase_rows", "marked_rows", "single_rows_first", "single_rows_order", "packed_ids", "pow2", "shape_bucket"]
