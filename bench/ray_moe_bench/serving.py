@@ -231,7 +231,8 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
                                     ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
                                     slots_per_rank=-(-conf["num_experts"] // ranks),
                                     num_layers=conf["num_hidden_layers"], device=spec["device"], dtype=spec["dtype"],
-                                    seed=0, decode_token_capacity=cap, name="bench-serving")
+                                    seed=0, decode_token_capacity=cap, name="bench-serving",
+                                    seeded_on_device=spec["device"] == "cuda")  # drawn on the GPU: no CPU draw
     else:
         cfg = ray_moe.RuntimeConfig.from_pretrained(spec["folder"], num_ranks=ranks, device=spec["device"],
                                                     dtype=spec["dtype"], decode_token_capacity=cap, seed=0,
@@ -273,7 +274,8 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
                    settings={"ranks": ranks, "decode_token_capacity": cap, "kv_tokens_per_rank": engine.kv_tokens,
                              "attention": engine.attention_backend,
                              "step_tokens": engine.scheduler.configured[0], "max_running": spec["max_running"],
-                             "prefix_caching": spec.get("prefix_caching", True)},
+                             "prefix_caching": spec.get("prefix_caching", True),
+                             "seeded_on_device": cfg.seeded_on_device},
                    latency_note="host timestamps of the generation loop's token events in the driver; with "
                                 "multi-step decode (decode_steps > 1) tokens arrive in bursts (ITL ~0 inside one)",
                    memory={**_cuda_peak(), "note": "torch counters of the driver process only: the model lives "

@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RuntimeConfig(num_ranks=1, num_experts=conf["num_experts"], hidden_size=conf["hidden_size"],
                         ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
                         slots_per_rank=conf["num_experts"], num_layers=a.layers, device=device, dtype=dtype, seed=0,
-                        decode_token_capacity=min(len(prompts), 256), name="step-profile")
+                        decode_token_capacity=min(len(prompts), 256), name="step-profile",
+                        seeded_on_device=device == "cuda")
     t0 = time.perf_counter()
     dep = InProcessDeployment(cfg, device=device, timeout_s=600)
     tr = RecordingTransport(dep)

@@ -154,6 +154,9 @@ class RuntimeConfig(BaseModel):
     router_skew: float = Field(default=0.0, ge=0.0, description="Zipf exponent of a router bias (0 = none)")
     norm_topk: bool = True
     tagged_weights: bool = Field(default=False, description="expert e's output is (e+1) x a shared function")
+    seeded_on_device: bool = Field(default=False, description=(
+        "seeded experts are drawn by a generator on the shard's device (start of checkpoint-sized random shapes "
+        "without a CPU draw; CUDA's values differ from the CPU draw, the same for every rank and run)"))
     checkpoint: str | None = Field(default=None, description="a Hugging Face model folder (config.json + safetensors, "
                                                              "per-expert or fused experts), or a Mixtral-named folder")
     placement_strategy: str = Field(default="PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
@@ -193,6 +196,9 @@ class RuntimeConfig(BaseModel):
             )
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.seeded_on_device and self.checkpoint:
+            raise ValueError(f"seeded_on_device=True draws random experts, but checkpoint={self.checkpoint!r} "
+                             f"gives them (drop one)")
         if self.eplb.mode is not EplbMode.OFF and self.eplb.min_window_steps > self.load_window:
             raise ValueError(f"eplb.min_window_steps={self.eplb.min_window_steps} exceeds load_window="
                              f"{self.load_window}: the window never holds enough steps for the autopilot to decide")

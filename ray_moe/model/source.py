@@ -87,4 +87,5 @@ def weight_source(cfg: RuntimeConfig, *, validate: bool = False) -> WeightSource
             src.validate()
         return src
     return SeededWeightSource(num_layers=cfg.num_layers, num_experts=cfg.num_experts, hidden_size=cfg.hidden_size,
-                              ffn_size=cfg.ffn_size, seed=cfg.seed, dtype=dtype, tagged=cfg.tagged_weights)
+                              ffn_size=cfg.ffn_size, seed=cfg.seed, dtype=dtype, tagged=cfg.tagged_weights,
+                              device=cfg.device if cfg.seeded_on_device else "cpu")

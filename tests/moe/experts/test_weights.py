@@ -139,3 +139,40 @@ def test_parse_dtype():
     assert parse_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="dtype='int8'"):
         parse_dtype("int8")
+
+
+def test_seeded_source_names_its_device_and_config_routes_it():
+    """The default draw is the CPU's (unchanged values); a config's seeded_on_device hands the shard's device
+    to the source, and a checkpoint with it is refused naming both fields."""
+    from ray_moe.core.errors import ConfigError
+    from ray_moe.model.config import RuntimeConfig
+    from ray_moe.model.source import weight_source
+
+    a, b = source(), source(device="cpu")
+    assert a.device == b.device == "cpu" and a.describe()["device"] == "cpu"
+    assert a.expert(1, 3).digest() == b.expert(1, 3).digest()
+    base = dict(num_ranks=1, num_experts=4, hidden_size=8, ffn_size=16, top_k=2, slots_per_rank=4)
+    assert weight_source(RuntimeConfig(**base)).device == "cpu"
+    assert weight_source(RuntimeConfig(**base, device="cuda", seeded_on_device=True)).device == "cuda"
+    assert weight_source(RuntimeConfig(**base, device="cuda")).device == "cpu"
+    with pytest.raises((ConfigError, ValueError), match="seeded_on_device=True.*checkpoint="):
+        RuntimeConfig(**base, seeded_on_device=True, checkpoint="/nowhere")
+
+
+@pytest.mark.gpu
+def test_seeded_on_cuda_draws_on_the_device_deterministically():
+    """A CUDA draw returns device tensors, the same for two sources (any order), differs per expert and from
+    the CPU draw, and digests as its own bytes do on the CPU; an ExpertStore on the GPU loads it unchanged."""
+    from ray_moe.shard.expert_store import ExpertStore
+
+    a, b = source(device="cuda", dtype=torch.bfloat16), source(device="cuda", dtype=torch.bfloat16)
+    w = a.expert(1, 2)
+    assert w.w_gate.is_cuda and w.w_down.dtype == torch.bfloat16 and w.w_down.shape == (8, 16)
+    b.expert(0, 0)
+    assert torch.equal(w.w_up, b.expert(1, 2).w_up)
+    assert w.digest() == w.to("cpu").digest()
+    assert w.digest() != a.expert(1, 3).digest()
+    assert not torch.equal(w.w_gate.cpu(), source(dtype=torch.bfloat16).expert(1, 2).w_gate)
+    st = ExpertStore(0, torch.device("cuda"), torch.bfloat16)
+    digests = st.load([(1, 2), (0, 1)], a)
+    assert digests[(1, 2)] == w.digest() and digests[(0, 1)] == a.expert(0, 1).digest()
