@@ -18,7 +18,7 @@ import torch
 
 from ray_moe_bench.common import add_output_argument, write_result
 
-SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8, (1, 32, 128)), "mixtral": (8, 4096, 14336, 2, (1, 8, 32, 64)),
+SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8, (1, 32, 128, 256)), "mixtral": (8, 4096, 14336, 2, (1, 8, 32, 64)),
           "deepseek_v3": (64, 7168, 2048, 8, (1, 8, 32, 64))}  # experts, d, f, top-k, tokens
 
 
@@ -36,7 +36,7 @@ def _time_us(fn, iters: int) -> float:
 
 
 def run(iters: int, shapes: list[str]) -> dict[str, Any]:
-    from ray_moe.moe.experts.runners.skinny import skinny_swiglu
+    from ray_moe.moe.experts.runners.skinny import BLOCK_M, row_block, skinny_swiglu
 
     torch.manual_seed(0)
     out: dict[str, Any] = {}
@@ -58,18 +58,25 @@ def run(iters: int, shapes: list[str]) -> dict[str, Any]:
             def kernels():
                 return skinny_swiglu(x, offs, wg, wu, wd)
 
+            def smallest_block():  # the fixed 16-row block of the kernels before row_block
+                return skinny_swiglu(x, offs, wg, wu, wd, block_m=BLOCK_M)
+
             ref, got = grouped().float(), kernels().float()
+            small = smallest_block().float()
             active = int((counts > 0).sum())
             gbytes = active * 3 * f * d * 2 / 1e9
-            tg, tk = _time_us(grouped, iters), _time_us(kernels, iters)
+            tg, tk, t16 = _time_us(grouped, iters), _time_us(kernels, iters), _time_us(smallest_block, iters)
             out[f"{name}/tokens_{t}"] = {
+                "block_m": row_block(t * k, e_), "max_rows_per_expert": int(counts.max()), "skinny_block16_us": t16,
+                "block16_max_rel_diff": float((small - ref).abs().max() / ref.abs().max()),
                 "experts": e_, "hidden": d, "ffn": f, "top_k": k, "tokens": t, "rows": t * k, "active_experts": active,
                 "weight_gbytes": gbytes, "grouped_mm_us": tg, "skinny_us": tk, "speedup": tg / tk,
                 "grouped_mm_tb_s": gbytes / tg * 1e3, "skinny_tb_s": gbytes / tk * 1e3,
                 "max_rel_diff": float((got - ref).abs().max() / ref.abs().max())}
             r = out[f"{name}/tokens_{t}"]
             print(f"{name} T={t}: grouped_mm {tg:.1f} us ({r['grouped_mm_tb_s']:.2f} TB/s), skinny {tk:.1f} us "
-                  f"({r['skinny_tb_s']:.2f} TB/s), {r['speedup']:.2f}x, max rel diff {r['max_rel_diff']:.1e}",
+                  f"({r['skinny_tb_s']:.2f} TB/s) at block {r['block_m']} (16-row block {t16:.1f} us), "
+                  f"{r['speedup']:.2f}x, max rel diff {r['max_rel_diff']:.1e}",
                   flush=True)
     return out
 

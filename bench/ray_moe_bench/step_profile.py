@@ -37,7 +37,7 @@ from ray_moe.model.config import RuntimeConfig
 from ray_moe.model.sampling import SamplingParams
 from ray_moe_bench.common import add_output_argument, host_kind, write_result
 from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
-from ray_moe_bench.serving import add_workload_arguments, workload_spec
+from ray_moe_bench.serving import add_workload_arguments, host_share, workload_spec
 
 TOP_ROWS = 80
 
@@ -161,6 +161,7 @@ def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: 
     dev = list(loop.timings["device"])
     res.update(wall_s=wall, output_tokens=ntok, output_tokens_per_s=ntok / wall, steps=steps, device_ms=dev,
                device_ms_complete=len(dev) == steps, device_ms_sum=sum(dev), timing_medians_ms=loop.timing_summary(),
+               host_work=host_share(loop.timings),
                plans=tr.plans, plan_fields=["decode_items", "prefill_tokens", "sub_steps", "queued"],
                graph_counters=counters_since(c1), graphs=len(gen.pipeline.graphs), backoffs=sched.backoffs - b0,
                memory_events=list(loop.memory_events))
@@ -169,6 +170,7 @@ def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: 
     print(f"variant G={graphs} S={st} D={ds}: warm {res['warm'] and round(res['warm']['wall_s'], 2)} s; measured "
           f"{wall:.2f} s, {steps} steps, {ntok / wall:.0f} tok/s, device sum {sum(dev) / 1e3:.2f} s; "
           f"counters {res['graph_counters']}; backoffs {res['backoffs']}", flush=True)
+    print(f"  host work over device time: {res['host_work']['host_over_device']}", flush=True)
     print("  device ms per step:", " ".join(f"{x:.1f}" for x in dev), flush=True)
     print("  plans (decode/prefill/sub-steps/queued):", " ".join("/".join(map(str, p)) for p in tr.plans), flush=True)
     res["windows"] = []
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="48:0:0", help="G:S:D,...: prefill graph limit, step tokens, decode steps")
     p.add_argument("--windows", default="", help="a:b,...: measured-pass step ranges to profile (default: none)")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--cpu-draw", action="store_true", help="seeded experts drawn on the CPU (default on CUDA: on the GPU)")
     add_output_argument(p)
     a = p.parse_args(argv)
     if a.quick:
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                         ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
                         slots_per_rank=conf["num_experts"], num_layers=a.layers, device=device, dtype=dtype, seed=0,
                         decode_token_capacity=min(len(prompts), 256), name="step-profile",
-                        seeded_on_device=device == "cuda")
+                        seeded_on_device=device == "cuda" and not a.cpu_draw)
     t0 = time.perf_counter()
     dep = InProcessDeployment(cfg, device=device, timeout_s=600)
     tr = RecordingTransport(dep)
@@ -228,8 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                                         "prompt_tokens": sum(map(len, prompts))},
                            "start_s": {"deployment": t1 - t0, "model_and_kv": time.perf_counter() - t1},
                            "kv_tokens": loop.kv_tokens, "attention": loop.attention_backend}
+    if device == "cuda":
+        res["memory_after_start_gb"] = {"allocated": torch.cuda.memory_allocated() / 1e9,
+                                        "reserved": torch.cuda.memory_reserved() / 1e9,
+                                        "device_used": (lambda f, t: (t - f) / 1e9)(*torch.cuda.mem_get_info())}
     print(f"start: deployment {t1 - t0:.1f} s, model+kv {res['start_s']['model_and_kv']:.1f} s, "
-          f"kv_tokens {loop.kv_tokens}, attention {loop.attention_backend}", flush=True)
+          f"kv_tokens {loop.kv_tokens}, attention {loop.attention_backend}, memory {res.get('memory_after_start_gb')}",
+          flush=True)
     try:
         res["variants"] = [run_variant(dep, loop, tr, prompts, params, v, windows, not a.no_warmup, device)
                            for v in variants]

@@ -205,9 +205,11 @@ class GenerationLoop:
         # account (statistics), commit (tokens out), device (the slowest rank's device time of the step) and
         # idle (the longest a rank's device sat idle before the step started: the host did not keep it fed),
         # transport (the step's round trip from its actor calls sent to its results here, minus the slowest
-        # actor call on its shard: Ray's dispatch, (de)serialisation and transfer both ways)
+        # actor call on its shard: Ray's dispatch, (de)serialisation and transfer both ways), host (the
+        # busiest rank's host work for the step: launch and completion, not the waits; ``StepResult.host_s``)
         self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in (
-            "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport")}
+            "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport",
+            "host")}
         self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
         self._thread.start()
 
@@ -395,6 +397,7 @@ class GenerationLoop:
                         ("queued", max((r.queued_s for r in results.values()), default=0.0)),
                         ("device", max((r.device_s for r in results.values()), default=0.0)),
                         ("idle", max((r.idle_s for r in results.values()), default=0.0)),
+                        ("host", max((r.host_s for r in results.values()), default=0.0)),
                         ("transport", None if recovered else
                          t1 - step.sent - max((r.actor_s for r in results.values()), default=0.0))):
             if ms is not None:  # (a recovered step's round trip includes its failure and re-run)

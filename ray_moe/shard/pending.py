@@ -67,6 +67,7 @@ class PendingStep:
         self.decision = decision  # the decode unit's agreed decision (None: no decode round)
         self.t0, self.path, self.reason = t0, path, reason
         self.graph, self.result = graph, result
+        self.launch_s = time.perf_counter() - t0  # the launch's host work (made at the launch's end)
         self.event = None
         if executor._start is not None:  # on CUDA: the step's device span, [start, event]
             self.event = torch.cuda.Event(enable_timing=True)
@@ -88,6 +89,8 @@ class PendingStep:
 
     def complete(self) -> StepResult:
         ex = self.executor
+        self.wait()  # the device's part done: what follows is the completion's host work
+        t = time.perf_counter()
         if self.graph is not None:
             try:
                 tokens, stats, _, lps, counts = self.graph.finish()  # a group of one: nothing overflows
@@ -100,8 +103,9 @@ class PendingStep:
         out = GenerationOutput({k: (v,) for k, v in tokens.items()}, self.path, self.reason,
                                logprobs={k: (v,) for k, v in lps.items()}, expert_counts=counts or {},
                                cached_tokens=dict(self.prefix[0]), prefix_lookup_tokens=self.prefix[1])
-        return StepResult(ex.rank, self.req.step_id, self.generation, out, stats, time.perf_counter() - self.t0,
-                          device_s=device_s, idle_s=idle_s)
+        end = time.perf_counter()
+        return StepResult(ex.rank, self.req.step_id, self.generation, out, stats, end - self.t0,
+                          device_s=device_s, idle_s=idle_s, host_s=self.launch_s + (end - t))
 
 
 class MultiPending:
@@ -144,7 +148,8 @@ class MultiPending:
         return StepResult(first.rank, self.req.step_id, first.generation, out,
                           merge_layer_stats([ls for r in results for ls in r.layers]),
                           time.perf_counter() - self.parts[0].t0,
-                          device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results))
+                          device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results),
+                          host_s=sum(r.host_s for r in results))
 
 
 __all__ = ["PendingStep", "MultiPending"]

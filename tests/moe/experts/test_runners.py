@@ -389,11 +389,25 @@ def test_cuda_skinny_kernels_match_the_reference(counts, d, f):
     ref = naive(x[:n].cpu(), counts, SlotWeights(w.layer, w.slot_ids, w.experts, w.w_gate.cpu(), w.w_up.cpu(),
                                                  w.w_down.cpu()))
     torch.testing.assert_close(y[:n].cpu().double(), ref, atol=5e-2, rtol=5e-2)
+    for bm in skinny.ROW_BLOCKS:  # every row block, slots with more rows than one block included
+        yb = skinny.skinny_swiglu(x, offsets, w.w_gate, w.w_up, w.w_down, block_m=bm)
+        torch.testing.assert_close(yb[:n].cpu().double(), ref, atol=5e-2, rtol=5e-2)
     runner = GroupedRunner()
     via_runner = runner.run_offsets(x, offsets, w)
     if n + 3 <= SKINNY_ROWS_PER_SLOT * len(counts):
         torch.testing.assert_close(via_runner[:n], y[:n], atol=0, rtol=0)  # the runner took the kernels
     assert not skinny.available(x.float(), w.w_gate, w.w_down)  # fp32: grouped_mm / loop instead
+
+
+def test_skinny_row_block_fits_a_slots_rows_in_one_block():
+    """The row block holds the mean rows per slot plus four binomial deviations: 16 rows for a few decoding
+    sequences, 32 at 256 sequences over 128 experts with top-8 (16 rows per slot on average), 64 above."""
+    from ray_moe.moe.experts.runners import skinny
+
+    assert skinny.row_block(8, 128) == 16 and skinny.row_block(256, 128) == 16
+    assert skinny.row_block(2048, 128) == 32  # mean 16 + 4 x 4 = 32
+    assert skinny.row_block(2049, 128) == 64 and skinny.row_block(10**6, 8) == 64  # never above the largest
+    assert skinny.row_block(0, 0) == 16
 
 
 def test_skinny_kernels_are_cuda_only():

@@ -1,0 +1,35 @@
+"""The loop's per-step timings: every collected step records the shard's host work (``StepResult.host_s``: its
+launch and completion, not the waits) next to its elapsed time on the shard; the serving benchmark's share
+is the sum of host over the sum of device time (in-process deployment, the driver's real loop)."""
+
+from __future__ import annotations
+
+import torch
+
+import ray_moe
+from ray_moe.driver.loop import GenerationLoop
+from ray_moe.model.sampling import SamplingParams
+from ray_moe_dev.testing.hf_models import tiny_model
+from ray_moe_dev.testing.inprocess import InProcessDeployment, LocalTransport
+from ray_moe_bench.serving import host_share
+
+
+def test_every_step_records_the_shards_host_work(tmp_path):
+    _, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    transport = LocalTransport(dep)
+    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=16)
+    g = torch.Generator().manual_seed(1)
+    try:
+        hs = [loop.submit(torch.randint(0, 128, (n,), generator=g).tolist(), SamplingParams(max_new_tokens=5))
+              for n in (9, 20, 4)]
+        assert all(len(h.result(120)) == 5 for h in hs)
+        host, shard = list(loop.timings["host"]), list(loop.timings["shard"])
+        assert len(host) == len(shard) == loop.steps > 0
+        assert all(0.0 < h <= s + 1e-6 for h, s in zip(host, shard)), (host, shard)
+        share = host_share(loop.timings)
+        assert share["steps"] == loop.steps and share["host_ms"] == sum(host)
+        assert share["host_over_device"] is None  # CPU: no device time is measured
+    finally:
+        loop.close()
+        transport.close()
