@@ -300,12 +300,15 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
 
 def host_share(timings: dict) -> dict[str, Any]:
     """The shards' host work over their device time in the timed pass (sums over its steps of the busiest
-    rank's ``host_s`` and ``device_s``; the issue's bound is 10%) and the device's idle gaps the host left."""
+    rank's ``host_s`` and ``device_s``) and the device's idle gaps between steps over the same device time."""
     host, device, idle = (sum(timings.get(k, ())) for k in ("host", "device", "idle"))
     return {"host_ms": host, "device_ms": device, "idle_ms": idle, "steps": len(timings.get("device", ())),
             "host_over_device": host / device if device else None,
-            "note": "host: launch (plan, staging, issuing or replaying kernels, captures) + completion (reading "
-                    "tokens) on the shard, not its waits; idle: device gaps between steps"}
+            "idle_over_device": idle / device if device else None,
+            "note": "host: the shard's wall time in each step's launch (plan, staging, issuing or replaying kernels, "
+                    "captures; blocking inside it included, e.g. a full kernel queue) and completion (reading tokens), "
+                    "not the wait between: an upper bound of the host work; idle: the device's gaps between steps "
+                    "(the host work the device waited for)"}
 
 
 def random_model_bytes(folder: str, dtype: Any) -> int:

@@ -112,10 +112,10 @@ class StepResult:
     order, the step thread or lock, the generation pin), so a driver's wait minus both is the Ray transport
     and (de)serialisation. device_s: the step's time on the device (CUDA events around its work; 0 on CPU);
     idle_s: how long the device sat idle between the previous step's end and this step's start (the host did
-    not keep it fed). host_s: the shard's host work for the step: its launch (planning, staging, issuing or
-    replaying the kernels; a capture included) and its completion once the device finished it (reading
-    tokens and statistics), not the waits between (an eager step's launch reads its tokens: there the device
-    time is in it too; 0 where not measured). actor_s: the call on the shard,
+    not keep it fed). host_s: the shard's host wall time in the step's launch (planning, staging, issuing or
+    replaying the kernels, a capture) and in its completion once the device finished it (reading tokens and
+    statistics); the wait between is not in it, but blocking inside the launch is (a full kernel queue, an
+    eager step reading its tokens), so it bounds the host work from above (0 where not measured). actor_s: the call on the shard,
     arrival to return (a driver's round trip minus it is Ray's transport). active_generation: the rank's
     ACTIVE generation when the step ended."""
 
