@@ -2,7 +2,7 @@
 #  THE ONE-RANK DATA PATH (a group of one: every slot is local; no exchange, no host sync)
 #
 #   routes [T, k] (id -1: a padding route) ──> replica selection ──> local slot of every route
-#        ──> stable sort by slot = the expert-major order ──> rows gathered straight from hidden
+#        ──> stable order by slot (counting sort at decode sizes) = the expert-major order ──> rows gathered
 #        ──> expert runner on device-side offsets (grouped launches; empty slots read no weights)
 #        ──> gated FP32 combine: each route reads its row back (padding routes read nothing)
 #
@@ -22,7 +22,7 @@ import torch
 from ray_moe.moe.dispatch.bucket import BucketShape, bucket_for
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.kernels import gated_combine
-from ray_moe.moe.dispatch.plan import count_by
+from ray_moe.moe.dispatch.plan import expert_major_order
 from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher, fence
 from ray_moe.moe.dispatch.records import DispatchOutputFormat, DispatchOutput, Handle
 from ray_moe.core.routes import RouteBatch, SemanticRoutes
@@ -109,11 +109,9 @@ class LocalDispatcher(Dispatcher):
                                 logical_expert=e.clamp_min(0), gate=w.reshape(-1).to(torch.float32), dense=True)
         phys = self.selector.select(routes, snapshot).to(dev)
         local = torch.where(valid, maps.slot_local[phys], torch.full_like(phys, q_local))
-        # 1. expert-major order: a stable sort by local slot (padding routes last)
-        order = torch.sort(local, stable=True).indices
-        dest = torch.empty_like(order)
-        dest[order] = torch.arange(t * k, device=dev)
-        counts = count_by(local, q_local + 1)[:q_local]
+        # 1. expert-major order: stable by local slot (padding routes last); a counting sort at decode sizes
+        order, dest, counts = expert_major_order(local, q_local + 1)
+        counts = counts[:q_local]
         rows = h.index_select(0, order // max(k, 1))
         handle = LocalHandle(
             handle_id=f"local-h{snapshot.generation}-r{rank}-{uuid.uuid4().hex[:10]}", generation=snapshot.generation,

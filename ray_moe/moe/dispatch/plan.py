@@ -27,6 +27,43 @@ def count_by(index: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))
 
 
+# routes up to which ``expert_major_order`` ranks by a one-hot prefix count instead of sorting (decode sizes)
+COUNTING_ORDER_MAX = 4096
+
+
+def expert_major_order(index: torch.Tensor, n: int, *,
+                       counting: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stable order of ``index`` [N] int64 (values in [0, n)): (order [N] int64: positions sorted by
+    (value, position); dest [N] int64: each position's place in that order, ``order``'s inverse; counts
+    [n] int64). Up to ``COUNTING_ORDER_MAX`` entries it is a counting sort: the one-hot [N, n] int32 is
+    prefix-summed down its rows, so entry i's place among its value's entries is read off, plus its
+    value's start (a handful of small elementwise / scan kernels; torch's sort of a few thousand keys runs
+    in one thread block, ~27 us a call on an H200 in a decode profile); above it a stable sort. Both give
+    the same three tensors, with device ops only (no host sync: graph capturable). ``counting``: take the
+    counting sort (True) or the sort (False); None: the counting sort on CUDA up to ``COUNTING_ORDER_MAX``
+    entries (on the CPU the sort is the cheaper one)."""
+    m = index.numel()
+    dev = index.device
+    if m == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return empty, empty.clone(), torch.zeros(n, dtype=torch.int64, device=dev)
+    if counting is None:
+        counting = index.is_cuda and m <= COUNTING_ORDER_MAX
+    if counting:
+        onehot = (index[:, None] == torch.arange(n, device=dev)[None, :]).to(torch.int32)  # [N, n]
+        upto = onehot.cumsum(0, dtype=torch.int32)  # [N, n]: entries of each value up to row i
+        counts = upto[-1].to(torch.int64)
+        starts = torch.cumsum(counts, 0) - counts
+        dest = starts[index] + upto.gather(1, index[:, None]).squeeze(1).to(torch.int64) - 1
+        order = torch.empty_like(dest)
+        order[dest] = torch.arange(m, device=dev)
+        return order, dest, counts
+    order = torch.sort(index, stable=True).indices
+    dest = torch.empty_like(order)
+    dest[order] = torch.arange(m, device=dev)
+    return order, dest, count_by(index, n)
+
+
 def exclusive_offsets(counts: torch.Tensor) -> torch.Tensor:
     """[n] int64 -> [n+1] int64 exclusive prefix sum with the total as sentinel."""
     out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)

@@ -104,3 +104,26 @@ def test_one_rank_deployment_serves_on_the_local_path(phase):
         ref = reference_output(cfg, h, ids, w)
         assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
         assert dep.paths(res) == {"local" if phase is Phase.PREFILL else "bucket"}
+
+
+@pytest.mark.gpu
+def test_cuda_counting_order_matches_the_sort_and_captures():
+    """On CUDA the one-rank dispatcher's order is the counting sort at decode sizes: equal to the stable sort,
+    and it records into a CUDA graph (no host sync) whose replay gives the same order for new inputs."""
+    from ray_moe.moe.dispatch.plan import expert_major_order
+
+    g = torch.Generator().manual_seed(2)
+    index = torch.randint(0, 129, (2048,), generator=g).cuda()
+    order, dest, counts = expert_major_order(index, 129)
+    assert torch.equal(order, torch.sort(index, stable=True).indices)
+    assert torch.equal(counts, torch.bincount(index, minlength=129))
+    static = index.clone()
+    expert_major_order(static, 129)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = expert_major_order(static, 129)
+    fresh = torch.randint(0, 129, (2048,), generator=g).cuda()
+    static.copy_(fresh)
+    graph.replay()
+    assert torch.equal(out[0], torch.sort(fresh, stable=True).indices)
+    assert torch.equal(out[1][out[0]], torch.arange(2048, device="cuda"))

@@ -262,3 +262,32 @@ def test_reference_multilayer_composes_reference_moe():
     ids1, w1 = route(1, h1)
     want = h1 + reference_moe(h1, ids1, w1, lambda e: source.expert(1, e))
     torch.testing.assert_close(reference_multilayer(h, 2, route, source.expert, residual=True), want)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 130), st.integers(0, 4100 + 300), st.integers(0, 2**31 - 1))
+def test_expert_major_order_is_the_stable_sort_on_both_paths(n, m, seed):
+    """The counting sort (CUDA's choice up to COUNTING_ORDER_MAX entries) and the sort path give the stable
+    sort's order, its inverse and the histogram, exactly."""
+    from ray_moe.moe.dispatch.plan import expert_major_order
+
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, n, (m,), generator=g, dtype=torch.int64)
+    want = torch.sort(index, stable=True).indices
+    for counting in (True, False, None):
+        order, dest, counts = expert_major_order(index, n, counting=counting)
+        assert torch.equal(order, want)
+        assert torch.equal(dest[order], torch.arange(m)) and torch.equal(order[dest], torch.arange(m))
+        assert torch.equal(counts, torch.bincount(index, minlength=n)) and counts.dtype == torch.int64
+
+
+def test_expert_major_order_counting_path_equals_the_sort_path_with_skew():
+    """A hot value taking most entries (the skewed routing a rebalance answers): both paths agree."""
+    from ray_moe.moe.dispatch import plan
+
+    index = torch.cat([torch.full((3000,), 7), torch.arange(129), torch.full((5,), 128)]).to(torch.int64)
+    index = index[torch.randperm(index.numel(), generator=torch.Generator().manual_seed(3))]
+    counted = plan.expert_major_order(index, 129 + 1, counting=True)
+    sorted_ = plan.expert_major_order(index, 129 + 1, counting=False)
+    for a, b in zip(counted, sorted_):
+        assert torch.equal(a, b)
