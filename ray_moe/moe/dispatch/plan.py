@@ -35,8 +35,8 @@ def expert_major_order(index: torch.Tensor, n: int, *,
                        counting: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stable order of ``index`` [N] int64 (values in [0, n)): (order [N] int64: positions sorted by
     (value, position); dest [N] int64: each position's place in that order, ``order``'s inverse; counts
-    [n] int64). Up to ``COUNTING_ORDER_MAX`` entries it is a counting sort: the one-hot [N, n] int32 is
-    prefix-summed down its rows, so entry i's place among its value's entries is read off, plus its
+    [n] int64). Up to ``COUNTING_ORDER_MAX`` entries it is a counting sort: the one-hot [n, N] int32 is
+    prefix-summed along each value's row, so entry i's place among its value's entries is read off, plus its
     value's start (a handful of small elementwise / scan kernels; torch's sort of a few thousand keys runs
     in one thread block, ~27 us a call on an H200 in a decode profile); above it a stable sort. Both give
     the same three tensors, with device ops only (no host sync: graph capturable). ``counting``: take the
@@ -50,11 +50,13 @@ def expert_major_order(index: torch.Tensor, n: int, *,
     if counting is None:
         counting = index.is_cuda and m <= COUNTING_ORDER_MAX
     if counting:
-        onehot = (index[:, None] == torch.arange(n, device=dev)[None, :]).to(torch.int32)  # [N, n]
-        upto = onehot.cumsum(0, dtype=torch.int32)  # [N, n]: entries of each value up to row i
-        counts = upto[-1].to(torch.int64)
+        # [n, N]: value-major, so the prefix sum runs along the contiguous dimension (a parallel scan per row;
+        # along dim 0 of [N, n] torch scans each column with one sequential thread)
+        onehot = (torch.arange(n, device=dev)[:, None] == index[None, :]).to(torch.int32)
+        upto = onehot.cumsum(1, dtype=torch.int32)  # entries of each value up to position i
+        counts = upto[:, -1].to(torch.int64)
         starts = torch.cumsum(counts, 0) - counts
-        dest = starts[index] + upto.gather(1, index[:, None]).squeeze(1).to(torch.int64) - 1
+        dest = starts[index] + upto.gather(0, index[None, :]).squeeze(0).to(torch.int64) - 1
         order = torch.empty_like(dest)
         order[dest] = torch.arange(m, device=dev)
         return order, dest, counts
