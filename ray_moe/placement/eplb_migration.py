@@ -131,11 +131,12 @@ def _relabel_to_current(plain: np.ndarray, current: np.ndarray, shape: EPLBShape
 
 
 def _swap_repair(plain: np.ndarray, current: np.ndarray, W: np.ndarray, bound: np.ndarray, shape: EPLBShape,
-                 avoid: bool) -> np.ndarray:
+                 avoid: np.ndarray) -> np.ndarray:
     """Start from the current placement, repair it to plain's replica counts and node
     contents, then swap copies between GPUs of a node until every GPU load is within ``bound``.
 
-    plain, current: [L, Q] int64; W: [L, E] float64; bound: [L] float64. Rows below are (layer, node).
+    plain, current: [L, Q] int64; W: [L, E] float64; bound: [L] float64; avoid: [L] bool, the layers
+    where no copy may join another of its expert on a GPU. Rows below are (layer, node).
     Returns [L, Q] int64; rows whose local search gets stuck may stay above ``bound`` (the caller
     checks). Swaps stay inside a node, so group locality holds.
     """
@@ -145,6 +146,8 @@ def _swap_repair(plain: np.ndarray, current: np.ndarray, W: np.ndarray, bound: n
     R = L * N
     rows = np.arange(R)
     layer_of_row = np.repeat(np.arange(L), N)
+    row_avoid = np.asarray(avoid, dtype=bool)[layer_of_row]  # [R]
+    any_avoid = bool(row_avoid.any())
     node_perm = _node_matching(gpu_expert_counts(plain, P, E).reshape(L, N, gpn, E),
                                gpu_expert_counts(current, P, E).reshape(L, N, gpn, E))
     # Step 1: row (l, a) works in the slots of current node node_perm[l, a] and must end up holding
@@ -171,13 +174,13 @@ def _swap_repair(plain: np.ndarray, current: np.ndarray, W: np.ndarray, bound: n
         free_list = np.argsort(kept.reshape(R, gpn, spg), axis=2, kind="stable")  # free positions first
         free_cnt = (~kept).reshape(R, gpn, spg).sum(axis=2)
         fill = np.zeros((R, gpn), dtype=np.int64)
-        holds = gpu_expert_counts(np.where(items >= 0, items, E), gpn, E + 1) if avoid else None
+        holds = gpu_expert_counts(np.where(items >= 0, items, E), gpn, E + 1) if any_avoid else None
         for j in range(queue.shape[1]):
             e = queue[:, j]
             live = e >= 0
             open_load = np.where(fill < free_cnt, load, np.inf)
-            if avoid:
-                clash = holds[rows, :, np.maximum(e, 0)] > 0
+            if any_avoid:
+                clash = (holds[rows, :, np.maximum(e, 0)] > 0) & row_avoid[:, None]
                 clash &= (np.isfinite(open_load) & ~clash).any(axis=1, keepdims=True)
                 open_load = np.where(clash, np.inf, open_load)
                 holds[rows[live], open_load[live].argmin(axis=1), e[live]] += 1
@@ -191,7 +194,7 @@ def _swap_repair(plain: np.ndarray, current: np.ndarray, W: np.ndarray, bound: n
     item_w = np.take_along_axis(copy_w, items, axis=1)
     gpu_of = np.arange(qpn) // spg
     row_bound = np.repeat(bound, N)
-    gpu_cnt = gpu_expert_counts(items, gpn, E) if avoid else None
+    gpu_cnt = gpu_expert_counts(items, gpn, E) if any_avoid else None
     stuck = np.zeros(R, dtype=bool)
     for _ in range(4 * qpn):
         live = ~stuck & (load.max(axis=1) > row_bound)
@@ -208,10 +211,10 @@ def _swap_repair(plain: np.ndarray, current: np.ndarray, W: np.ndarray, bound: n
         score = np.maximum(lh - d, lg + d)
         ok = (gpu_of[None, None, :] != h[:, None, None]) & (score < lh)
         ex, ey = items[r[:, None], xs], items[r]
-        if avoid:
+        if any_avoid:
             on_g = gpu_cnt[r[:, None, None], gpu_of[None, None, :], ex[:, :, None]] > 0
             on_h = gpu_cnt[r[:, None, None], h[:, None, None], ey[:, None, :]] > 0
-            ok &= (ex[:, :, None] == ey[:, None, :]) | (~on_g & ~on_h)
+            ok &= (ex[:, :, None] == ey[:, None, :]) | (~on_g & ~on_h) | ~row_avoid[r][:, None, None]
         cx, cy = cur[r[:, None], xs], cur[r]
         lost = (ex == cx)[:, :, None].astype(np.int64) + (ey == cy)[:, None, :]
         gained = (ey[:, None, :] == cx[:, :, None]).astype(np.int64) + (ex[:, :, None] == cy[:, None, :])
@@ -230,7 +233,7 @@ def _swap_repair(plain: np.ndarray, current: np.ndarray, W: np.ndarray, bound: n
         dx = item_w[r, x] - item_w[r, y]
         load[r, h] -= dx
         load[r, g] += dx
-        if avoid:
+        if any_avoid:
             gpu_cnt[r, h, items[r, x]] -= 1
             gpu_cnt[r, g, items[r, y]] -= 1
             gpu_cnt[r, h, items[r, y]] += 1
@@ -259,15 +262,15 @@ def _group_local(phy2log: np.ndarray, shape: EPLBShape) -> np.ndarray:
 
 
 def _revert_slots(
-    out: np.ndarray, current: np.ndarray, W: np.ndarray, bound: np.ndarray, shape: EPLBShape, avoid: bool,
+    out: np.ndarray, current: np.ndarray, W: np.ndarray, bound: np.ndarray, shape: EPLBShape, avoid: np.ndarray,
     floor: np.ndarray | None = None,
 ) -> np.ndarray:
     """Give single slots back to their current expert while the max GPU load stays within ``bound``.
 
     out, current: [L, Q] int64; W: [L, E] float64; bound: [L]; floor: optional [L, E] replica floors.
     One vectorised step per slot over all layers. Changes replica counts (never below one copy, nor below
-    an expert's floor), keeps group locality and, with ``avoid``, never puts a second copy of an expert
-    on a GPU.
+    an expert's floor), keeps group locality and, in the layers ``avoid`` ([L] bool) marks, never puts a
+    second copy of an expert on a GPU.
     """
     L, Q, E = shape.num_layers, shape.num_replicas, shape.num_experts
     P, spg, gpn = shape.num_gpus, shape.slots_per_gpu, shape.gpus_per_node
@@ -289,8 +292,7 @@ def _revert_slots(
             cand &= ma > floor[rows, a]
         if group_node is not None:
             cand &= group_node[rows, b // shape.group_size] == g // gpn
-        if avoid:
-            cand &= gpu_cnt[rows, g, b] == 0
+        cand &= ~avoid | (gpu_cnt[rows, g, b] == 0)
         if not cand.any():
             continue
         ca = gpu_cnt[rows, :, a].astype(np.float64)
@@ -388,12 +390,16 @@ def migration_aware_phy2log(
     # Step 3: two bases with those replica counts: load-neutral relabelling toward current, and swap
     # repair of the current placement; take the one that moves fewer slots, never more than plain.
     base = _relabel_to_current(base_plain, cur_r, sub)
-    repaired = _swap_repair(base_plain, cur_r, W_r, bound_r, sub, avoid)
+    # the no-duplicate rule binds where plain is duplicate-free (``acceptable``'s test): where plain itself
+    # needs duplicates (an expert with more copies than GPUs), holding the rule in the repair would stall its
+    # swaps and hand the layer to the relabelled plain (most slots moved)
+    avoid_r = (avoid & plain_clean)[rest]
+    repaired = _swap_repair(base_plain, cur_r, W_r, bound_r, sub, avoid_r)
     take = acceptable(repaired, rest) & (moved(repaired, rest) < moved(base, rest))
     base = np.where(take[:, None], repaired, base)
     base = np.where((moved(base, rest) <= moved(plain_r, rest))[:, None], base, plain_r)
     # Step 4: single-slot reverts; a float-drift guard falls back to the base.
-    reverted = _revert_slots(base, cur_r, W_r, bound_r, sub, avoid, None if floor is None else floor[rest])
+    reverted = _revert_slots(base, cur_r, W_r, bound_r, sub, avoid_r, None if floor is None else floor[rest])
     drifted = ideal_rank_loads(W_r, reverted, P).max(axis=1) > check[rest]
     reverted[drifted] = base[drifted]
     out[rest] = reverted

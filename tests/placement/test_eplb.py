@@ -543,3 +543,28 @@ class TestMigrationAware:
         if avoid:
             plain_clean = _gpu_counts(plain.phy2log.numpy(), gpus, E).max(axis=(1, 2)) <= 1
             assert (_gpu_counts(phy2log, gpus, E).max(axis=(1, 2))[plain_clean] <= 1).all()
+
+
+def test_migration_aware_moves_few_slots_where_duplicates_are_inevitable():
+    """Two GPUs of 72 slots, 128 experts (GPU 0: 0..71, GPU 1: 72..127 plus spare copies of 0..15), one layer
+    skewed so hot experts need more copies than there are GPUs: the plain solution duplicates on a GPU, so the
+    no-duplicate rule does not bind there, and the migration-aware answer replaces a few spare copies (it
+    moved 70 of 144 slots while the repair kept the rule and stalled). A uniform layer in the same call keeps
+    its placement (and stays duplicate-free)."""
+    from ray_moe.placement.eplb_solver import gpu_expert_counts, ideal_rank_loads
+
+    e, q = 128, 144
+    cur_row = list(range(e)) + list(range(16))
+    current = np.array([cur_row, cur_row], dtype=np.int64)
+    w = np.ones((2, e))
+    w[0, e - 1], w[0, e // 2 - 1] = 40 * e, 20 * e  # layer 0 skewed, layer 1 uniform
+    res = rebalance_experts(w, q, 1, 1, 2, avoid_same_gpu_duplicates=True, current_phy2log=current,
+                            migration_tolerance=0.05)
+    got = np.asarray(res.phy2log)
+    plain = np.asarray(rebalance_experts(w, q, 1, 1, 2, avoid_same_gpu_duplicates=True).phy2log)
+    moved = (got != current).sum(axis=1)
+    assert moved[0] <= 16 and moved[1] == 0, moved
+    bound = 1.05 * ideal_rank_loads(w, plain, 2).max(axis=1)
+    assert (ideal_rank_loads(w, got, 2).max(axis=1) <= bound * (1 + 1e-9)).all()
+    assert gpu_expert_counts(plain, 2, e)[0].max() > 1  # duplicates inevitable in layer 0
+    assert gpu_expert_counts(got, 2, e)[1].max() <= max(1, gpu_expert_counts(current, 2, e)[1].max())
