@@ -390,11 +390,20 @@ def migration_aware_phy2log(
     # Step 3: two bases with those replica counts: load-neutral relabelling toward current, and swap
     # repair of the current placement; take the one that moves fewer slots, never more than plain.
     base = _relabel_to_current(base_plain, cur_r, sub)
-    # the no-duplicate rule binds where plain is duplicate-free (``acceptable``'s test): where plain itself
-    # needs duplicates (an expert with more copies than GPUs), holding the rule in the repair would stall its
-    # swaps and hand the layer to the relabelled plain (most slots moved)
+    # The no-duplicate rule binds where plain is duplicate-free (``acceptable``'s test). Where plain itself needs
+    # duplicates (an expert with more copies than GPUs) the repair runs both with the rule (it often balances
+    # better) and without it (with it, the swaps can stall, which handed the layer to the relabelled plain:
+    # most slots moved); per layer the acceptable one moving fewer slots wins, then the lower max GPU load.
     avoid_r = (avoid & plain_clean)[rest]
-    repaired = _swap_repair(base_plain, cur_r, W_r, bound_r, sub, avoid_r)
+    strict = np.full(rest.size, bool(avoid))
+    repaired = _swap_repair(base_plain, cur_r, W_r, bound_r, sub, strict)
+    if (strict & ~avoid_r).any():
+        relaxed = _swap_repair(base_plain, cur_r, W_r, bound_r, sub, avoid_r)
+        ok_s, ok_r = acceptable(repaired, rest), acceptable(relaxed, rest)
+        m_s, m_r = moved(repaired, rest), moved(relaxed, rest)
+        l_s, l_r = (ideal_rank_loads(W_r, x, P).max(axis=1) for x in (repaired, relaxed))
+        better = ok_r & (~ok_s | (m_r < m_s) | ((m_r == m_s) & (l_r < l_s)))
+        repaired = np.where(better[:, None], relaxed, repaired)
     take = acceptable(repaired, rest) & (moved(repaired, rest) < moved(base, rest))
     base = np.where(take[:, None], repaired, base)
     base = np.where((moved(base, rest) <= moved(plain_r, rest))[:, None], base, plain_r)

@@ -568,3 +568,17 @@ def test_migration_aware_moves_few_slots_where_duplicates_are_inevitable():
     assert (ideal_rank_loads(w, got, 2).max(axis=1) <= bound * (1 + 1e-9)).all()
     assert gpu_expert_counts(plain, 2, e)[0].max() > 1  # duplicates inevitable in layer 0
     assert gpu_expert_counts(got, 2, e)[1].max() <= max(1, gpu_expert_counts(current, 2, e)[1].max())
+
+
+def test_migration_aware_keeps_the_rules_repair_where_it_balances_better():
+    """Where plain duplicates but the repair under the no-duplicate rule still succeeds, its answer is kept when
+    it moves fewer slots or balances better: 8 experts on 4 GPUs x 3 slots, one hot expert -> 2 slots changed,
+    max GPU load 70 (the rule-free repair alone: 3 slots, 90)."""
+    from ray_moe.placement.eplb_solver import ideal_rank_loads
+
+    current = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]], dtype=np.int64)
+    w = np.array([[10, 200, 10, 10, 10, 10, 10, 10]], dtype=np.float64)
+    got = np.asarray(rebalance_experts(w, 12, 1, 1, 4, avoid_same_gpu_duplicates=True, current_phy2log=current,
+                                       migration_tolerance=0.05).phy2log)
+    assert int((got != current).sum()) == 2
+    assert ideal_rank_loads(w, got, 4).max() == 70.0
