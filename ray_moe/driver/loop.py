@@ -206,7 +206,8 @@ class GenerationLoop:
         # idle (the longest a rank's device sat idle before the step started: the host did not keep it fed),
         # transport (the step's round trip from its actor calls sent to its results here, minus the slowest
         # actor call on its shard: Ray's dispatch, (de)serialisation and transfer both ways), host (the
-        # busiest rank's host work for the step: launch and completion, not the waits; ``StepResult.host_s``)
+        # busiest rank's host wall time in the step's launch and completion: ``StepResult.host_s``, an upper
+        # bound of its host work)
         self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in (
             "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport",
             "host")}

@@ -115,9 +115,9 @@ class StepResult:
     not keep it fed). host_s: the shard's host wall time in the step's launch (planning, staging, issuing or
     replaying the kernels, a capture) and in its completion once the device finished it (reading tokens and
     statistics); the wait between is not in it, but blocking inside the launch is (a full kernel queue, an
-    eager step reading its tokens), so it bounds the host work from above (0 where not measured). actor_s: the call on the shard,
-    arrival to return (a driver's round trip minus it is Ray's transport). active_generation: the rank's
-    ACTIVE generation when the step ended."""
+    eager step reading its tokens), so it bounds the host work from above (0 where not measured).
+    actor_s: the call on the shard, arrival to return (a driver's round trip minus it is Ray's transport).
+    active_generation: the rank's ACTIVE generation when the step ended."""
 
     rank: int
     step_id: str

@@ -57,13 +57,9 @@ def expert_major_order(index: torch.Tensor, n: int, *,
         counts = upto[:, -1].to(torch.int64)
         starts = torch.cumsum(counts, 0) - counts
         dest = starts[index] + upto.gather(0, index[None, :]).squeeze(0).to(torch.int64) - 1
-        order = torch.empty_like(dest)
-        order[dest] = torch.arange(m, device=dev)
-        return order, dest, counts
+        return inverse_permutation(dest), dest, counts
     order = torch.sort(index, stable=True).indices
-    dest = torch.empty_like(order)
-    dest[order] = torch.arange(m, device=dev)
-    return order, dest, count_by(index, n)
+    return order, inverse_permutation(order), count_by(index, n)
 
 
 def exclusive_offsets(counts: torch.Tensor) -> torch.Tensor:
