@@ -41,10 +41,14 @@ def run(layers: int, quick: bool, device: str, tokens: int) -> dict[str, Any]:
     e = shape["num_experts"]
     cfg = RuntimeConfig(num_ranks=2, slots_per_rank=e // 2 + max(1, e // 16), num_layers=layers, device=device,
                         dtype="bfloat16" if device == "cuda" else "float32", seed=0, staging_slots=2,
-                        seeded_on_device=device == "cuda", decode_token_capacity=tokens, **shape)
+                        seeded_on_device=device == "cuda", decode_token_capacity=tokens, cuda_graphs=False, **shape)
+    # no CUDA graphs: both ranks share this process and device here, and two threads capturing decode graphs
+    # while they exchange rows with each other stalled the run on the GPU (each rank is its own process and
+    # GPU in a deployment); the benchmark measures memory, not speed
     t0 = time.perf_counter()
     dep = InProcessDeployment(cfg, device=device, timeout_s=600)
     start_s = time.perf_counter() - t0
+    print(f"started in {start_s:.1f} s", flush=True)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, shape["hidden_size"], generator=g).to(dtype)
@@ -68,6 +72,7 @@ def run(layers: int, quick: bool, device: str, tokens: int) -> dict[str, Any]:
     load[:, e - 1], load[:, e // 2 - 1] = 40 * e, 20 * e
     dep.plane.record_load(load, phase="decode", generation=dep.generation)
     proposal = dep.plane.propose_rebalance()
+    print(f"proposal ready at {time.perf_counter() - t0:.1f} s; applying it under traffic", flush=True)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     served, stale, failed, stop = [0], [0], [], threading.Event()

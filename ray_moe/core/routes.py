@@ -21,12 +21,15 @@ class RouteBatch:
     hidden:       [T, d] float (fp32/bf16/fp16)
     topk_ids:     [T, k] int64  logical expert ids
     topk_weights: [T, k] float32 combine gates
+    row_valid:    [T] bool or None: rows marked False route nowhere (padding of a static-shape step); only
+                  a dispatcher with ``masks_rows`` takes it (``MoEStep`` masks the ids for the others)
     """
 
     origin_rank: int
     hidden: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
+    row_valid: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

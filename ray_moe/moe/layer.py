@@ -37,6 +37,12 @@ def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights 
     if weights is None:  # this rank hosts no slot of the layer: nothing was received
         return rows if fmt is DispatchOutputFormat.SLOT_CAPACITY else rows.new_zeros((0, hidden_size))
     mapped = weights.row_mapped
+    if fmt is DispatchOutputFormat.EXPERT_MAJOR_INDEXED:  # the one-rank route plan: rows not gathered yet
+        if runner.takes_indexed(rows, int(out.order.numel()), weights):
+            return runner.run_indexed(rows, out.order, out.top_k, out.offsets, weights,
+                                      weight_rows=slab.slab_index(weights).rows if mapped else None)
+        rows = rows.index_select(0, out.order.to(torch.int64) // max(out.top_k, 1))
+        fmt = DispatchOutputFormat.EXPERT_MAJOR_DEVICE_OFFSETS
     if fmt is DispatchOutputFormat.EXPERT_MAJOR_DEVICE_OFFSETS:  # device-side offsets (the one-rank path)
         return slab.run_offsets(runner, rows, out.offsets, weights) if mapped else \
             runner.run_offsets(rows, out.offsets, weights)
@@ -96,10 +102,11 @@ class MoEStep:
         snap = self.view.snapshots[layer]
         tag = f"{self.tag}/L{layer}"
         status = self.status if not self._pending else ControlStatus.OK
-        if self.row_valid is not None:
-            topk_ids = torch.where(self.row_valid[:, None], topk_ids, torch.full_like(topk_ids, -1))
-        out = self.dispatcher.dispatch(RouteBatch(self.rank, hidden, topk_ids, topk_weights), snap, tag=tag,
-                                       status=status)
+        row_valid = self.row_valid
+        if row_valid is not None and not self.dispatcher.masks_rows:
+            topk_ids, row_valid = torch.where(row_valid[:, None], topk_ids, torch.full_like(topk_ids, -1)), None
+        out = self.dispatcher.dispatch(RouteBatch(self.rank, hidden, topk_ids, topk_weights, row_valid), snap,
+                                       tag=tag, status=status)
         y_rows = run_experts(self.runner, out, self.view.weights[layer], self.hidden_size)
         y = self.dispatcher.combine(y_rows, out.handle, snap, tag=tag, out_dtype=self.dtype, checks=self.checks)
         self._pending.append((layer, self.dispatcher.sent_slot_counts(out.handle), self.dispatcher.slot_rows(out),

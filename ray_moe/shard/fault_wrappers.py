@@ -28,10 +28,11 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from ray_moe.moe.dispatch.bucket import BucketHandle
 from ray_moe.moe.dispatch.direct import DirectHandle
-from ray_moe.moe.dispatch.local import LocalHandle
+from ray_moe.moe.dispatch.local import LocalHandle, PlannedHandle
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.protocol import HEADER_FIELDS, Dispatcher
 from ray_moe.moe.dispatch.records import DispatchHandle, Handle
@@ -131,6 +132,12 @@ def corrupt_handle(handle: Handle) -> Handle:
         else:
             rs = rs[:0]
         return dataclasses.replace(handle, route_src=rs.view(-1, max(handle.top_k, 1)))
+    if isinstance(handle, PlannedHandle):
+        src = handle.plan.src.clone()
+        live = torch.nonzero(src >= 0).flatten()
+        if live.numel() >= 2:
+            src[live[1]] = src[live[0]]  # a live route reads another live route's row
+        return dataclasses.replace(handle, plan=dataclasses.replace(handle.plan, src=src))
     if isinstance(handle, LocalHandle):
         dest = handle.dest.clone()
         if dest.numel() >= 2:
@@ -150,6 +157,7 @@ class FaultyDispatcher(Dispatcher):
     def __init__(self, inner: Dispatcher) -> None:
         self._inner = inner
         self.mode = inner.mode
+        self.masks_rows = inner.masks_rows
 
     def __getattr__(self, name: str) -> Any:  # token_cap, shape, ... of the wrapped dispatcher
         return getattr(self._inner, name)

@@ -196,9 +196,11 @@ class Dispatcher(ABC):
     """One rank's endpoint of one dispatch mode over one exchange (the contract in the module docstring).
 
     ``status`` lets the caller refuse the step (a stale generation) while still taking part in the control
-    round, so every peer aborts together."""
+    round, so every peer aborts together. ``masks_rows``: whether ``dispatch`` honours a RouteBatch's
+    ``row_valid`` itself (else the caller masks the padding rows' ids to -1 first)."""
 
     mode: DispatchMode
+    masks_rows: bool = False
 
     @abstractmethod
     def dispatch(self, batch: RouteBatch, snapshot: PlacementSnapshot, *, tag: str,

@@ -97,11 +97,15 @@ class DispatchOutputFormat(str, Enum):
     EXPERT_MAJOR_DEVICE_OFFSETS: [N, d] rows grouped by local slot, [Q_local + 1] slot offsets on the device
                                  (nothing read back: CUDA-graph capturable)
     SLOT_CAPACITY:               [Q_local, C_q, d] fixed capacity per slot, [Q_local] valid rows per slot (device)
+    EXPERT_MAJOR_INDEXED:        the token-major [T, d] rows NOT gathered, [N] int32 route of each expert-major
+                                 row (row r is token order[r] // k) and [Q_local] slot row ends on the device:
+                                 the runner reads each row where it lies (the gather happens in its loads)
     """
 
     EXPERT_MAJOR = "expert_major"
     EXPERT_MAJOR_DEVICE_OFFSETS = "expert_major_device_offsets"
     SLOT_CAPACITY = "slot_capacity"
+    EXPERT_MAJOR_INDEXED = "expert_major_indexed"
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +114,7 @@ class DispatchOutput:
     (a class attribute) declares the row layout, and the expert runner follows it (``moe.layer.run_experts``).
 
     rows:        expert-major rows: [N, d] (EXPERT_MAJOR, EXPERT_MAJOR_DEVICE_OFFSETS) or [Q_local, C_q, d]
-                 (SLOT_CAPACITY)
+                 (SLOT_CAPACITY); the token-major [T, d] input (EXPERT_MAJOR_INDEXED)
     counts_list: rows per local slot on the host (EXPERT_MAJOR); () when the counts stay on the device
     handle:      the paired state for ``combine``
     """

@@ -112,8 +112,9 @@ class SlotWeights:
     slot order (``stack`` copies, or views ``buf[:Q_local]`` of a shard's slot buffer).
     rows set (row-mapped over a slot buffer): w_gate [C, f, d], w_up [C, f, d], w_down [C, d, f] are the
     layer's whole slot buffer and local slot i lives at buffer row ``rows[i]`` (len Q_local, values in [0, C),
-    two slots may share a row). Runners take only the plain layout: ``moe.layer.run_experts`` translates a
-    row-mapped one (``moe.experts.slab``).
+    two slots may share a row). Runners take the plain layout: ``moe.layer.run_experts`` translates a
+    row-mapped one (``moe.experts.slab``), except where the skinny kernels read the buffer rows themselves
+    (``ExpertRunner.run_indexed`` with ``weight_rows``).
     experts: logical expert per local slot; digests: parameter digest per local slot.
     ``cache`` holds derived layouts and indices (runner layouts, the slab index), built once.
     """

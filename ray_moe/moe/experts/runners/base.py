@@ -95,6 +95,19 @@ class ExpertRunner(ABC):
             y[:n] = self.run(x[:n], counts, weights)
         return y
 
+    def takes_indexed(self, hidden: torch.Tensor, rows: int, weights: SlotWeights) -> bool:
+        """Whether ``run_indexed`` takes ``rows`` expert-major rows read from the token-major ``hidden``
+        (else the caller gathers them and calls ``run_offsets``). Here: never."""
+        return False
+
+    def run_indexed(self, hidden: torch.Tensor, order: torch.Tensor, top_k: int, offsets: torch.Tensor,
+                    weights: SlotWeights, *, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, d] token-major, order [R] int32 route of each expert-major row (row r is token
+        order[r] // top_k), offsets [Q_local] int32 inclusive row ends -> [R, d] expert-major outputs (rows
+        past offsets[-1] uncomputed). ``weight_rows``: [Q_local] int64 buffer row of each local slot when
+        ``weights`` is row-mapped (its tensors are the whole slot buffer)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no indexed rows (takes_indexed is False)")
+
     @abstractmethod
     def ledger(self, counts: Sequence[int], d: int, f: int) -> RunnerLedger:
         """Analytical rows/values/FLOPs this runner executes for ``counts``."""

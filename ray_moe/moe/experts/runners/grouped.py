@@ -255,6 +255,18 @@ class GroupedRunner(ExpertRunner):
         a = swiglu_act(torch._grouped_mm(xa, wg, offs=offsets), torch._grouped_mm(xa, wu, offs=offsets))
         return torch._grouped_mm(a, down_operand(weights), offs=offsets)
 
+    def takes_indexed(self, hidden: torch.Tensor, rows: int, weights: SlotWeights) -> bool:
+        """Decode sizes on CUDA: the skinny kernels read each row through the order (no gathered copy)."""
+        return (self.use_grouped_mm is None and rows <= SKINNY_ROWS_PER_SLOT * max(weights.num_slots, 1)
+                and skinny.available(hidden, weights.w_gate, weights.w_down))
+
+    def run_indexed(self, hidden: torch.Tensor, order: torch.Tensor, top_k: int, offsets: torch.Tensor,
+                    weights: SlotWeights, *, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.takes_indexed(hidden, int(order.numel()), weights):
+            return super().run_indexed(hidden, order, top_k, offsets, weights, weight_rows=weight_rows)
+        return skinny.skinny_swiglu(hidden, offsets, weights.w_gate, weights.w_up, weights.w_down, order=order,
+                                    top_k=top_k, weight_rows=weight_rows)
+
     def backend(self, x: torch.Tensor, weights: SlotWeights, counts: Sequence[int] | None = None) -> str:
         """``"grouped_mm"`` or ``"loop"``: what ``run`` uses for these rows, counts and weights."""
         ok = grouped_mm_available(x.device, x.dtype, weights.hidden_size, weights.ffn_size)

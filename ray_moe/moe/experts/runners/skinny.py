@@ -11,9 +11,11 @@ two kernels are shaped for it (expert-major rows, device-side offsets, no host s
      silu(gate) * up stored once (no [N, f] gate / up temporaries); an expert with no rows reads no weight.
   2. down:    one program per (expert, column block of d): [BLOCK_M, f] row blocks x the w_down^T tile.
 
-x: [N, d] expert-major rows (bf16 / fp16), offsets: [Q] int32 inclusive prefix of rows per local slot
-(rows past offsets[-1] are padding: never read, their outputs left unwritten), w_gate / w_up: [Q, f, d],
-w_down: [Q, d, f] (the SlotWeights layouts) -> y: [N, d]. The grouped runner's result is the reference
+x: [N, d] expert-major rows (bf16 / fp16), or token-major [T, d] rows read through ``order`` (the route
+of each expert-major row: the dispatch's gather happens in the kernel's loads); offsets: [Q] int32
+inclusive prefix of rows per local slot (rows past offsets[-1] are padding: never read, their outputs left
+unwritten); w_gate / w_up: [Q, f, d], w_down: [Q, d, f] (the SlotWeights layouts; or a slot buffer's [C, f, d]
+rows through ``weight_rows``) -> y: [N, d]. The grouped runner's result is the reference
 (tests compare on CUDA); on CPU or without Triton ``available`` is False and the runner keeps grouped_mm.
 """
 
@@ -36,21 +38,29 @@ def _kernels():
         return None
 
     @triton.jit
-    def _gate_up(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, D, F, stride_we,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, tok_ptr, wrow_ptr, D, F, stride_we,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K: tl.constexpr,
+                 GATHER: tl.constexpr, ROWS: tl.constexpr):
         e = tl.program_id(0)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
         end = tl.load(offs_ptr + e).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        wbase = e.to(tl.int64) * stride_we
+        if ROWS:  # the slot's weights live in buffer row wrow[e]
+            wbase = tl.load(wrow_ptr + e).to(tl.int64) * stride_we
+        else:
+            wbase = e.to(tl.int64) * stride_we
         for m0 in range(start, end, BLOCK_M):  # decode: one block; later blocks re-read the tiles from L2
             rows = m0 + tl.arange(0, BLOCK_M)
             rmask = rows < end
+            if GATHER:  # row r is route tok[r] of token tok[r] // K: read that token's hidden row
+                src = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64) // K
+            else:
+                src = rows
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, D, BLOCK_K):
-                x = tl.load(x_ptr + rows[:, None] * D + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
+                x = tl.load(x_ptr + src[:, None] * D + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
                 w_off = wbase + cols[None, :].to(tl.int64) * D + (k0 + ks)[:, None]
                 acc_g += tl.dot(x, tl.load(wg_ptr + w_off))
                 acc_u += tl.dot(x, tl.load(wu_ptr + w_off))
@@ -58,14 +68,17 @@ def _kernels():
             tl.store(a_ptr + rows[:, None] * F + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=rmask[:, None])
 
     @triton.jit
-    def _down(a_ptr, wd_ptr, offs_ptr, y_ptr, D, F, stride_we,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down(a_ptr, wd_ptr, offs_ptr, y_ptr, wrow_ptr, D, F, stride_we,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
         e = tl.program_id(0)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
         end = tl.load(offs_ptr + e).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        wbase = e.to(tl.int64) * stride_we
+        if ROWS:
+            wbase = tl.load(wrow_ptr + e).to(tl.int64) * stride_we
+        else:
+            wbase = e.to(tl.int64) * stride_we
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             rmask = rows < end
@@ -114,12 +127,17 @@ def available(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor) -> bo
 
 
 def skinny_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                  w_down: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+                  w_down: torch.Tensor, *, block_m: int | None = None, order: torch.Tensor | None = None,
+                  top_k: int = 1, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
     """y [N, d] = per slot q: (silu(x_q W_g[q]^T) * x_q W_u[q]^T) W_d[q]^T over its rows (``offsets``).
-    ``block_m``: rows per program block (None: ``row_block(N, Q)``; one of ``ROW_BLOCKS``)."""
+    ``block_m``: rows per program block (None: ``row_block(N, Q)``; one of ``ROW_BLOCKS``).
+    ``order``: [N] int32 route of each expert-major row: row r reads x[order[r] // top_k] (x is then
+    token-major [T, d]; the gather happens in the kernel's loads). ``weight_rows``: [Q] int64 the weight row
+    of each slot (slot weights over a larger buffer, [C, f, d]); None: slot q is row q."""
     gate_up, down = _kernels()
-    n, d = int(x.shape[0]), int(x.shape[1])
-    q, f = int(w_gate.shape[0]), int(w_gate.shape[1])
+    n = int(order.numel()) if order is not None else int(x.shape[0])
+    d = int(x.shape[1])
+    q, f = int(offsets.shape[0]), int(w_gate.shape[1])
     y = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n == 0 or q == 0:
         return y
@@ -127,14 +145,16 @@ def skinny_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, 
     bm = row_block(n, q) if block_m is None else int(block_m)
     if bm not in ROW_BLOCKS:
         raise ValueError(f"block_m={block_m}: must be one of {ROW_BLOCKS}")
+    tok = order if order is not None else offsets  # never read without GATHER
+    wrow = weight_rows if weight_rows is not None else offsets  # never read without ROWS
     # tiles measured on H200 (python -m ray_moe_bench.skinny; bench/results/skinny-h200x1.json): 64 output columns, 128-deep K steps
     bn, bk = _block(f, 64), _block(d, 128)
-    gate_up[(q, f // bn)](x, w_gate, w_up, offsets, a, d, f, f * d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    gate_up[(q, f // bn)](x, w_gate, w_up, offsets, a, tok, wrow, d, f, f * d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          K=max(int(top_k), 1), GATHER=order is not None, ROWS=weight_rows is not None,
                           num_warps=4, num_stages=4)
     bn, bk = _block(d, 64), _block(f, 128)
-    down[(q, d // bn)](a, w_down, offsets, y, d, f, d * f, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       num_warps=4, num_stages=4)
+    down[(q, d // bn)](a, w_down, offsets, y, wrow, d, f, d * f, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                       ROWS=weight_rows is not None, num_warps=4, num_stages=4)
     return y
-
 
 __all__ = ["skinny_swiglu", "available", "row_block", "BLOCK_M", "ROW_BLOCKS"]
