@@ -71,9 +71,6 @@ class GenerationExecutor:
         self.pipeline = pipeline or StepPipeline()
         # prefill shapes captured per generation (others run eagerly; every graph shares the shard's one pool)
         self.max_prefill_graphs = 48
-        # a prefill shape is captured when it repeats (its first step runs eagerly): prefill shapes follow the
-        # arriving prompts and many never recur, and recording one costs about another eager step's host time
-        self.prefill_capture_after = 2
         self.decode_layout = DecodeLayout.AUTO  # how a captured decode step lays out its sequences
         self._runner: Any = None
         # the tokens this rank sampled, by sequence and position (the last two): a deferred decode item feeds
@@ -446,8 +443,7 @@ class GenerationExecutor:
 
         key = (unit, rows, keys, last_rows, single, bool(marked), layout.value)  # (the layout stays last)
         ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
-            view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None,
-            after=self.prefill_capture_after if prefill else 1)
+            view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
         ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")
         host_summary = None
         if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both

@@ -155,7 +155,6 @@ class StepPipeline:
         self.capture_errors: dict[str, str] = {}
         self.counters: dict[str, int] = {}
         self._pool: Any = None  # one graph memory pool for every captured step of this shard (made at first capture)
-        self._sightings: dict[tuple[int, Any], int] = {}  # eager runs of each (generation, key) not captured yet
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -177,27 +176,18 @@ class StepPipeline:
 
     # 2. ------------------------------------------------------------ the static-shape step
     def run_static(self, generation: int, key: Any, staged: dict[str, torch.Tensor], body: Callable, *, unit: str,
-                   replay: bool | None = None, capture: bool = True, limit: int | None = None,
-                   after: int = 1) -> tuple[Any, bool]:
+                   replay: bool | None = None, capture: bool = True, limit: int | None = None) -> tuple[Any, bool]:
         """``body(inputs) -> (outputs, MoEStep)`` at static shapes. Replays the graph of (generation, key) when
         there is one (``replay`` None: this rank's own decision; a bool: the group's agreed one), else runs
         ``body`` eagerly (this step's answer and the warm-up) and, with ``capture``, records it over stable
-        copies of ``staged`` (at most ``limit`` graphs of ``unit`` per generation) at its ``after``-th eager
-        run (2: a shape is captured when it repeats; a capture costs about one more eager step's host time,
-        which a shape seen once never earns back). Returns ((outputs, ctx), replayed)."""
+        copies of ``staged`` (at most ``limit`` graphs of ``unit`` per generation). Returns ((outputs, ctx),
+        replayed)."""
         captured = self.graphs.get(generation, key)
         if captured is not None and (replay is None or replay):
             self.count("graph_replays")
             return captured.replay(staged), True
         out = body(staged)
         full = limit is not None and self.graphs.count(generation, unit) >= limit
-        seen = self._sightings[(generation, key)] = self._sightings.get((generation, key), 0) + 1
-        if len(self._sightings) > 4096:  # shapes of retired generations, and ones that never repeated
-            self._sightings = {k: v for k, v in self._sightings.items() if k[0] == generation}
-        if seen < after:
-            self.count("captures_deferred")
-            return out, False
-        self._sightings.pop((generation, key), None)
         if capture and captured is None and unit not in self.capture_errors and not full:
             step = CapturedStep({k: v.clone() for k, v in staged.items()})
             try:

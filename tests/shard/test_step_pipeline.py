@@ -55,26 +55,3 @@ def test_overflow_reruns_on_the_normal_path_and_is_counted():
     assert all(ls.fallback_reason == "expert_route_capacity_exceeded" for o in res.values() for ls in o.layers)
     for core in dep.cores.values():
         assert core.pipeline.counters["fallback_expert_route_capacity_exceeded"] == 1
-
-
-def test_a_shape_seen_once_is_not_captured_when_capture_waits_for_a_repeat(eager_capture):
-    """``run_static(after=2)`` (the generation front's prefill shapes): the first eager run of a shape records
-    nothing; its second run captures it; the third replays. Shapes of other keys count on their own."""
-    from ray_moe.shard.pipeline import StepPipeline
-
-    pipe = StepPipeline()
-    calls = []
-
-    def body(inp):
-        calls.append(float(inp["x"].sum()))
-        return inp["x"] * 2, None
-
-    def run(key, v):
-        (y, _), replayed = pipe.run_static(0, key, {"x": torch.full((2,), float(v))}, body, unit="prefill", after=2)
-        return float(y.sum()), replayed
-
-    assert run("a", 1) == (4.0, False) and pipe.counters == {"captures_deferred": 1} and len(pipe.graphs) == 0
-    assert run("b", 1) == (4.0, False) and len(pipe.graphs) == 0  # another shape, seen once
-    assert run("a", 2) == (8.0, False) and pipe.counters["graphs_captured"] == 1  # repeated: captured
-    assert run("a", 3) == (12.0, True) and pipe.counters["graph_replays"] == 1
-    assert pipe.counters["captures_deferred"] == 2
