@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -91,6 +91,13 @@ class PlacementSnapshot:
                               self.rank_node.to(dev), ranks)
             self._device_cache[key] = maps
         return maps
+
+    def cached(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()`` once per ``key`` for this snapshot (a derived, immutable view: e.g. a dispatcher's
+        device tables), then the kept value (None included)."""
+        if key not in self._device_cache:
+            self._device_cache[key] = build()
+        return self._device_cache[key]
 
     def rank_slot_ids(self, rank: int) -> torch.Tensor:
         """Global physical slot ids hosted on ``rank`` in local slot order: [Q_local] int64."""

@@ -165,14 +165,15 @@ class LocalDispatcher(Dispatcher):
     def _tables(self, snapshot: PlacementSnapshot, dev: torch.device) -> RouteTables | None:
         """The snapshot's one-rank route tables on ``dev`` (built once from its host maps, then cached; None
         when an expert is replicated: the selector chooses among replicas on the general path)."""
-        key = ("route_tables", self.exchange.rank, str(dev))
-        if key not in snapshot._device_cache:
-            rank = self.exchange.rank
+        rank = self.exchange.rank
+
+        def build() -> RouteTables | None:
             tables = route_tables(snapshot.slot_local, snapshot.slot_rank, snapshot.log2phy, rank,
                                   int(snapshot.rank_num_slots[rank]))
-            snapshot._device_cache[key] = None if tables is None else RouteTables(
-                tables.expert_slot.to(dev), tables.phys_local.to(dev), tables.num_local)
-        return snapshot._device_cache[key]
+            return None if tables is None else RouteTables(tables.expert_slot.to(dev), tables.phys_local.to(dev),
+                                                           tables.num_local)
+
+        return snapshot.cached(("route_tables", rank, str(dev)), build)
 
     def _dispatch_planned(self, batch: RouteBatch, snapshot: PlacementSnapshot,
                           tables: RouteTables) -> PlannedDispatchOutput:

@@ -97,7 +97,8 @@ class ExpertRunner(ABC):
 
     def takes_indexed(self, hidden: torch.Tensor, rows: int, weights: SlotWeights) -> bool:
         """Whether ``run_indexed`` takes ``rows`` expert-major rows read from the token-major ``hidden``
-        (else the caller gathers them and calls ``run_offsets``). Here: never."""
+        (else the caller gathers them and calls ``run_offsets``); ``run_indexed`` is called only when it is
+        (it does not ask again). Here: never."""
         return False
 
     def run_indexed(self, hidden: torch.Tensor, order: torch.Tensor, top_k: int, offsets: torch.Tensor,

@@ -262,8 +262,7 @@ class GroupedRunner(ExpertRunner):
 
     def run_indexed(self, hidden: torch.Tensor, order: torch.Tensor, top_k: int, offsets: torch.Tensor,
                     weights: SlotWeights, *, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.takes_indexed(hidden, int(order.numel()), weights):
-            return super().run_indexed(hidden, order, top_k, offsets, weights, weight_rows=weight_rows)
+        """The skinny kernels, reading rows through ``order`` (callers asked ``takes_indexed`` first)."""
         return skinny.skinny_swiglu(hidden, offsets, weights.w_gate, weights.w_up, weights.w_down, order=order,
                                     top_k=top_k, weight_rows=weight_rows)
 
