@@ -13,7 +13,8 @@
 #              of their own, so the prefill chunks' long query runs do not size the grid of every decode row
 #     PAGED DECODE (VARLEN, a step of one-row sequences only): nothing gathered; cache.update hands back the
 #              cache tensors and the in-place decode kernel (model/paged_decode.py) reads each sequence's
-#              slots [1, H, C + 1, D]
+#              slots [1, H, C + 1, D]; a captured mixed step's one-row group too (its other sequences' contexts
+#              are gathered out of the cache tensors for FlashAttention)
 #   ──> [1, N, H, Dv] back into the module (its output projection)
 # ======================================================================================================
 """Attention backends of the model host, registered with transformers' ``AttentionInterface``.
@@ -66,6 +67,10 @@ class VarlenPlan:
     slots: [K] int64 (a paged decode step: every row one sequence, the keys / values handed in are the whole
         cache and sequence i's context is at ``slots[cu_k[i]:cu_k[i + 1]]``), read in place by
         ``decode_kernel``; None: the keys are the packed gathered contexts
+    gather: [K2] int64 (with ``slots`` and ``single_rows``: a mixed step whose one-row group reads the cache in
+        place): the cache rows of the other sequences' contexts, gathered for ``kernel``; their key offsets are
+        ``cu_k[single_rows + 1:]`` (from 0), the one-row group's ``cu_k[:single_rows + 1]`` into ``slots``
+    slots_max_k: the longest context the one-row group's slots hold (an upper bound; 0: ``max_k``)
     """
 
     cu_q: torch.Tensor
@@ -76,6 +81,8 @@ class VarlenPlan:
     single_rows: int = 0
     slots: torch.Tensor | None = None
     decode_kernel: DecodeKernel | None = None
+    gather: torch.Tensor | None = None
+    slots_max_k: int = 0
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -94,8 +101,19 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = float(scaling) if scaling is not None else d ** -0.5
-    if plan.slots is not None:  # a decode step over the cache itself ([C + 1, H, D] rows), one query per sequence
-        return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale)[None], None
+    if plan.slots is not None and not plan.single_rows:  # a decode step over the cache itself ([C + 1, H, D]
+        return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale)[None], None  # rows)
+    if plan.slots is not None:  # a mixed step over the cache itself
+        # 1. the one-row group: one query per sequence, its keys read in place
+        # 2. the other sequences over their own contexts, gathered out of the cache (keys from offset 0)
+        s1 = plan.single_rows
+        first = plan.decode_kernel(q[:s1], k, v, plan.slots, plan.cu_k[: s1 + 1], plan.slots_max_k or plan.max_k,
+                                   scale)
+        kg, vg = k.index_select(0, plan.gather), v.index_select(0, plan.gather)
+        if dv != d:
+            vg = torch.nn.functional.pad(vg, (0, d - dv))
+        rest = plan.kernel(q[s1:], kg, vg, plan.cu_q[s1:] - s1, plan.cu_k[s1 + 1:], plan.max_q, plan.max_k, scale)
+        return torch.cat([first, rest[..., :dv]])[None], None
     if dv != d:
         v = torch.nn.functional.pad(v, (0, d - dv))
     s1 = plan.single_rows

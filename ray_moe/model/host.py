@@ -268,9 +268,14 @@ class ModelHost:
                 raise ValueError("layout: a varlen plan, but this host attends with the masked backend")
             if layout.paged and self.decode_kernel is None:
                 raise ValueError("layout: a paged decode plan, but this host has no in-place decode kernel")
+            slots, gather, pk = (layout.read_index if layout.paged else None), None, layout.paged_keys
+            if layout.paged and layout.single_rows:  # a mixed step: the one-row group's slots, the rest gathered
+                if not pk:
+                    raise ValueError("layout: a paged mixed step without paged_keys (its one-row group's slots)")
+                slots, gather = layout.read_index[:pk], layout.read_index[pk:]
             kw[attn.VARLEN_NAME] = attn.VarlenPlan(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                                                   self.varlen_kernel, layout.single_rows,
-                                                   layout.read_index if layout.paged else None, self.decode_kernel)
+                                                   self.varlen_kernel, layout.single_rows, slots, self.decode_kernel,
+                                                   gather, pk)
         elif self.varlen:
             raise ValueError("layout: the varlen backend needs a varlen plan (cu_q / cu_k)")
         try:

@@ -68,6 +68,10 @@ class StepLayout:
     paged:       a varlen decode step (one row per sequence) whose attention reads the cache in place:
                  ``update`` writes the new tokens and returns the cache tensors themselves, ``read_index``
                  names each sequence's slots (``model/paged_decode.py``); nothing is gathered
+    paged_keys:  a split varlen step (``single_rows`` > 0) with ``paged``: its one-row group reads the cache in
+                 place through ``read_index[:paged_keys]`` (offsets ``cu_k[:single_rows + 1]``) and only the
+                 other chunks' contexts, ``read_index[paged_keys:]``, are gathered (offsets
+                 ``cu_k[single_rows + 1:]`` from 0); 0: the whole context is gathered
     """
 
     write_index: torch.Tensor
@@ -81,6 +85,7 @@ class StepLayout:
     max_k: int = 0
     single_rows: int = 0
     paged: bool = False
+    paged_keys: int = 0
 
 
 def leading_single_rows(chunks: Sequence["SeqChunk"]) -> int:
@@ -254,7 +259,8 @@ class PagedKVCache:
 
     def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
                     last_rows: int | None = None, plain: bool = False, varlen: bool = False,
-                    single_rows: int = 0, extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+                    single_rows: int = 0, paged_keys: int = 0,
+                    extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """A step padded to ``rows`` tokens and ``keys`` context slots: the static shapes of a captured step.
         Padding tokens write the trash slot and attend only to key 0 (their outputs are never read; their
         routes are masked); padding keys read the trash slot and are masked.
@@ -267,11 +273,15 @@ class PagedKVCache:
         ``cu_k`` [S' + 1] int32 instead, of a static sequence count S' (see ``varlen_offsets``). ``single_rows``
         (varlen prefill): the first ``single_rows`` rows are a group of one-row sequences (the chunks of one token
         at the front of ``chunks``, padded with one-row sequences of one trash key), the rest the other chunks
-        padded to ``rows``; ``last_rows`` then counts both groups' sequences."""
+        padded to ``rows``; ``last_rows`` then counts both groups' sequences. ``paged_keys`` (with
+        ``single_rows``): the one-row group's slots first, padded to ``paged_keys`` (read in place), then the
+        other chunks' contexts padded to ``keys`` (gathered; ``StepLayout.paged_keys``)."""
         if single_rows:
             if not (varlen and last_rows is not None):
                 raise ValueError("single_rows: a varlen prefill plan (last_rows given)")
-            return self._plan_split_varlen(chunks, rows, keys, last_rows, single_rows, extra)
+            return self._plan_split_varlen(chunks, rows, keys, last_rows, single_rows, extra, paged_keys)
+        if paged_keys:
+            raise ValueError(f"paged_keys={paged_keys}: a split varlen plan (single_rows given)")
         v = self._host_plan(chunks)
         n, k = v["write"].size, v["read"].size
         pad_keys = (rows - n) if (varlen and last_rows is None) else 0  # a decode row of padding reads one key
@@ -330,7 +340,7 @@ class PagedKVCache:
         return out
 
     def _plan_split_varlen(self, chunks: Sequence[SeqChunk], rows: int, keys: int, last_rows: int, single: int,
-                           extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
+                           extra: dict[str, np.ndarray] | None, paged_keys: int = 0) -> dict[str, torch.Tensor]:
         """``plan_padded`` for a varlen prefill step in two groups (static shapes):
 
           rows:  [one-row sequences | their padding rows (to ``single``) | other chunks | padding (to ``rows``)]
@@ -339,28 +349,37 @@ class PagedKVCache:
              (``single`` sequences, each one row; ``varlen_offsets``' decode layout)
           2. the other chunks, one padding sequence with every padding row and no key, empty sequences up to
              ``last_rows - single`` (``varlen_offsets``' prefill layout), offsets shifted past group 1
-        ``last`` [last_rows]: group 1's rows, then each chunk's last row (padding entries row 0)."""
+        ``last`` [last_rows]: group 1's rows, then each chunk's last row (padding entries row 0).
+        ``paged_keys``: group 1 reads the cache in place: keys = [its slots and padding keys (to ``paged_keys``) |
+        the chunks' contexts (to ``keys``)], and group 2's key offsets start from 0 (``cu_k`` [single + 1 + S2 + 1])."""
         nd = leading_single_rows(chunks)
         v = self._host_plan(chunks)
         lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
         ends = np.asarray([c.start + c.num_tokens for c in chunks], dtype=np.int64)
         n, k, kd = int(lens.sum()), int(ends.sum()), int(ends[:nd].sum())
         pad1 = single - nd
+        keys_fit = (kd + pad1 <= paged_keys and k - kd <= keys) if paged_keys else k + pad1 <= keys
         if (nd > single or n - nd > rows - single or len(chunks) - nd > last_rows - single
-                or k + pad1 > keys):
-            raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}, single_rows={single}: the step has "
-                             f"{nd} one-row sequences first, {n} tokens, {k} context slots and {len(chunks)} sequences")
+                or not keys_fit):
+            raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}, single_rows={single}, "
+                             f"paged_keys={paged_keys}: the step has {nd} one-row sequences first ({kd} context "
+                             f"slots), {n} tokens, {k} context slots and {len(chunks)} sequences")
         trash = self.trash_slot
         cq1, ck1 = varlen_offsets(lens[:nd], ends[:nd], single, kd + pad1, None)
-        cq2, ck2 = varlen_offsets(lens[nd:], ends[nd:], rows - single, keys - kd - pad1, last_rows - single)
+        cq2, ck2 = varlen_offsets(lens[nd:], ends[nd:], rows - single, keys - (0 if paged_keys else kd + pad1),
+                                  last_rows - single)
         def two(x: np.ndarray, cut: int, first: int, total: int, fill: int) -> np.ndarray:
             """x[:cut] padded to ``first`` entries, then x[cut:], the whole padded to ``total``."""
             return _pad(np.concatenate([_pad(x[:cut], first, fill), x[cut:]]), total, fill)
 
-        host = {"write_index": two(v["write"], nd, single, rows, trash),
-                "read_index": two(v["read"], kd, kd + pad1, keys, trash),
+        if paged_keys:  # group 1's slots (read in place), then group 2's gathered contexts from offset 0
+            read = np.concatenate([_pad(v["read"][:kd], paged_keys, trash), _pad(v["read"][kd:], keys, trash)])
+            cu_k = np.concatenate([ck1, ck2])
+        else:
+            read, cu_k = two(v["read"], kd, kd + pad1, keys, trash), np.concatenate([ck1, ck2[1:] + kd + pad1])
+        host = {"write_index": two(v["write"], nd, single, rows, trash), "read_index": read,
                 "positions": two(v["q_pos"], nd, single, rows, 0),
-                "cu_q": np.concatenate([cq1, cq2[1:] + single]), "cu_k": np.concatenate([ck1, ck2[1:] + kd + pad1]),
+                "cu_q": np.concatenate([cq1, cq2[1:] + single]), "cu_k": cu_k,
                 "last": _pad(np.concatenate([np.arange(nd, dtype=np.int64), v["last"][nd:] + pad1]), last_rows, 0)}
         real = np.zeros(rows, dtype=np.int64)
         real[:nd] = 1

@@ -377,14 +377,19 @@ class GenerationExecutor:
         context = sum(c.start + c.num_tokens for c in chunks)
         plain = prefill and len(chunks) == 1 and chunks[0].start == 0
         # varlen decode: each padding row reads one padding key of its own
-        single, nd = 0, leading_single_rows(chunks)
+        single, nd, paged_keys = 0, leading_single_rows(chunks), 0
         if plain:
             keys = rows
         elif prefill:
             if varlen and 0 < nd < len(chunks):  # decode rows first, as a group of their own (``plan_padded``)
                 single = max(16, pow2(nd))  # (a padding decode row costs little: its routes compute nothing)
                 rows = single + shape_bucket(n - nd, 16, 3)
-            keys = shape_bucket(context + (single - nd if single else 0), 64, 2)  # (+ the one-row group's padding)
+            if single and self.host.paged_decode:  # the one-row group reads the cache in place (octaves of its
+                kd = sum(c.start + c.num_tokens for c in chunks[:nd])  # slot vector: an upload only), the
+                paged_keys = pow2(max(1024, kd + single - nd))  # chunks' contexts alone are gathered
+                keys = shape_bucket(context - kd, 64, 2)
+            else:
+                keys = shape_bucket(context + (single - nd if single else 0), 64, 2)  # (+ the group's padding)
         elif varlen and self.host.paged_decode:  # read in place: the slot vector's length costs an upload only,
             keys = pow2(max(1024, context + rows - n))  # so octaves keep the captured decode shapes few
         else:
@@ -405,11 +410,12 @@ class GenerationExecutor:
             staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, varlen=varlen,
-                                    single_rows=single, extra=extra)
+                                    single_rows=single, paged_keys=paged_keys, extra=extra)
         # the longest query run bounds the kernel's grid: the prefill group's rows (a few sequences: a small grid
         # either way, and one shape fewer to capture), one row per sequence in a decode step
         max_q = rows - single if prefill else 1
-        paged = varlen and not prefill and self.host.paged_decode  # a decode step reads the cache in place
+        # a decode step reads the cache in place, a mixed step's one-row group too
+        paged = varlen and self.host.paged_decode and (not prefill or paged_keys > 0)
         if self._start is not None:  # the step's device work starts here (its host planning came first)
             self._start.record()  # re-recorded: the later record is the one that counts
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
@@ -425,6 +431,8 @@ class GenerationExecutor:
                                                 t.index_select(0, device_tensor(idx, torch.int64, dev)).to(torch.int64))
         unit = "prefill" if prefill else "decode"
         label = "local-graph" if prefill else None
+        if paged_keys:
+            self.count("paged_mixed_steps")
 
         marked, segments = marked_rows(items, nd, shift)
 
@@ -434,14 +442,14 @@ class GenerationExecutor:
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
                                 inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys, single,
-                                paged=paged)
+                                paged=paged, paged_keys=paged_keys)
             rec = RouteRecorder(ctx, len(view.snapshots), inp["row_valid"]) if marked else None
             logits = self.host.forward_layout(layout, inp["token_ids"], ctx if rec is None else rec)
             # every layer's counts, overflow flags and handle checks in one device vector (in the graph); with
             # a marked item, every layer's routes [L, rows, k] too (a graph of its own: unmarked steps keep theirs)
             return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
-        key = (unit, rows, keys, last_rows, single, bool(marked), layout.value)  # (the layout stays last)
+        key = (unit, rows, keys, last_rows, single, paged_keys, bool(marked), layout.value)  # (layout last)
         ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
             view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
         ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")

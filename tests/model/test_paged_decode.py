@@ -131,3 +131,49 @@ def test_a_paged_plan_needs_the_kernel(hf_checkpoint):
         host.forward_layout(lay, torch.tensor([1]), ex)
     # a step with a chunk of several tokens is never paged
     assert not host.kv.plan([SeqChunk("a", 0, 2)], host.dtype, varlen=True, paged=True).paged
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_captured_mixed_step_reads_its_decode_rows_in_place(hf_checkpoint, family):
+    """The captured mixed shape (``plan_padded`` with ``single_rows`` and ``paged_keys``): two decode rows (two
+    padding rows of one trash key each) read the cache in place, two chunks (one continuing its context, one
+    fresh) attend their contexts gathered out of the cache; the sampled rows' logits equal the masked path's
+    eager step, and every layer ran the decode kernel on the one-row group and FlashAttention's stand-in on
+    the chunks' rows only."""
+    _, folder = hf_checkpoint(family)
+    calls: list = []
+    masked, paged = _hosts(folder, calls)
+    ex = types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
+    g = torch.Generator().manual_seed(1)
+    layers = paged.config.num_hidden_layers
+    first = [SeqChunk("a", 0, 6), SeqChunk("b", 0, 3), SeqChunk("c", 0, 5)]
+    mixed = [SeqChunk("a", 6, 1), SeqChunk("b", 3, 1), SeqChunk("c", 5, 4), SeqChunk("d", 0, 7)]
+    ids0 = torch.randint(0, masked.vocab_size, (14,), generator=g)
+    ids1 = torch.randint(0, masked.vocab_size, (13,), generator=g)
+    for host in (masked, paged):
+        for c in first + mixed:
+            host.kv.reserve(c.seq_id, c.start + c.num_tokens + 2)
+        host.forward(first, ids0, ex)
+    want = masked.forward(mixed, ids1, ex)  # [4, V]: a, b, c's last row, d's last row (``last`` order too)
+    single, rows, keys, paged_keys, last_rows = 4, 4 + 16, 64, 1024, 4 + 4
+    tok = np.zeros(rows, dtype=np.int64)
+    tok[:2] = ids1[:2].numpy()
+    tok[single:single + 11] = ids1[2:].numpy()
+    inp = paged.kv.plan_padded(mixed, rows, keys, paged.dtype, last_rows=last_rows, varlen=True, single_rows=single,
+                               paged_keys=paged_keys, extra={"token_ids": tok})
+    # group 1: single sequences; group 2: its chunks, one padding sequence, empty ones up to last_rows + 1
+    assert inp["read_index"].shape == (paged_keys + keys,) and inp["cu_k"].shape == ((single + 1) + (last_rows - single + 2),)
+    with pytest.raises(ValueError, match="paged_keys=2"):  # the group's 2 slots + 2 padding keys do not fit 2
+        paged.kv.plan_padded(mixed, rows, keys, paged.dtype, last_rows=last_rows, varlen=True, single_rows=single,
+                             paged_keys=2, extra={"token_ids": tok})
+    lay = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, inp["last"], inp["cu_q"],
+                     inp["cu_k"], rows - single, keys, single, paged=True, paged_keys=paged_keys)
+    calls.clear()
+    got = paged.forward_layout(lay, inp["token_ids"], ex)
+    torch.testing.assert_close(got[:4], want, atol=2e-5, rtol=1e-4)
+    assert calls == [("decode", single), ("varlen", rows - single)] * layers
+    # a paged mixed layout without its slot count is refused before the model runs
+    bad = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, inp["last"], inp["cu_q"],
+                     inp["cu_k"], rows - single, keys, single, paged=True)
+    with pytest.raises(ValueError, match="without paged_keys"):
+        paged.forward_layout(bad, inp["token_ids"], ex)
