@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|skinny|layer|generate
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|skinny|layer|generate|serving-ray|serving-vllm|serving-tf|profile|rebalance
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
 LOG=${LOG:-/dev/stdout}
@@ -14,5 +14,17 @@ for what in "$@"; do
     skinny)   run 120 python3 -m ray_moe_bench.skinny ;;
     layer)    run 250 python3 -m ray_moe_bench.moe_layer --layers 4 --iters 30 ;;
     generate) run 330 python3 -m ray_moe_bench.generate --layers 8 --prefill 4096 --batches 1 32 128 --new-tokens 17 --reps 3 ;;
+    # the serving comparison (session 14): the whole 48-layer Qwen3-30B-A3B shape, each system in its own process,
+    # one after the other in one lease; vLLM needs ../shared/tools/device-vllm's install (PYTHONPATH as it prints)
+    serving-vllm|serving-ray|serving-tf)
+      sys=${what#serving-}; sys=${sys/ray/ray_moe}; sys=${sys/tf/transformers}
+      extra=(); [ "$sys" = transformers ] && extra=(--no-warmup)  # its warm pass costs as much as the timed one
+      [ "$sys" = vllm ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')  # (no FlashInfer there)
+      for w in mixed decode-heavy; do
+        run 330 python3 -m ray_moe_bench.serving --config-only --layers 48 --workload "$w" --systems "$sys" \
+          "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys"
+      done ;;
+    profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
+    rebalance) run 200 python3 -m ray_moe_bench.rebalance_memory --layers 48 --stall-dump 150 ;;
   esac
 done

@@ -15,6 +15,8 @@ the steps served during it (none failing), the rows the migration copied and whe
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import sys
 import threading
 import time
 from typing import Any
@@ -132,10 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, 2 layers")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--tokens", type=int, default=256, help="rows per traffic step (decode-sized)")
+    p.add_argument("--stall-dump", type=float, default=0.0,
+                   help="seconds after which every thread's stack is printed and the run exits (0: never)")
     add_output_argument(p)
     a = p.parse_args(argv)
     device = "cpu" if a.quick or not torch.cuda.is_available() else "cuda"
+    if a.stall_dump > 0:  # a stalled run prints where every thread is (then exits) instead of a silent timeout
+        faulthandler.dump_traceback_later(a.stall_dump, exit=True, file=sys.stderr)
     res = run(2 if a.quick else a.layers, a.quick, device, 16 if a.quick else a.tokens)
+    faulthandler.cancel_dump_traceback_later()
     res.update(quick=a.quick, device=device)
     for k in ("slot_buffers_before", "slot_buffers_after", "allocated_after_start_bytes",
               "peak_during_rebalance_bytes", "allocated_after_rebalance_bytes", "peak_over_slot_buffers",

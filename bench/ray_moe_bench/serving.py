@@ -301,14 +301,18 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
 def host_share(timings: dict) -> dict[str, Any]:
     """The shards' host work over their device time in the timed pass (sums over its steps of the busiest
     rank's ``host_s`` and ``device_s``) and the device's idle gaps between steps over the same device time."""
-    host, device, idle = (sum(timings.get(k, ())) for k in ("host", "device", "idle"))
-    return {"host_ms": host, "device_ms": device, "idle_ms": idle, "steps": len(timings.get("device", ())),
+    host, device, idle, replay = (sum(timings.get(k, ())) for k in ("host", "device", "idle", "replay"))
+    return {"host_ms": host, "device_ms": device, "idle_ms": idle, "replay_ms": replay,
+            "steps": len(timings.get("device", ())),
             "host_over_device": host / device if device else None,
+            "host_outside_replays_over_device": (host - replay) / device if device else None,
             "idle_over_device": idle / device if device else None,
             "note": "host: the shard's wall time in each step's launch (plan, staging, issuing or replaying kernels, "
                     "captures; blocking inside it included, e.g. a full kernel queue) and completion (reading tokens), "
-                    "not the wait between: an upper bound of the host work; idle: the device's gaps between steps "
-                    "(the host work the device waited for)"}
+                    "not the wait between: an upper bound of the host work; replay: its part inside captured-graph "
+                    "replays (input copies and the graph launch, which blocks while the device's queue is full); "
+                    "host - replay: planning, staging, eager kernels and captures, sampling, completion; idle: the "
+                    "device's gaps between steps (the host work the device waited for)"}
 
 
 def random_model_bytes(folder: str, dtype: Any) -> int:

@@ -159,9 +159,13 @@ def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: 
     outs, wall, steps = run_pass(loop, tr, prompts, params)
     ntok = sum(len(o) for o in outs)
     dev = list(loop.timings["device"])
+    mixed = [k for k, p in enumerate(tr.plans) if p[1] > 0]  # steps with prompt tokens (prefill / mixed)
+    per = {k: list(loop.timings[k]) for k in ("host", "replay", "device")}
+    aligned = all(len(v) == len(tr.plans) for v in per.values())
     res.update(wall_s=wall, output_tokens=ntok, output_tokens_per_s=ntok / wall, steps=steps, device_ms=dev,
                device_ms_complete=len(dev) == steps, device_ms_sum=sum(dev), timing_medians_ms=loop.timing_summary(),
                host_work=host_share(loop.timings),
+               host_work_mixed_steps=host_share({k: [v[i] for i in mixed] for k, v in per.items()}) if aligned else None,
                plans=tr.plans, plan_fields=["decode_items", "prefill_tokens", "sub_steps", "queued"],
                graph_counters=counters_since(c1), graphs=len(gen.pipeline.graphs), backoffs=sched.backoffs - b0,
                memory_events=list(loop.memory_events))
@@ -170,7 +174,10 @@ def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: 
     print(f"variant G={graphs} S={st} D={ds}: warm {res['warm'] and round(res['warm']['wall_s'], 2)} s; measured "
           f"{wall:.2f} s, {steps} steps, {ntok / wall:.0f} tok/s, device sum {sum(dev) / 1e3:.2f} s; "
           f"counters {res['graph_counters']}; backoffs {res['backoffs']}", flush=True)
-    print(f"  host work over device time: {res['host_work']['host_over_device']}", flush=True)
+    hw, hm = res["host_work"], res["host_work_mixed_steps"] or {}
+    print(f"  host over device time: {hw['host_over_device']} (outside graph replays "
+          f"{hw['host_outside_replays_over_device']}; steps with prompt tokens: {hm.get('host_over_device')} / "
+          f"{hm.get('host_outside_replays_over_device')})", flush=True)
     print("  device ms per step:", " ".join(f"{x:.1f}" for x in dev), flush=True)
     print("  plans (decode/prefill/sub-steps/queued):", " ".join("/".join(map(str, p)) for p in tr.plans), flush=True)
     res["windows"] = []

@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "SDPA with a block mask (the reference); auto: varlen where its check passes")
     sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     sv.add_argument("--step-tokens", type=int, default=None,
-                    help="prefill tokens per rank per step (default: 8192 on CUDA, 2048 on CPU)")
+                    help="prefill tokens per rank per step (default: 8192 on CUDA, as vllm serve; 2048 on CPU)")
     sv.add_argument("--max-running", type=int, default=256, help="sequences in flight over every rank")
     sv.add_argument("--decode-steps", type=int, default=None,
                     help="multi-step decode: decode tokens per sequence per step when every sequence is decoding "

@@ -61,6 +61,7 @@ from ray_moe.apps.openai_protocol import (
     TokenizeRequest,
 )
 from ray_moe.core.errors import ConfigError, RayMoEError
+from ray_moe.driver.loop import SERVER_STEP_TOKENS
 
 
 class Endpoint(str, Enum):
@@ -533,7 +534,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     rt = Runtime.start(cfg)
     model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
+    step_tokens = args.step_tokens if args.step_tokens is not None else SERVER_STEP_TOKENS["cuda" if args.device == "cuda" else "cpu"]
+    serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=step_tokens,
                    max_running=args.max_running, max_queued=args.max_queued,
                    decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True),
                    attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None),

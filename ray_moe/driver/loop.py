@@ -33,8 +33,13 @@ from ray_moe.core.types import Phase
 _DONE = object()
 DEFAULT_DECODE_STEPS_CUDA = 4  # multi-step decode on CUDA unless told otherwise (measured: bench.generate)
 # prefill tokens per rank per step unless told otherwise: on CUDA a step reads every routed expert's weights once
-# whatever its size, so larger steps read them fewer times per prompt token (vLLM's offline default is 8k-16k)
-DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
+# whatever its size, so larger steps read them fewer times per prompt token. Offline (``rt.generate``) 16k, the
+# OpenAI server 8k (shorter prefill steps stall the running sequences' next tokens less): vLLM 0.25's own
+# defaults on >= 70 GB GPUs (``LLM`` 16384, ``vllm serve`` 8192). Measured on one H200, 48-layer Qwen3-30B-A3B
+# shape, mixed workload (bench/results/logs/step_profile-h200x1-48l-mixed-s14-06015c3.json): 8k steps 5,543
+# output tok/s, 16k steps 6,489.
+DEFAULT_STEP_TOKENS = {"cuda": 16384, "cpu": 2048}
+SERVER_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
 
 
 @dataclass(frozen=True)
@@ -207,10 +212,10 @@ class GenerationLoop:
         # transport (the step's round trip from its actor calls sent to its results here, minus the slowest
         # actor call on its shard: Ray's dispatch, (de)serialisation and transfer both ways), host (the
         # busiest rank's host wall time in the step's launch and completion: ``StepResult.host_s``, an upper
-        # bound of its host work)
+        # bound of its host work), replay (that rank's part of it inside graph replays: ``StepResult.replay_s``)
         self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in (
             "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport",
-            "host")}
+            "host", "replay")}
         self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
         self._thread.start()
 
@@ -393,12 +398,13 @@ class GenerationLoop:
                     del self._handles[ev.request_id]
                     h.emit(_DONE)
         t3 = time.perf_counter()
+        busiest = max(results.values(), key=lambda r: r.host_s, default=None)  # the rank with the most host time
         for key, ms in (("wait", t1 - t0), ("account", t2 - t1), ("commit", t3 - t2),
                         ("shard", max((r.elapsed_s for r in results.values()), default=0.0)),
                         ("queued", max((r.queued_s for r in results.values()), default=0.0)),
                         ("device", max((r.device_s for r in results.values()), default=0.0)),
                         ("idle", max((r.idle_s for r in results.values()), default=0.0)),
-                        ("host", max((r.host_s for r in results.values()), default=0.0)),
+                        ("host", busiest.host_s if busiest else 0.0), ("replay", busiest.replay_s if busiest else 0.0),
                         ("transport", None if recovered else
                          t1 - step.sent - max((r.actor_s for r in results.values()), default=0.0))):
             if ms is not None:  # (a recovered step's round trip includes its failure and re-run)

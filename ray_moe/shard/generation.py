@@ -40,7 +40,7 @@ from ray_moe.shard.pipeline import StepPipeline
 from ray_moe.shard.prefix import ShardPrefixes
 from ray_moe.shard.records import StepRequest, WorkItem
 from ray_moe.shard.step_rows import (DecodeLayout, shape_bucket, marked_rows, packed_ids, phase_rows, pow2,
-                                     single_rows_first)
+                                     prefill_query_bound, single_rows_first)
 
 
 # a cache sized from memory (``kv_tokens=None``): the default share of the GPU, and what is kept beside weights
@@ -85,6 +85,7 @@ class GenerationExecutor:
         # device timing (CUDA): the launching step's start event, the last completed step's end event
         self._start: torch.cuda.Event | None = None
         self._last_end: torch.cuda.Event | None = None
+        self.replay_mark = 0.0  # the pipeline's replay clock when the launching step began (``PendingStep.replay_s``)
 
     @classmethod
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
@@ -209,6 +210,7 @@ class GenerationExecutor:
         """One step (or sub-step). ``agreed``: the decode decision of the request's first sub-step (the
         generation, the path and the token bucket hold for every sub-step: no control round of its own)."""
         t0 = time.perf_counter()
+        self.replay_mark = self.pipeline.replay_s  # the step's share of replay time is measured from here
         self._start = None
         if self.host.device.type == "cuda":  # queued behind the steps already launched: fires when this one starts
             self._start = torch.cuda.Event(enable_timing=True)
@@ -411,9 +413,8 @@ class GenerationExecutor:
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, varlen=varlen,
                                     single_rows=single, paged_keys=paged_keys, extra=extra)
-        # the longest query run bounds the kernel's grid: the prefill group's rows (a few sequences: a small grid
-        # either way, and one shape fewer to capture), one row per sequence in a decode step
-        max_q = rows - single if prefill else 1
+        # the longest query run bounds the kernel's grid (``prefill_query_bound``); one row per decode sequence
+        max_q = prefill_query_bound(chunks[nd:] if single else chunks, rows - single) if prefill else 1
         # a decode step reads the cache in place, a mixed step's one-row group too
         paged = varlen and self.host.paged_decode and (not prefill or paged_keys > 0)
         if self._start is not None:  # the step's device work starts here (its host planning came first)
@@ -449,7 +450,7 @@ class GenerationExecutor:
             # a marked item, every layer's routes [L, rows, k] too (a graph of its own: unmarked steps keep theirs)
             return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
-        key = (unit, rows, keys, last_rows, single, paged_keys, bool(marked), layout.value)  # (layout last)
+        key = (unit, rows, keys, last_rows, single, paged_keys, max_q, bool(marked), layout.value)  # (layout last)
         ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
             view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
         ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")

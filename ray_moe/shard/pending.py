@@ -68,6 +68,9 @@ class PendingStep:
         self.t0, self.path, self.reason = t0, path, reason
         self.graph, self.result = graph, result
         self.launch_s = time.perf_counter() - t0  # the launch's host work (made at the launch's end)
+        # of which inside graph replays (input copies and the graph launch, which blocks while the device's
+        # queue is full: waiting, not work)
+        self.replay_s = executor.pipeline.replay_s - executor.replay_mark
         self.event = None
         if executor._start is not None:  # on CUDA: the step's device span, [start, event]
             self.event = torch.cuda.Event(enable_timing=True)
@@ -105,7 +108,8 @@ class PendingStep:
                                cached_tokens=dict(self.prefix[0]), prefix_lookup_tokens=self.prefix[1])
         end = time.perf_counter()
         return StepResult(ex.rank, self.req.step_id, self.generation, out, stats, end - self.t0,
-                          device_s=device_s, idle_s=idle_s, host_s=self.launch_s + (end - t))
+                          device_s=device_s, idle_s=idle_s, host_s=self.launch_s + (end - t),
+                          replay_s=self.replay_s)
 
 
 class MultiPending:
@@ -149,7 +153,7 @@ class MultiPending:
                           merge_layer_stats([ls for r in results for ls in r.layers]),
                           time.perf_counter() - self.parts[0].t0,
                           device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results),
-                          host_s=sum(r.host_s for r in results))
+                          host_s=sum(r.host_s for r in results), replay_s=sum(r.replay_s for r in results))
 
 
 __all__ = ["PendingStep", "MultiPending"]

@@ -155,6 +155,7 @@ class StepPipeline:
         self.capture_errors: dict[str, str] = {}
         self.counters: dict[str, int] = {}
         self._pool: Any = None  # one graph memory pool for every captured step of this shard (made at first capture)
+        self.replay_s = 0.0  # host seconds inside graph replays (input copies + the launch), since the start
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -185,7 +186,10 @@ class StepPipeline:
         captured = self.graphs.get(generation, key)
         if captured is not None and (replay is None or replay):
             self.count("graph_replays")
-            return captured.replay(staged), True
+            t = time.perf_counter()
+            out = captured.replay(staged)
+            self.replay_s += time.perf_counter() - t  # (the launch blocks while the device's queue is full)
+            return out, True
         out = body(staged)
         full = limit is not None and self.graphs.count(generation, unit) >= limit
         if capture and captured is None and unit not in self.capture_errors and not full:

@@ -115,7 +115,10 @@ class StepResult:
     not keep it fed). host_s: the shard's host wall time in the step's launch (planning, staging, issuing or
     replaying the kernels, a capture) and in its completion once the device finished it (reading tokens and
     statistics); the wait between is not in it, but blocking inside the launch is (a full kernel queue, an
-    eager step reading its tokens), so it bounds the host work from above (0 where not measured).
+    eager step reading its tokens), so it bounds the host work from above (0 where not measured). replay_s: the
+    part of ``host_s`` inside captured-graph replays (copying the inputs into the graph's buffers and launching
+    it; the launch blocks while the device's kernel queue is full, so this is mostly waiting for the device):
+    ``host_s - replay_s`` is the step's host work outside them (planning, staging, sampling, completion).
     actor_s: the call on the shard, arrival to return (a driver's round trip minus it is Ray's transport).
     active_generation: the rank's ACTIVE generation when the step ended."""
 
@@ -131,6 +134,7 @@ class StepResult:
     idle_s: float = 0.0
     actor_s: float = 0.0
     host_s: float = 0.0
+    replay_s: float = 0.0
 
     @property
     def kind(self) -> StepKind:

@@ -95,4 +95,18 @@ def shape_bucket(n: int, floor: int, bits: int) -> int:
     return -(-n >> e) << e
 
 
-__all__ = ["DecodeLayout", "phase_rows", "marked_rows", "single_rows_first", "single_rows_order", "packed_ids", "pow2", "shape_bucket"]
+def prefill_query_bound(chunks: Sequence, rows: int, floor: int = 128) -> int:
+    """The longest query run of a captured prefill group, as FlashAttention's grid needs it (a host int baked
+    into the graph): the kernel launches ``max_q / block rows`` query blocks for EVERY sequence, so bounding it
+    by the group's ``rows`` (the whole step) made a step of many short prompts launch blocks that find no query
+    row (16k rows of ~34 prompts: ~128 blocks a sequence, ~4 with work; FlashAttention took ~44 ms of a ~256 ms
+    48-layer step on an H200). The bound is the octave (>= ``floor``) of the longest real chunk and of the
+    padding sequence (``rows`` minus the chunks' tokens, one sequence: ``varlen_offsets``), never above ``rows``:
+    few captured shapes, and every padding row still inside the grid (its output zero, no key).
+    ``chunks``: the group's ``SeqChunk``s (``num_tokens`` each); ``rows``: the group's padded rows."""
+    n = sum(c.num_tokens for c in chunks)
+    longest = max([c.num_tokens for c in chunks] + [rows - n, 1])
+    return min(int(rows), max(int(floor), pow2(longest)))
+
+
+__all__ = ["DecodeLayout", "prefill_query_bound", "phase_rows", "marked_rows", "single_rows_first", "single_rows_order", "packed_ids", "pow2", "shape_bucket"]

@@ -226,8 +226,13 @@ def test_captured_mixed_steps_on_the_varlen_backend_split_decode_rows_and_stay_t
 
     import ray_moe.model.attention as attn
 
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # FlashAttention's contract: max_q bounds every run
+        runs = (cu_q[1:] - cu_q[:-1]).tolist()
+        assert max(runs) <= max_q, (runs, max_q)  # (its grid covers max_q rows a sequence, no more)
+        return attn.sequence_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
     monkeypatch.setattr(attn, "check_flash", lambda *a, **k: None)
-    monkeypatch.setattr(attn, "flash_varlen", attn.sequence_reference)
+    monkeypatch.setattr(attn, "flash_varlen", kernel)
     model, folder = tiny_model(family, tmp_path / family)
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))

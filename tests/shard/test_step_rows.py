@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from ray_moe.shard.records import WorkItem
-from ray_moe.shard.step_rows import marked_rows, pow2, shape_bucket, single_rows_first
+from ray_moe.model.kv import SeqChunk
+from ray_moe.shard.step_rows import marked_rows, pow2, prefill_query_bound, shape_bucket, single_rows_first
 
 
 @settings(max_examples=200, deadline=None)
@@ -36,3 +37,26 @@ def test_marked_rows_move_past_the_padding_of_the_one_row_group():
     items = (_item("d1", 1, stats=True), _item("d2", 1), _item("p", 5, start=0, stats=True))
     assert marked_rows(items) == (("d1", "p"), [(0, 1), (2, 5)])
     assert marked_rows(items, 2, 6) == (("d1", "p"), [(0, 1), (8, 5)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 4096), min_size=1, max_size=48), st.integers(0, 3))
+def test_prefill_query_bound_covers_every_query_run_and_stays_in_the_rows(lens, extra_bits):
+    """The captured prefill group's query bound (FlashAttention's grid): at least every chunk's new tokens and
+    the padding sequence's rows (else rows past it would be left unwritten), at most the group's rows, and an
+    octave of >= 128 below the rows (few captured shapes)."""
+    chunks = [SeqChunk(f"s{i}", 3 * i, n) for i, n in enumerate(lens)]
+    n = sum(lens)
+    rows = shape_bucket(n, 16, 3) << extra_bits  # the step's bucket, or a larger one (more padding)
+    b = prefill_query_bound(chunks, rows)
+    assert b <= rows
+    assert b >= min(rows, max(lens)) and b >= rows - n
+    assert b == rows or (b >= 128 and b == pow2(b))
+
+
+def test_prefill_query_bound_of_many_short_prompts_is_their_length_not_the_step():
+    """34 prompts of 480 tokens in a 16,384-row step: 512 query rows a sequence (4 blocks of 128), not 16,384."""
+    chunks = [SeqChunk(f"s{i}", 0, 480) for i in range(34)] + [SeqChunk("tail", 0, 64)]
+    assert prefill_query_bound(chunks, 16384) == 512
+    assert prefill_query_bound(chunks[:1], 480) == 480  # never above the rows
+    assert prefill_query_bound([SeqChunk("a", 0, 100)], 4096) == 4096  # the padding sequence's 3,996 rows
