@@ -22,7 +22,7 @@ for what in "$@"; do
       [ "$sys" = vllm ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')  # (no FlashInfer there)
       for w in mixed decode-heavy; do
         run 330 python3 -m ray_moe_bench.serving --config-only --layers 48 --workload "$w" --systems "$sys" \
-          "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys"
+          "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys/$w"  # (one file name per run: a folder per workload)
       done ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
     rebalance) run 200 python3 -m ray_moe_bench.rebalance_memory --layers 48 --stall-dump 150 ;;

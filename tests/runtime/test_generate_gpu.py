@@ -95,7 +95,7 @@ def test_captured_mixed_steps_read_their_decode_rows_in_place(ray_session, tmp_p
     with prefix hits."""
     _, folder = tiny_model("qwen3_moe", tmp_path / "m")
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 70, 33, 5, 120, 48, 17, 90)]
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 70, 33, 5, 110, 48, 17, 90)]
     outs, counters = {}, {}
     for backend in ("auto", "masked"):
         cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, device="cuda", dtype="bfloat16",

@@ -46,6 +46,7 @@ through ``engine.dispatch``.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -466,7 +467,13 @@ def _plan_tensors(ids: torch.Tensor, w: torch.Tensor, snapshot: PlacementSnapsho
 
 class _PlanGraph:
     """One captured plan: static input copies, the graph, its output tensors (overwritten per replay;
-    read before the next replay on the same stream) and the device maps it reads (kept alive)."""
+    read before the next replay on the same stream) and the device maps it reads (kept alive).
+    Captures in one process take turns (``CAPTURE_LOCK``): every capture registers with the process's one CUDA
+    generator, which refuses a second capture in progress; two ranks of an in-process deployment sharing a GPU
+    (tests, ``bench.rebalance_memory``) captured at once and one rank's first step failed (its peer then
+    waited on the exchange: the run looked stalled)."""
+
+    CAPTURE_LOCK = threading.Lock()  # process-wide, like the CUDA generator it guards
 
     def __init__(self, ids: torch.Tensor, w: torch.Tensor, snapshot: PlacementSnapshot, selector: ReplicaSelector,
                  rank: int) -> None:
@@ -479,7 +486,7 @@ class _PlanGraph:
             _plan_tensors(self.ids, self.w, snapshot, selector, rank)
         cur.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with _PlanGraph.CAPTURE_LOCK, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = _plan_tensors(self.ids, self.w, snapshot, selector, rank)
 
     def run(self, ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

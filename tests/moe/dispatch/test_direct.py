@@ -271,3 +271,42 @@ def test_handle_check_catches_a_corrupt_route_map():
     for good, deferred, msg in LocalExchangeGroup(group).run(step):
         assert good and "output rejected before publish" in deferred
         assert "output rejected before publish" in msg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_in_one_process_capture_their_first_plans_at_once():
+    """Two ranks of one process on one GPU capture their first plan graphs at the same moment (a barrier):
+    captures take turns (``_PlanGraph.CAPTURE_LOCK``) and both replay the eager plan. Without the turns one
+    rank's capture failed ("Cannot register the state during capturing stage": the process's one CUDA generator
+    takes one capture at a time) and its peer waited on the exchange (bench.rebalance_memory's two-rank GPU run,
+    bench/results/logs/rebalance_memory-h200x1-48l-s14-failed.log)."""
+    import threading
+
+    from ray_moe.moe.dispatch.direct import _PlanGraph, _plan_tensors
+
+    sc = dict(P=2, E=8, k=2, phy2log=list(range(8)) + [0, 5], slot_rank=[0, 1] * 5, nodes=1, peer_order=(0, 1),
+              members=[0, 1], tokens=[12, 9], policy="round_robin", observe=None, seed=3)
+    snap, _, batches = _build(sc, torch.float32)
+    barrier, got, errors = threading.Barrier(2), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            _, ids, w = batches[r]
+            ids, w = ids.cuda(), w.cuda()
+            barrier.wait()
+            g = _PlanGraph(ids, w, snap, _selector(sc), r)
+            got[r] = [t.clone() for t in g.run(ids, w)]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for r in (0, 1):
+        _, ids, w = batches[r]
+        want = _plan_tensors(ids.cuda(), w.cuda(), snap, _selector(sc), r)
+        assert all(torch.equal(a, b) for a, b in zip(got[r], want)), r
