@@ -364,10 +364,14 @@ def run_transformers(spec: dict) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     gen = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
     # the paged cache sized like ray-moe's (every request at once; its own default sizing from free memory
-    # takes tens of seconds on CPU); prefill chunk = ray-moe's step tokens
+    # takes tens of seconds on CPU); prefill chunk = ray-moe's step tokens (its default when none is given:
+    # before session 14's last commit this was 2,048, the setting of the session-14 transformers figures)
+    from ray_moe.driver.loop import DEFAULT_STEP_TOKENS
+
+    batch_tokens = spec["step_tokens"] or DEFAULT_STEP_TOKENS["cuda" if device == "cuda" else "cpu"]
     page = 256
     blocks = sum(math.ceil((len(p) + new) / page) for p in prompts) + 1
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=spec["step_tokens"] or 2048)
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=batch_tokens)
     warm = spec["warmup"]
     if warm:  # the same lengths: its manager (sized for these requests) is kept for the timed pass
         model.generate_batch(spec["warm_prompts"], generation_config=gen, continuous_batching_config=cb, persistent_manager=True,
@@ -387,7 +391,7 @@ def run_transformers(spec: dict) -> dict[str, Any]:
     res.update(start_s=start_s, latency_note="generate_batch(record_timestamps=True): a host time per token; "
                                              "all requests sent when generate_batch was called",
                settings={"attn_implementation": getattr(model.config, "_attn_implementation", None),
-                         "page_size": page, "num_blocks": blocks, "max_batch_tokens": spec["step_tokens"] or 2048,
+                         "page_size": page, "num_blocks": blocks, "max_batch_tokens": batch_tokens,
                          "experts_implementation": "grouped_mm" if device == "cuda" else "default"},
                memory=_cuda_peak())
     res["outputs_digest"] = _digest(outs)

@@ -534,7 +534,9 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     rt = Runtime.start(cfg)
     model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    step_tokens = args.step_tokens if args.step_tokens is not None else SERVER_STEP_TOKENS["cuda" if args.device == "cuda" else "cpu"]
+    step_tokens = args.step_tokens
+    if step_tokens is None:  # vllm serve's default: shorter prefill steps than offline generation
+        step_tokens = SERVER_STEP_TOKENS["cuda" if args.device == "cuda" else "cpu"]
     serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=step_tokens,
                    max_running=args.max_running, max_queued=args.max_queued,
                    decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True),
