@@ -200,8 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", default="", help="a:b,...: measured-pass step ranges to profile (default: none)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--cpu-draw", action="store_true", help="seeded experts drawn on the CPU (default on CUDA: on the GPU)")
+    p.add_argument("--skip-fusions", default="", help="routers,qkv: leave these of the model unfused (a before run)")
     add_output_argument(p)
     a = p.parse_args(argv)
+    skip = {s for s in a.skip_fusions.split(",") if s}
+    if skip - {"routers", "qkv"}:
+        p.error(f"--skip-fusions={a.skip_fusions!r}: names among routers, qkv")
+    import ray_moe.model.host as host_module  # the shard builds its model in this process: its fusions follow
+    if "routers" in skip:
+        host_module.fuse_routers = lambda model: host_module.FusedRouters()
+    if "qkv" in skip:
+        host_module.fuse_qkv = lambda model: host_module.FusedQKV()
     if a.quick:
         a.layers = 2
         a.requests = 8 if a.requests is None else a.requests
@@ -233,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.waiting = lambda: loop.signals().waiting
     params = SamplingParams(max_new_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
     res: dict[str, Any] = {"quick": a.quick, "device": device, "dtype": dtype, "layers": a.layers,
+                           "skipped_fusions": sorted(skip),
                            "workload": {"kind": work.kind.value, "requests": work.requests,
                                         "new_tokens": work.new_tokens, "prompt_mean": work.prompt_mean,
                                         "prompt_tokens": sum(map(len, prompts))},

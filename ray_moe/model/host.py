@@ -23,6 +23,8 @@ from ray_moe.core.types import AttentionBackend
 from ray_moe.model import attention as attn
 from ray_moe.model import paged_decode as paged
 from ray_moe.model.norms import FusedNorms, fuse_rms_norms
+from ray_moe.model.qkv import FusedQKV, fuse_qkv
+from ray_moe.model.router_topk import FusedRouters, fuse_routers
 from ray_moe.model.rotary import FusedRotary, fuse_rotary
 from ray_moe.model.kv import PagedKVCache, SeqChunk, StepLayout, kv_blocks_for_memory
 
@@ -75,6 +77,8 @@ class ModelHost:
         self.vocab_size = int(self.config.vocab_size)
         self.norms = FusedNorms()  # fuse_kernels: which norm layers take the fused kernel
         self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
+        self.routers = FusedRouters()  # which routers take the fused softmax top-k
+        self.qkv = FusedQKV()  # which attention modules run one Q/K/V GEMM
 
     # ------------------------------------------------------------------ construction
     def _pick_attention(self, want: AttentionBackend, kernel: Any) -> tuple[AttentionBackend, str | None]:
@@ -230,12 +234,15 @@ class ModelHost:
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
     def fuse_kernels(self) -> None:
-        """The model's RMSNorm layers and rotary embedding take fused kernels where those reproduce
-        transformers' own (CUDA with Triton; checked per class / modeling module on this device and dtype:
-        ``models.norms``, ``models.rotary``); elsewhere nothing changes."""
+        """The model's RMSNorm layers, rotary embedding and softmax top-k routers take fused kernels where
+        those reproduce transformers' own (CUDA with Triton; checked per class / modeling module on this device
+        and dtype: ``model.norms``, ``model.rotary``, ``model.router_topk``), and bf16 / fp16 attention modules
+        run one Q/K/V GEMM (``model.qkv``); elsewhere nothing changes."""
         if self.device.type == "cuda":
             self.norms = fuse_rms_norms(self.model)
             self.rotary = fuse_rotary(self.model, self.device, self.dtype)
+            self.routers = fuse_routers(self.model)
+            self.qkv = fuse_qkv(self.model)
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()

@@ -44,13 +44,18 @@ def _kernel():
         return None
 
     @triton.jit
-    def _rms_norm(x_ptr, w_ptr, y_ptr, n_rows, H, eps, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rms_norm(x_ptr, w_ptr, y_ptr, n_rows, H, B, stride_a, stride_b, eps, BLOCK_R: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+        # row r of the input is x[r // B, r % B, :] of an [A, B, H] view (a head-major slice of a wider
+        # projection reads in place); the output is contiguous [A * B, H]
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
         m = (rows < n_rows)[:, None] & cmask[None, :]
-        offs = rows[:, None].to(tl.int64) * H + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        r64 = rows.to(tl.int64)
+        src = ((r64 // B) * stride_a + (r64 % B) * stride_b)[:, None] + cols[None, :]
+        offs = r64[:, None] * H + cols[None, :]
+        x = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
         var = tl.sum(x * x, axis=1) / H
         y = (x * tl.math.rsqrt(var + eps)[:, None]).to(y_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
@@ -67,24 +72,31 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., H] (CUDA, contiguous last dim), weight: [H] of x's dtype -> [..., H] of x's dtype."""
+    """x: [..., H] (CUDA, contiguous last dim), weight: [H] of x's dtype -> [..., H] of x's dtype (contiguous).
+    Rows read in place when x views as [A, B, H] (e.g. the heads of a Q/K slice of a fused projection), else
+    from a contiguous copy."""
     if not available(x, weight):
         raise ValueError(f"x: {tuple(x.shape)} {x.dtype} on {x.device} with weight {tuple(weight.shape)} "
                          f"{weight.dtype}: the fused RMSNorm takes CUDA rows of the weight's dtype and width")
     h = x.shape[-1]
-    rows = x.reshape(-1, h)
-    if rows.stride(0) != h:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    n = rows.shape[0]
+    b = x.shape[-2] if x.dim() >= 2 else 1
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    try:
+        rows = x.view(-1, b, h)
+    except RuntimeError:  # leading dims that do not merge: copied
+        rows = x.reshape(-1, h).contiguous().view(-1, b, h)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = rows.shape[0] * b
     if n:
         block_h = 1 << max(0, h - 1).bit_length()
         block_r = max(1, min(64, 4096 // block_h))
         per_program = block_r * block_h
         warps = 4 if per_program <= 2048 else 8 if per_program <= 8192 else 16
-        _kernel()[((n + block_r - 1) // block_r,)](rows, weight, out, n, h, float(eps), BLOCK_R=block_r,
-                                                     BLOCK_H=block_h, num_warps=warps, enable_fp_fusion=False)
-    return out.view(x.shape)
+        _kernel()[((n + block_r - 1) // block_r,)](rows, weight, out, n, h, b, rows.stride(0), rows.stride(1),
+                                                     float(eps), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
+                                                     enable_fp_fusion=False)
+    return out
 
 
 def _eps_of(module: torch.nn.Module) -> float | None:

@@ -134,6 +134,27 @@ def test_cuda_kernel_matches_the_reference(dtype, shape):
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernel_reads_head_slices_of_a_wider_projection_in_place(dtype):
+    """The K slice of a fused Q/K/V output viewed as heads ([1, T, Hk, D], rows 5120 wide), a transposed
+    tensor (read in place) and one whose leading dims do not merge (copied first): each as its contiguous
+    copy's result."""
+    g = torch.Generator().manual_seed(5)
+    y = (torch.randn(1, 37, 40 * 128, generator=g) * 3).to(dtype).cuda()
+    w = (torch.rand(128, generator=g) + 0.5).to(dtype).cuda()
+    k = y[..., 32 * 128:36 * 128].view(1, 37, 4, 128)
+    assert not k.is_contiguous()
+    got = norms.rms_norm(k, w, 1e-6)
+    assert got.is_contiguous() and got.shape == k.shape
+    assert torch.equal(got, norms.rms_norm(k.contiguous(), w, 1e-6))
+    t = y.view(37, 40, 128).transpose(0, 1)  # [40, 37, 128]: rows of stride 5120 inside, 128 outside
+    assert torch.equal(norms.rms_norm(t, w, 1e-6), norms.rms_norm(t.contiguous(), w, 1e-6))
+    u = y.view(37, 40, 128)[:24].view(4, 6, 40, 128).transpose(0, 1)[:, :, :5]  # leading dims do not merge
+    assert torch.equal(norms.rms_norm(u, w, 1e-6), norms.rms_norm(u.contiguous(), w, 1e-6))
+
+
+@cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
 def test_cuda_fused_model_matches_its_own_norms(family):
     model = build_model(family, seed=3).cuda().to(torch.bfloat16)
