@@ -46,7 +46,10 @@ def run(layers: int, quick: bool, device: str, tokens: int) -> dict[str, Any]:
                         seeded_on_device=device == "cuda", decode_token_capacity=tokens, cuda_graphs=False, **shape)
     # no CUDA graphs: both ranks share this process and device here, and two threads capturing decode graphs
     # while they exchange rows with each other stalled the run on the GPU (each rank is its own process and
-    # GPU in a deployment); the benchmark measures memory, not speed
+    # GPU in a deployment); the benchmark measures memory, not speed. cuda_graphs=False also keeps the dispatch
+    # plans uncaptured: with captures taking turns (session 14), one rank's plan capture still failed while the
+    # other launched kernels on the legacy stream ("operation would make the legacy stream depend on a capturing
+    # blocking stream", session 15)
     t0 = time.perf_counter()
     # exchange waits of 60 s: a rank that fails leaves its peer waiting that long, then the step reports the error
     # (with 600 s the GPU run looked like a hang: twice past its limit with nothing printed after the start)

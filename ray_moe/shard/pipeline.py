@@ -76,6 +76,7 @@ class DataPaths:
         """The paths of a deployment (every rank picks alike: they speak one protocol). A group of one has
         nothing to exchange (local); otherwise the direct or engine normal path and the bucket decode path."""
         runner = make_runner(cfg.runner)
+        capture = device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
         bucket = None
         if exchange.size == 1 and cfg.dispatch_path is DispatchPath.AUTO:
             normal = LocalDispatcher(exchange, selector, validate=True)
@@ -84,13 +85,12 @@ class DataPaths:
                                          top_k=cfg.top_k, hidden_size=cfg.hidden_size)
         else:
             if cfg.resolved_dispatch_path is DispatchPath.DIRECT:
-                normal = DirectDispatcher(exchange, selector)
+                normal = DirectDispatcher(exchange, selector, capture_plans=device.type == "cuda" and cfg.cuda_graphs)
             else:
                 normal = EngineDispatcher(exchange, selector, payload_format=cfg.payload_format, compute_dtype=dtype)
             if cfg.decode_buckets:
                 bucket = BucketDispatcher(exchange, selector, token_cap=cfg.decode_token_capacity, top_k=cfg.top_k,
                                           hidden_size=cfg.hidden_size, slot_cap=cfg.decode_slot_capacity)
-        capture = device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
         return cls(exchange, normal, bucket, runner, capture)
 
 

@@ -140,18 +140,22 @@ class DirectDispatcher(Dispatcher):
     chunks:        peer-row rounds per direction (1 = one round); every rank must use the same value
     wait_dispatch: NCCL only: wait (under the watchdog) at the end of dispatch; the end of combine always
                    waits, so a dead peer raises there and never hangs a later host sync
+    capture_plans: capture graph-safe plans as CUDA graphs (the deployment's ``cuda_graphs``; off, every plan
+                   launches its kernels: two ranks sharing one process and GPU cannot capture while the other
+                   launches on the legacy stream, ``bench.rebalance_memory``)
     """
 
     mode = DispatchMode.DIRECT
 
     def __init__(self, exchange: Exchange, selector: ReplicaSelector, *, chunks: int = 1,
-                 wait_dispatch: bool = True) -> None:
+                 wait_dispatch: bool = True, capture_plans: bool = True) -> None:
         if chunks < 1:
             raise ValueError(f"chunks={chunks}: must be >= 1")
         self.exchange = exchange
         self.selector = selector
         self.chunks = int(chunks)
         self.wait_dispatch = wait_dispatch
+        self.capture_plans = bool(capture_plans)
         self._async = bool(getattr(exchange, "device_async", False))
         self._comm: torch.cuda.Stream | None = None
         self._slots_cache: dict[tuple, _HostMaps] = {}
@@ -205,7 +209,7 @@ class DirectDispatcher(Dispatcher):
         """
         ids, w = batch.topk_ids, batch.topk_weights
         rank, selector = self.exchange.rank, self.selector
-        if not (ids.is_cuda and selector.graph_safe):
+        if not (ids.is_cuda and selector.graph_safe and self.capture_plans):
             return _plan_tensors(ids, w, snapshot, selector, rank)
         key = (snapshot.generation, snapshot.layer, snapshot.map_digest, snapshot.pg_epoch, tuple(ids.shape),
                ids.dtype, w.dtype, type(selector), str(ids.device))
