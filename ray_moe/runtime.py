@@ -590,9 +590,7 @@ class Runtime:
         engine = self.serving()
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  seed=None if seed is None else seed + i) for i in range(len(prompts))]
-        for p, sp in zip(prompts, params):  # all or none: validate every prompt first
-            engine.scheduler.check(list(p), sp, engine.vocab_size)
-        return [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        return engine.submit_many([(p, sp, None) for p, sp in zip(prompts, params)])  # all or none, at once
 
 
 __all__ = ["LayerExecutor", "Runtime", "RuntimeConfig", "RuntimeStats", "topology_from_nodes", "ExchangeTimeoutError"]

@@ -235,6 +235,35 @@ class GenerationLoop:
             self._wake.notify()
         return handle
 
+    def submit_many(self, requests: Sequence[tuple[Sequence[int], SamplingParams, Callable[[Any], None] | None]]
+                    ) -> list[RequestHandle]:
+        """Queue a batch at once: (prompt, params, on_event) each, all or none (every request validated before
+        any is queued; the batch as a whole against ``max_queued``), under one hold of the loop's lock, so the
+        next step is planned with the whole batch in view (as an offline engine adds every request before
+        it steps) rather than with the first few that arrived."""
+        reqs = [(list(p), sp, cb) for p, sp, cb in requests]
+        for i, (p, sp, _) in enumerate(reqs):
+            try:
+                self.scheduler.check(p, sp, self.vocab_size)
+            except ValueError as exc:  # its own type and message; which request of the batch, as a note
+                exc.add_note(f"requests[{i}] of a batch of {len(reqs)}: nothing was queued")
+                raise
+        handles = []
+        with self._lock:
+            if self.failed is not None:
+                raise RayMoEError(f"the generation loop stopped: {self.failed}")
+            if self.scheduler.pending() + len(reqs) > self.max_queued:
+                raise OverloadedError(f"{self.scheduler.pending()} requests in flight and {len(reqs)} more "
+                                      f"(max_queued={self.max_queued})")
+            for p, sp, cb in reqs:
+                rid = self.scheduler.submit(p, sp, vocab_size=self.vocab_size)
+                handle = RequestHandle(rid, len(p), sp.max_new_tokens, cb,
+                                       tally=ExpertTally() if sp.expert_stats else None)
+                self._handles[rid] = handle
+                handles.append(handle)
+            self._wake.notify()
+        return handles
+
     def signals(self) -> "LoopSignals":
         """The load the loop sees now (read-only; the scaler samples it, ``ray_moe.ray.scaler``)."""
         now, t = time.monotonic(), time.perf_counter()
