@@ -25,12 +25,13 @@ until the pool needs it (LRU): ``free_blocks`` counts it as available, so the bu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from ray_moe.core.errors import RayMoEError
+from ray_moe.model.kv_host import HostChunks, pad, send, staging, upload
 from ray_moe.model.prefix_cache import BlockPool
 
 
@@ -45,6 +46,18 @@ class SeqChunk:
     seq_id: str
     start: int
     num_tokens: int
+
+
+class Chunk(Protocol):
+    """What a step's plan reads of each chunk: a ``SeqChunk``, or any record with the same three (a shard's
+    resolved work item: no ``SeqChunk`` built per sequence per step)."""
+
+    @property
+    def seq_id(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +101,7 @@ class StepLayout:
     paged_keys: int = 0
 
 
-def leading_single_rows(chunks: Sequence["SeqChunk"]) -> int:
+def leading_single_rows(chunks: Sequence[Chunk]) -> int:
     """How many chunks at the front of ``chunks`` have one new token each."""
     n = 0
     for c in chunks:
@@ -144,6 +157,9 @@ class PagedKVCache:
 
     def reserve(self, seq_id: str, end: int) -> None:
         """Make positions ``0 .. end - 1`` of ``seq_id`` addressable (idempotent; never shrinks)."""
+        arr = self._slot_arr.get(seq_id)  # [held blocks * B]: nothing to do when it covers ``end`` already
+        if arr is not None and arr.size >= end:
+            return
         need = self.blocks_for(end) - self.held(seq_id)
         if need <= 0:
             return
@@ -153,11 +169,15 @@ class PagedKVCache:
         blocks = self._blocks.setdefault(seq_id, [])
         for _ in range(need):
             blocks.append(self.pool.take())
-        self._index(seq_id)
+        self._index(seq_id, need)
 
-    def _index(self, seq_id: str) -> None:
-        b = np.asarray(self._blocks[seq_id], dtype=np.int64)  # slot of every reserved position, kept per sequence
-        self._slot_arr[seq_id] = (b[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+    def _index(self, seq_id: str, new: int) -> None:
+        """The slot of every reserved position, kept per sequence: the slots of its ``new`` last blocks appended."""
+        blocks = self._blocks[seq_id]
+        b = np.asarray(blocks[len(blocks) - new:], dtype=np.int64)
+        add = (b[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        old = self._slot_arr.get(seq_id)
+        self._slot_arr[seq_id] = add if old is None else np.concatenate([old, add])
 
     def free(self, seq_id: str) -> None:
         """Drop ``seq_id``'s blocks: a block no other sequence holds becomes free, or cached when its content
@@ -194,7 +214,7 @@ class PagedKVCache:
         if got:
             self._blocks.setdefault(seq_id, []).extend(got)
             self._valid.setdefault(seq_id, []).extend(hashes[:len(got)])
-            self._index(seq_id)
+            self._index(seq_id, len(got))
         return len(got)
 
     def register(self, seq_id: str, hashes: Sequence[int]) -> None:
@@ -225,18 +245,17 @@ class PagedKVCache:
         """A slot no sequence owns: padding tokens of a captured step write and read it."""
         return self.capacity_tokens
 
-    def plan(self, chunks: Sequence[SeqChunk], mask_dtype: torch.dtype, *, varlen: bool = False,
+    def plan(self, chunks: Sequence[Chunk], mask_dtype: torch.dtype, *, varlen: bool = False,
              paged: bool = False) -> StepLayout:
         """The layout of one step (reserve every chunk's positions first): index vectors built on the host
         (numpy, no per-token Python), uploaded once; the mask is built on the device. ``varlen``: no mask, the
         per-sequence offsets instead (one sequence per chunk). ``paged`` (varlen): a step of one-token chunks
         only reads the cache in place (``StepLayout.paged``)."""
-        v = self._host_plan(chunks)
+        v = self._host_plan(chunks, mask=not varlen)
         dev = self.device
         if varlen:
-            lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
-            ends = np.asarray([c.start + c.num_tokens for c in chunks], dtype=np.int64)
-            up = _upload({"write": v["write"], "read": v["read"], "q_pos": v["q_pos"], "last": v["last"],
+            lens, ends = v["lens"], v["ends"]
+            up = upload({"write": v["write"], "read": v["read"], "q_pos": v["q_pos"], "last": v["last"],
                           "cu_q": np.concatenate([[0], np.cumsum(lens)]), "cu_k": np.concatenate([[0], np.cumsum(ends)])},
                          dev)
             single = leading_single_rows(chunks)
@@ -247,7 +266,7 @@ class PagedKVCache:
                                 paged=paged and 0 < single == len(chunks))
             self.layout = layout
             return layout
-        up = {k: torch.from_numpy(x).to(dev) for k, x in v.items()}
+        up = {k: torch.from_numpy(v[k]).to(dev) for k in ("write", "read", "q_seq", "q_pos", "k_seq", "k_pos", "last")}
         # one sequence from its first position: the plain causal case, left to transformers' own mask (SDPA
         # then runs its causal kernels instead of a dense additive mask)
         plain = len(chunks) == 1 and chunks[0].start == 0
@@ -257,7 +276,7 @@ class PagedKVCache:
         self.layout = layout
         return layout
 
-    def plan_padded(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
+    def plan_padded(self, chunks: Sequence[Chunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
                     last_rows: int | None = None, plain: bool = False, varlen: bool = False,
                     single_rows: int = 0, paged_keys: int = 0,
                     extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
@@ -282,31 +301,32 @@ class PagedKVCache:
             return self._plan_split_varlen(chunks, rows, keys, last_rows, single_rows, extra, paged_keys)
         if paged_keys:
             raise ValueError(f"paged_keys={paged_keys}: a split varlen plan (single_rows given)")
-        v = self._host_plan(chunks)
-        n, k = v["write"].size, v["read"].size
+        c = self._chunks(chunks)
+        n, k = int(c.lens.sum()), int(c.ends.sum())
         pad_keys = (rows - n) if (varlen and last_rows is None) else 0  # a decode row of padding reads one key
         if n > rows or k + pad_keys > keys or (last_rows is not None and len(chunks) > last_rows):
             raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}: the step has {n} tokens, {k} "
                              f"context slots{f' (+{pad_keys} padding keys)' if pad_keys else ''} and "
                              f"{len(chunks)} sequences")
         if varlen:
-            return self._plan_padded_varlen(chunks, v, rows, keys, last_rows, extra)
+            return self._plan_padded_varlen(c, rows, keys, last_rows, extra)
+        v = self._host_plan(chunks, gathered=c)
         if plain and not (len(chunks) == 1 and chunks[0].start == 0 and rows == keys):
             raise ValueError("plain: one sequence from position 0 with keys == rows")
 
-        host = {"write_index": _pad(v["write"], rows, self.trash_slot), "read_index": _pad(v["read"], keys, self.trash_slot),
-                "positions": _pad(v["q_pos"], rows, 0)}
+        host = {"write_index": pad(v["write"], rows, self.trash_slot), "read_index": pad(v["read"], keys, self.trash_slot),
+                "positions": pad(v["q_pos"], rows, 0)}
         if last_rows is not None:
-            host["last"] = _pad(v["last"], last_rows, 0)
+            host["last"] = pad(v["last"], last_rows, 0)
         if not plain:
             # padding queries are sequence -1, padding keys sequence -2: they match nothing (the padding
             # queries get key 0 below); real queries never see a padding key
-            host.update(q_seq=_pad(v["q_seq"], rows, -1), k_seq=_pad(v["k_seq"], keys, -2), k_pos=_pad(v["k_pos"], keys, 0))
+            host.update(q_seq=pad(v["q_seq"], rows, -1), k_seq=pad(v["k_seq"], keys, -2), k_pos=pad(v["k_pos"], keys, 0))
         else:  # padding rows continue the sequence's positions (a causal mask keeps them after the real ones)
             host["positions"] = np.arange(rows, dtype=np.int64)
         host.update(extra or {})
         dev = self.device
-        up = _upload(host, dev)
+        up = upload(host, dev)
         row_valid = torch.arange(rows, device=dev) < n
         out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
                "row_valid": row_valid, **{k: up[k] for k in extra or {}}}
@@ -318,20 +338,29 @@ class PagedKVCache:
             out["mask"] = _additive(allowed, mask_dtype)[None, None]
         return out
 
-    def _plan_padded_varlen(self, chunks: Sequence[SeqChunk], v: dict[str, np.ndarray], rows: int, keys: int,
-                            last_rows: int | None, extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
+    def _plan_padded_varlen(self, c: HostChunks, rows: int, keys: int, last_rows: int | None,
+                            extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
         """``plan_padded`` for the varlen backend: padding tokens write and read the trash slot; the offsets
-        come from ``varlen_offsets``; no mask."""
-        n = v["write"].size
-        lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
-        ends = np.asarray([c.start + c.num_tokens for c in chunks], dtype=np.int64)
-        cu_q, cu_k = varlen_offsets(lens, ends, rows, keys, last_rows)
-        host = {"write_index": _pad(v["write"], rows, self.trash_slot), "read_index": _pad(v["read"], keys, self.trash_slot),
-                "positions": _pad(v["q_pos"], rows, 0), "cu_q": cu_q, "cu_k": cu_k}
+        come from ``varlen_offsets``; no mask. Every vector is written once, into the step's one upload buffer:
+          1. the segments: write / read / positions, the offsets, ``last``, ``extra``
+          2. the contexts concatenated into ``read_index``, then the token rows (write slots, positions)
+          3. padding, offsets, one upload"""
+        n, k, trash = int(c.lens.sum()), int(c.ends.sum()), self.trash_slot
+        cu_q, cu_k = varlen_offsets(c.lens, c.ends, rows, keys, last_rows)
+        sizes = {"write_index": rows, "read_index": keys, "positions": rows, "cu_q": cu_q.size, "cu_k": cu_k.size,
+                 **({} if last_rows is None else {"last": last_rows}), **{x: v.size for x, v in (extra or {}).items()}}
+        buf, host = staging(sizes, self.device)
+        read = c.read_into(host["read_index"])
+        host["read_index"][k:] = trash
+        c.rows_into(read, host["write_index"], host["positions"])
+        host["write_index"][n:], host["positions"][n:] = trash, 0
+        host["cu_q"][:], host["cu_k"][:] = cu_q, cu_k
         if last_rows is not None:
-            host["last"] = _pad(v["last"], last_rows, 0)
-        host.update(extra or {})
-        up = _upload(host, self.device)
+            host["last"][:c.lens.size] = np.cumsum(c.lens) - 1
+            host["last"][c.lens.size:] = 0
+        for x, v in (extra or {}).items():
+            host[x][:] = v
+        up = send(buf, sizes, self.device)
         out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
                "row_valid": torch.arange(rows, device=self.device) < n, "cu_q": up["cu_q"].to(torch.int32),
                "cu_k": up["cu_k"].to(torch.int32), **{k: up[k] for k in extra or {}}}
@@ -339,7 +368,7 @@ class PagedKVCache:
             out["last"] = up["last"]
         return out
 
-    def _plan_split_varlen(self, chunks: Sequence[SeqChunk], rows: int, keys: int, last_rows: int, single: int,
+    def _plan_split_varlen(self, chunks: Sequence[Chunk], rows: int, keys: int, last_rows: int, single: int,
                            extra: dict[str, np.ndarray] | None, paged_keys: int = 0) -> dict[str, torch.Tensor]:
         """``plan_padded`` for a varlen prefill step in two groups (static shapes):
 
@@ -353,9 +382,8 @@ class PagedKVCache:
         ``paged_keys``: group 1 reads the cache in place: keys = [its slots and padding keys (to ``paged_keys``) |
         the chunks' contexts (to ``keys``)], and group 2's key offsets start from 0 (``cu_k`` [single + 1 + S2 + 1])."""
         nd = leading_single_rows(chunks)
-        v = self._host_plan(chunks)
-        lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
-        ends = np.asarray([c.start + c.num_tokens for c in chunks], dtype=np.int64)
+        c = self._chunks(chunks)
+        lens, ends = c.lens, c.ends
         n, k, kd = int(lens.sum()), int(ends.sum()), int(ends[:nd].sum())
         pad1 = single - nd
         keys_fit = (kd + pad1 <= paged_keys and k - kd <= keys) if paged_keys else k + pad1 <= keys
@@ -368,31 +396,36 @@ class PagedKVCache:
         cq1, ck1 = varlen_offsets(lens[:nd], ends[:nd], single, kd + pad1, None)
         cq2, ck2 = varlen_offsets(lens[nd:], ends[nd:], rows - single, keys - (0 if paged_keys else kd + pad1),
                                   last_rows - single)
-        def two(x: np.ndarray, cut: int, first: int, total: int, fill: int) -> np.ndarray:
-            """x[:cut] padded to ``first`` entries, then x[cut:], the whole padded to ``total``."""
-            return _pad(np.concatenate([_pad(x[:cut], first, fill), x[cut:]]), total, fill)
-
-        if paged_keys:  # group 1's slots (read in place), then group 2's gathered contexts from offset 0
-            read = np.concatenate([_pad(v["read"][:kd], paged_keys, trash), _pad(v["read"][kd:], keys, trash)])
-            cu_k = np.concatenate([ck1, ck2])
-        else:
-            read, cu_k = two(v["read"], kd, kd + pad1, keys, trash), np.concatenate([ck1, ck2[1:] + kd + pad1])
-        host = {"write_index": two(v["write"], nd, single, rows, trash), "read_index": read,
-                "positions": two(v["q_pos"], nd, single, rows, 0),
-                "cu_q": np.concatenate([cq1, cq2[1:] + single]), "cu_k": cu_k,
-                "last": _pad(np.concatenate([np.arange(nd, dtype=np.int64), v["last"][nd:] + pad1]), last_rows, 0)}
-        real = np.zeros(rows, dtype=np.int64)
+        # group 2's keys start past group 1's (read in place: padded to ``paged_keys``; else its padding keys)
+        off2 = paged_keys if paged_keys else kd + pad1
+        cu_k = np.concatenate([ck1, ck2]) if paged_keys else np.concatenate([ck1, ck2[1:] + off2])
+        cu_q = np.concatenate([cq1, cq2[1:] + single])
+        sizes = {"write_index": rows, "read_index": paged_keys + keys if paged_keys else keys, "positions": rows,
+                 "cu_q": cu_q.size, "cu_k": cu_k.size, "last": last_rows, "row_valid": rows,
+                 **{x: v.size for x, v in (extra or {}).items()}}
+        buf, host = staging(sizes, self.device)
+        read, write, pos = host["read_index"], host["write_index"], host["positions"]
+        read[:], write[:], pos[:] = trash, trash, 0  # padding everywhere, then each group's real entries
+        for g, r0, k0 in ((c.part(0, nd), 0, 0), (c.part(nd, len(chunks)), single, off2)):
+            g.rows_into(g.read_into(read[k0:]), write[r0:], pos[r0:])
+        host["cu_q"][:], host["cu_k"][:] = cu_q, cu_k
+        last = host["last"]
+        last[:] = 0
+        last[:nd] = np.arange(nd)
+        last[nd:len(chunks)] = np.cumsum(lens)[nd:] - 1 + pad1
+        real = host["row_valid"]
+        real[:] = 0
         real[:nd] = 1
         real[single:single + n - nd] = 1
-        host["row_valid"] = real
-        host.update(extra or {})
-        up = _upload(host, self.device)
+        for x, v in (extra or {}).items():
+            host[x][:] = v
+        up = send(buf, sizes, self.device)
         out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
                "row_valid": up["row_valid"] != 0, "cu_q": up["cu_q"].to(torch.int32),
                "cu_k": up["cu_k"].to(torch.int32), "last": up["last"], **{x: up[x] for x in extra or {}}}
         return out
 
-    def plan_batched(self, chunks: Sequence[SeqChunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
+    def plan_batched(self, chunks: Sequence[Chunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
                      extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """A decode step as a batch: one row per sequence (its one new token), each row reading its own
         context padded to ``keys`` slots, so attention runs per sequence (no cross-sequence mask over the
@@ -415,31 +448,41 @@ class PagedKVCache:
             read[i, : slots.size] = slots
             write[i], pos[i], lens[i] = slots[-1], c.start, c.start + 1
         host = {"write_index": write, "read_index": read.reshape(-1), "positions": pos, "lens": lens, **(extra or {})}
-        up = _upload(host, self.device)
+        up = upload(host, self.device)
         allowed = torch.arange(keys, device=self.device)[None, :] < up["lens"][:, None]
         return {"write_index": up["write_index"], "read_index": up["read_index"].view(rows, keys),
                 "positions": up["positions"], "mask": _additive(allowed, mask_dtype)[:, None, None, :],
                 "row_valid": torch.arange(rows, device=self.device) < n, **{k: up[k] for k in extra or {}}}
 
-    def _host_plan(self, chunks: Sequence[SeqChunk]) -> dict[str, np.ndarray]:
-        """Host index vectors of a step: write [N], read [K], q_seq/q_pos [N], k_seq/k_pos [K], last [S]."""
-        if not chunks:
-            z = np.zeros(0, dtype=np.int64)
-            return {"write": z, "read": z, "q_seq": z, "q_pos": z, "k_seq": z, "k_pos": z, "last": z}
-        starts = np.asarray([c.start for c in chunks], dtype=np.int64)
-        lens = np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+    def _chunks(self, chunks: Sequence[Chunk]) -> HostChunks:
+        """The step's chunks as host arrays, each chunk's context slots looked up once (``slots``' check)."""
+        s = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=s)
+        lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=s)
         ends = starts + lens
-        writes = [self.slots(c.seq_id, c.start, c.start + c.num_tokens) for c in chunks]
-        reads = [self.slots(c.seq_id, 0, c.start + c.num_tokens) for c in chunks]
-        seq = np.arange(len(chunks), dtype=np.int64)
-        q_off = np.cumsum(lens) - lens
-        k_off = np.cumsum(ends) - ends
-        n, k = int(lens.sum()), int(ends.sum())
-        q_seq = np.repeat(seq, lens)
-        k_seq = np.repeat(seq, ends)
-        return {"write": np.concatenate(writes), "read": np.concatenate(reads), "q_seq": q_seq,
-                "q_pos": np.arange(n, dtype=np.int64) - q_off[q_seq] + starts[q_seq], "k_seq": k_seq,
-                "k_pos": np.arange(k, dtype=np.int64) - k_off[k_seq], "last": np.cumsum(lens) - 1}
+        arrs, reads = self._slot_arr, []
+        for c, e in zip(chunks, ends.tolist()):
+            a = arrs.get(c.seq_id)
+            reads.append(a[:e] if a is not None and a.size >= e else self.slots(c.seq_id, 0, e))
+        return HostChunks(starts, lens, ends, reads)
+
+    def _host_plan(self, chunks: Sequence[Chunk], *, mask: bool = True,
+                   gathered: "HostChunks | None" = None) -> dict[str, np.ndarray]:
+        """Host index vectors of a step: write [N], read [K], q_pos [N], last [S], lens / ends [S]; with ``mask``
+        q_seq [N] and k_seq / k_pos [K] too (the masked backend's). ``gathered``: the chunks' ``_chunks``."""
+        c = self._chunks(chunks) if gathered is None else gathered
+        n, k = int(c.lens.sum()), int(c.ends.sum())
+        read = c.read_into(np.empty(k, dtype=np.int64))
+        write, q_pos = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        c.rows_into(read, write, q_pos)
+        v = {"write": write, "read": read, "q_pos": q_pos, "last": np.cumsum(c.lens) - 1, "lens": c.lens,
+             "ends": c.ends}
+        if mask:
+            seq = np.arange(c.lens.size, dtype=np.int64)
+            k_off = np.cumsum(c.ends) - c.ends
+            k_seq = np.repeat(seq, c.ends)
+            v.update(q_seq=np.repeat(seq, c.lens), k_seq=k_seq, k_pos=np.arange(k, dtype=np.int64) - k_off[k_seq])
+        return v
 
     def update(self, a: torch.Tensor, b: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -512,24 +555,6 @@ def varlen_offsets(lens: np.ndarray, ends: np.ndarray, rows: int, keys: int,
     return np.concatenate([[0], np.cumsum(q)]), np.concatenate([[0], np.cumsum(kk)])
 
 
-def _pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
-    out = np.full(size, fill, dtype=np.int64)
-    out[: x.size] = x
-    return out
-
-
-def _upload(host: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Int64 host vectors -> device tensors through ONE copy (pinned and non-blocking on CUDA)."""
-    sizes = [x.size for x in host.values()]
-    flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in host.values()]) if host else np.zeros(0, np.int64)
-    buf = torch.from_numpy(flat)
-    if device.type == "cuda":
-        buf = buf.pin_memory().to(device, non_blocking=True)
-    else:
-        buf = buf.to(device)
-    return dict(zip(host, torch.split(buf, sizes)))
-
-
 def _allowed(q_seq: torch.Tensor, q_pos: torch.Tensor, k_seq: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """[N, K] bool: query (sequence, position) sees key (sequence, position) of its own sequence, not later."""
     return (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
@@ -545,5 +570,5 @@ def _mask(q_seq, q_pos, k_seq, k_pos, dtype: torch.dtype) -> torch.Tensor:
     return _additive(_allowed(q_seq, q_pos, k_seq, k_pos), dtype)[None, None]
 
 
-__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "KVBudgetError", "varlen_offsets", "kv_blocks_for_memory",
+__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "Chunk", "KVBudgetError", "varlen_offsets", "kv_blocks_for_memory",
            "leading_single_rows"]

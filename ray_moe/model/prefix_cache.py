@@ -38,9 +38,15 @@ def chain_hashes(parent: int | None, tokens: Sequence[int], block_size: int) -> 
     """The hashes of every full block of ``tokens`` (a partial last block has none), chained from ``parent``."""
     if block_size < 1:
         raise ValueError(f"block_size={block_size}: must be >= 1")
+    # ``block_hash`` of each block, the token ids converted to bytes once (not per block): one digest over the
+    # parent's bytes and the block's, as its two updates
+    n = len(tokens) // block_size
+    data = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes() if n else b""
+    step = 8 * block_size
     out: list[int] = []
-    for i in range(len(tokens) // block_size):
-        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+    for i in range(n):
+        head = b"-" if parent is None else int(parent).to_bytes(8, "little")
+        parent = int.from_bytes(hashlib.blake2b(head + data[i * step:(i + 1) * step], digest_size=8).digest(), "little")
         out.append(parent)
     return out
 

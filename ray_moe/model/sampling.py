@@ -113,6 +113,13 @@ class SampleSpec:
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 
+    def at(self, position: int) -> "SampleSpec":
+        """This spec at ``position`` (``dataclasses.replace(self, position=position)``, built directly at half
+        the cost: a multi-step decode request makes one per sequence per sub-step)."""
+        return SampleSpec(self.temperature, self.top_p, self.seed, position, self.presence_penalty,
+                          self.frequency_penalty, self.repetition_penalty, self.prompt_len, self.suppress,
+                          self.suppress_until, self.logprobs, self.logit_bias)
+
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -189,12 +189,8 @@ class GenerationExecutor:
         try:
             for j in range(work.steps):
                 if j:
-                    sub = req.revised(
-                        step_id=f"{req.step_id}/{j}", free=(), steps=1,
-                        items=tuple(dataclasses.replace(
-                            it, tokens=(), start=it.start + j, decode=True, deferred=True,
-                            sample=dataclasses.replace(it.sample, position=it.sample.position + j))
-                            for it in work.items))
+                    sub = req.revised(step_id=f"{req.step_id}/{j}", free=(), steps=1,
+                                      items=tuple([it.substep(j) for it in work.items]))
                 else:
                     sub = req.revised(steps=1)
                 parts.append(self._launch_one(sub, view, paths, status, decode_key,
@@ -289,24 +285,27 @@ class GenerationExecutor:
         """Deferred decode items get the token this rank sampled for them (at their start position): from the
         host when that step is complete, else ``fills`` (item index, the step's sampled-token tensor, index
         in it) to copy on the device, the item holding a placeholder token meanwhile."""
-        if not any(it.deferred for it in items):
+        deferred = [k for k, it in enumerate(items) if it.deferred]
+        if not deferred:
             return items, []
-        out, fills = [], []
-        self.count("deferred_tokens", sum(it.deferred for it in items))
-        for k, it in enumerate(items):
-            if it.deferred:
-                tok = self.sampled.get(it.seq_id, {}).get(it.start)
-                if tok is None:
-                    src = next(((t, ix[(it.seq_id, it.start)]) for t, ix in self._picks.values()
-                                if (it.seq_id, it.start) in ix), None)
-                    if src is None:
-                        raise DeferredTokenError(f"sequence {it.seq_id!r}: rank {self.rank} sampled no token for "
-                                                 f"position {it.start} (a deferred decode item needs one)")
-                    fills.append((k, *src))
-                    self.count("deferred_on_device")
-                    tok = 0
-                it = dataclasses.replace(it, tokens=(tok,), deferred=False)
-            out.append(it)
+        out, fills = list(items), []
+        self.count("deferred_tokens", len(deferred))
+        sampled, picks = self.sampled, list(self._picks.values())
+        for k in deferred:
+            it = items[k]
+            tok = sampled.get(it.seq_id, {}).get(it.start)
+            if tok is None:
+                key = (it.seq_id, it.start)
+                for t, ix in picks:
+                    if key in ix:
+                        fills.append((k, t, ix[key]))
+                        break
+                else:
+                    raise DeferredTokenError(f"sequence {it.seq_id!r}: rank {self.rank} sampled no token for "
+                                             f"position {it.start} (a deferred decode item needs one)")
+                self.count("deferred_on_device")
+                tok = 0
+            out[k] = it.resolved(tok)
         return tuple(out), fills
 
     def _keep_tokens(self, items: tuple[WorkItem, ...], fills: list[tuple[int, torch.Tensor, int]]
@@ -355,10 +354,11 @@ class GenerationExecutor:
     def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
         for it in items:
             if it.sample is not None and it.seq_id in tokens:
-                seen = self.sampled.setdefault(it.seq_id, {})
-                seen[it.sample.position] = tokens[it.seq_id]
-                for p in [p for p in seen if p < it.sample.position - 1]:
-                    del seen[p]
+                seen, pos = self.sampled.setdefault(it.seq_id, {}), it.sample.position
+                seen[pos] = tokens[it.seq_id]
+                if min(seen) < pos - 1:  # (the last two positions kept: usually all there is)
+                    for p in [p for p in seen if p < pos - 1]:
+                        del seen[p]
 
     def _graph_step(self, req, items, view, dispatcher, reason, tag: str, rows: int, *, prefill: bool,
                     fills: list[tuple[int, torch.Tensor, int]]) -> "_GraphPending":
@@ -374,7 +374,7 @@ class GenerationExecutor:
         layer). Sampling runs on the logits."""
         kv, dev = self.host.kv, self.host.device
         varlen = self.host.varlen
-        chunks = [SeqChunk(it.seq_id, it.start, len(it.tokens)) for it in items]
+        chunks = items  # (resolved: each item is its chunk, ``kv.Chunk``; its num_tokens = len(tokens))
         n = sum(c.num_tokens for c in chunks)
         context = sum(c.start + c.num_tokens for c in chunks)
         plain = prefill and len(chunks) == 1 and chunks[0].start == 0

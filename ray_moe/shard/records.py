@@ -64,6 +64,18 @@ class WorkItem:
     def num_tokens(self) -> int:
         return 1 if self.deferred else len(self.tokens)
 
+    # built directly (``dataclasses.replace`` costs twice as much, and these run per item per (sub-)step)
+    def resolved(self, token: int) -> "WorkItem":
+        """This deferred item fed ``token`` (its input token, no longer deferred)."""
+        return WorkItem(self.seq_id, (token,), self.start, self.sample, self.decode, False, self.keep_tokens,
+                        self.expert_stats)
+
+    def substep(self, j: int) -> "WorkItem":
+        """Sub-step ``j`` >= 1 of this sampled decode item in a multi-step request: deferred on the token sampled
+        at ``start + j`` (no tokens), its sample ``j`` positions on."""
+        return WorkItem(self.seq_id, (), self.start + j, self.sample.at(self.sample.position + j), True, True,
+                        self.keep_tokens, self.expert_stats)
+
 
 @dataclass(frozen=True)
 class StepRequest:
