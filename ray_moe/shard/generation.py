@@ -130,14 +130,20 @@ class GenerationExecutor:
             executor.count("fused_norm_layers", host.norms.modules)
         if host.rotary.modules:
             executor.count("fused_rotary_modules", len(host.rotary.modules))
+        if host.routers.modules:
+            executor.count("fused_router_layers", host.routers.modules)
+        if host.qkv.modules:
+            executor.count("fused_qkv_modules", host.qkv.modules)
         return executor
 
     def fused_kernels(self) -> dict[str, Any]:
         """Which of the model's layers take the fused kernels: norm layers (count), modeling modules whose
-        rotary embedding does, and what kept transformers' own forward and why (class or module -> reason)."""
+        rotary embedding does, routers (count), attention modules with one Q/K/V GEMM (count), and what kept
+        transformers' own forward and why (class or module -> reason)."""
         host = self.host
         return {"norm_layers": host.norms.modules, "rotary_modules": list(host.rotary.modules),
-                "skipped": {**host.norms.skipped, **host.rotary.skipped}}
+                "router_layers": host.routers.modules, "qkv_modules": host.qkv.modules,
+                "skipped": {**host.norms.skipped, **host.rotary.skipped, **host.routers.skipped}}
 
     def info(self) -> dict[str, Any]:
         """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids."""

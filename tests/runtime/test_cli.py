@@ -282,6 +282,8 @@ def test_fused_line_says_what_took_the_kernels_and_what_kept_its_own():
     assert fused_line({"norm_layers": 0, "rotary_modules": [], "skipped": {}}) == ""  # CPU: nothing tried
     full = {"norm_layers": 33, "rotary_modules": ["transformers.models.qwen3_moe.modeling_qwen3_moe"], "skipped": {}}
     assert fused_line(full) == "; fused kernels: 33 norm layers, rotary"
+    assert fused_line({**full, "router_layers": 48, "qkv_modules": 48}) == \
+        "; fused kernels: 33 norm layers, rotary, 48 routers, 48 qkv"
     part = {"norm_layers": 0, "rotary_modules": [],
             "skipped": {"GemmaRMSNorm": "another formula: x", "transformers.models.x.modeling_x": "another signature"}}
     line = fused_line(part)

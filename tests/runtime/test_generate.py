@@ -138,7 +138,8 @@ def test_generate_and_stream_equal_transformers(served):
     assert sum(st["counters"].get("deferred_tokens", 0) for st in rt.shard_status().values()) > 0
     assert all(st["counters"].get("multi_step_requests", 0) > 0 for st in rt.shard_status().values())
     # on CPU the model keeps transformers' own norms and rotary (the fused kernels are CUDA-only)
-    assert all(st["fused_kernels"] == {"norm_layers": 0, "rotary_modules": [], "skipped": {}}
+    assert all(st["fused_kernels"] == {"norm_layers": 0, "rotary_modules": [], "router_layers": 0, "qkv_modules": 0,
+                                       "skipped": {}}
                for st in rt.shard_status().values())
 
 
