@@ -24,10 +24,11 @@ own forward stays the reference (tests compare on CUDA); on CPU or without Trito
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ray_moe.model.swap import Fused, fuse_by_class, restore_forwards
 
 _ORIGINAL_ATTR = "_ray_moe_unfused_forward"
 # 2 ulps of the dtype (relative): the kernel's sum order differs from torch's reduction, so the normalised
@@ -141,46 +142,20 @@ def _fused_forward(module: torch.nn.Module, original: Any, eps: float):
     return forward
 
 
-@dataclass(frozen=True)
-class FusedNorms:
+class FusedNorms(Fused):
     """What ``fuse_rms_norms`` did: ``modules`` norm layers now take the kernel, of the classes ``classes``;
     ``skipped``: class name -> why its layers keep their own forward."""
-
-    modules: int = 0
-    classes: tuple[str, ...] = ()
-    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def fuse_rms_norms(model: torch.nn.Module) -> FusedNorms:
     """Replace the forward of every Llama-style RMSNorm layer of ``model`` (on CUDA) by the fused kernel."""
-    verdict: dict[type, str | None] = {}
-    fused, classes = 0, []
-    for module in model.modules():
-        if not _candidate(module) or hasattr(module, _ORIGINAL_ATTR):
-            continue
-        cls = type(module)
-        if cls not in verdict:
-            verdict[cls] = _matches(module)
-            if verdict[cls] is None:
-                classes.append(cls.__name__)
-        if verdict[cls] is not None:
-            continue
-        original = module.forward
-        object.__setattr__(module, _ORIGINAL_ATTR, original)
-        object.__setattr__(module, "forward", _fused_forward(module, original, _eps_of(module)))
-        fused += 1
-    return FusedNorms(fused, tuple(classes), {c.__name__: why for c, why in verdict.items() if why is not None})
+    return fuse_by_class(model, _ORIGINAL_ATTR, FusedNorms, _candidate, lambda m: (_matches(m), None),
+                         lambda m, original, _: _fused_forward(m, original, _eps_of(m)))
 
 
 def unfuse_rms_norms(model: torch.nn.Module) -> int:
     """Give every fused layer its own forward back; returns how many."""
-    n = 0
-    for module in model.modules():
-        if hasattr(module, _ORIGINAL_ATTR):
-            object.__delattr__(module, "forward")
-            object.__delattr__(module, _ORIGINAL_ATTR)
-            n += 1
-    return n
+    return restore_forwards(model, _ORIGINAL_ATTR)
 
 
 __all__ = ["FusedNorms", "available", "fuse_rms_norms", "rms_norm", "unfuse_rms_norms"]

@@ -27,10 +27,11 @@ views of one buffer: the same values).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ray_moe.model.swap import restore_forwards, swap_forward
 
 _ORIGINAL_ATTR = "_ray_moe_unfused_qkv_forward"
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -103,9 +104,8 @@ def _install(q: torch.nn.Linear, k: torch.nn.Linear, v: torch.nn.Linear) -> None
         out = slices.take(x, "v")
         return out if out is not None and whole() else v_own(x)
 
-    for lin, own, fwd in ((q, q_own, q_forward), (k, k_own, k_forward), (v, v_own, v_forward)):
-        object.__setattr__(lin, _ORIGINAL_ATTR, own)
-        object.__setattr__(lin, "forward", fwd)
+    for lin, fwd in ((q, q_forward), (k, k_forward), (v, v_forward)):
+        swap_forward(lin, _ORIGINAL_ATTR, lambda _own, f=fwd: f)
 
 
 @dataclass(frozen=True)
@@ -134,13 +134,7 @@ def fuse_qkv(model: torch.nn.Module, dtypes: tuple[torch.dtype, ...] = HALF_DTYP
 
 def unfuse_qkv(model: torch.nn.Module) -> int:
     """Give every fused projection its own forward back; returns how many attention modules."""
-    n = 0
-    for module in model.modules():
-        if hasattr(module, _ORIGINAL_ATTR):
-            object.__delattr__(module, "forward")
-            object.__delattr__(module, _ORIGINAL_ATTR)
-            n += 1
-    return n // 3
+    return restore_forwards(model, _ORIGINAL_ATTR) // 3
 
 
 __all__ = ["FusedQKV", "HALF_DTYPES", "fuse_qkv", "unfuse_qkv"]

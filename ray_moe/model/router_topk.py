@@ -30,11 +30,12 @@ the kernel with it on CUDA). ``unfuse_routers`` restores every replaced forward.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ray_moe.model.swap import Fused, fuse_by_class, restore_forwards
 
 _ORIGINAL_ATTR = "_ray_moe_unfused_router_forward"
 # 2 ulps of the scores' dtype (relative): the kernel's exp and sums round apart from torch's by an ulp of FP32,
@@ -192,50 +193,31 @@ def _fused_forward(module: torch.nn.Module, original: Any, renorm: bool, out_dty
     return forward
 
 
-@dataclass(frozen=True)
-class FusedRouters:
+class FusedRouters(Fused):
     """What ``fuse_routers`` did: ``modules`` routers now take the kernel, of the classes ``classes``;
     ``skipped``: class name -> why its routers keep their own forward."""
 
-    modules: int = 0
-    classes: tuple[str, ...] = ()
-    skipped: dict[str, str] = field(default_factory=dict)
+
+def _verdict(module: torch.nn.Module) -> tuple[str | None, tuple[bool, torch.dtype] | None]:
+    """(None, (renorm, the scores' dtype of the class's own forward)) when the kernel reproduces it."""
+    renorm, why = _matches(module)
+    if why is not None:
+        return why, None
+    with torch.no_grad():  # (one row)
+        out = module.forward(torch.zeros(1, module.weight.shape[1], dtype=module.weight.dtype,
+                                         device=module.weight.device))
+    return None, (renorm, out[1].dtype)
 
 
 def fuse_routers(model: torch.nn.Module) -> FusedRouters:
     """Replace the forward of every softmax top-k router of ``model`` (on CUDA) by its GEMM and the kernel."""
-    verdict: dict[type, tuple[bool, str | None]] = {}
-    fused, classes = 0, []
-    for module in model.modules():
-        if not _candidate(module) or hasattr(module, _ORIGINAL_ATTR):
-            continue
-        cls = type(module)
-        if cls not in verdict:
-            verdict[cls] = _matches(module)
-            if verdict[cls][1] is None:
-                classes.append(cls.__name__)
-        renorm, why = verdict[cls]
-        if why is not None:
-            continue
-        with torch.no_grad():  # the scores' dtype of this module's own forward (one row)
-            out_dtype = module.forward(torch.zeros(1, module.weight.shape[1], dtype=module.weight.dtype,
-                                                   device=module.weight.device))[1].dtype
-        original = module.forward
-        object.__setattr__(module, _ORIGINAL_ATTR, original)
-        object.__setattr__(module, "forward", _fused_forward(module, original, renorm, out_dtype))
-        fused += 1
-    return FusedRouters(fused, tuple(classes), {c.__name__: why for c, (_, why) in verdict.items() if why is not None})
+    return fuse_by_class(model, _ORIGINAL_ATTR, FusedRouters, _candidate, _verdict,
+                         lambda m, original, info: _fused_forward(m, original, *info))
 
 
 def unfuse_routers(model: torch.nn.Module) -> int:
     """Give every fused router its own forward back; returns how many."""
-    n = 0
-    for module in model.modules():
-        if hasattr(module, _ORIGINAL_ATTR):
-            object.__delattr__(module, "forward")
-            object.__delattr__(module, _ORIGINAL_ATTR)
-            n += 1
-    return n
+    return restore_forwards(model, _ORIGINAL_ATTR)
 
 
 __all__ = ["FusedRouters", "available", "fuse_routers", "softmax_topk", "softmax_topk_reference",
