@@ -223,17 +223,8 @@ class GenerationLoop:
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                on_event: Callable[[Any], None] | None = None) -> RequestHandle:
         """Queue one request (validated now: a request that can never fit raises here, the others run on)."""
-        with self._lock:
-            if self.failed is not None:
-                raise RayMoEError(f"the generation loop stopped: {self.failed}")
-            if self.scheduler.pending() >= self.max_queued:
-                raise OverloadedError(f"{self.scheduler.pending()} requests in flight (max_queued={self.max_queued})")
-            rid = self.scheduler.submit(list(prompt), params, request_id=request_id, vocab_size=self.vocab_size)
-            handle = RequestHandle(rid, len(prompt), params.max_new_tokens, on_event,
-                                   tally=ExpertTally() if params.expert_stats else None)
-            self._handles[rid] = handle
-            self._wake.notify()
-        return handle
+        self.scheduler.check(prompt, params, self.vocab_size)
+        return self._queue([(list(prompt), params, on_event)], request_id)[0]
 
     def submit_many(self, requests: Sequence[tuple[Sequence[int], SamplingParams, Callable[[Any], None] | None]]
                     ) -> list[RequestHandle]:
@@ -248,15 +239,21 @@ class GenerationLoop:
             except ValueError as exc:  # its own type and message; which request of the batch, as a note
                 exc.add_note(f"requests[{i}] of a batch of {len(reqs)}: nothing was queued")
                 raise
-        handles = []
+        return self._queue(reqs, None)
+
+    def _queue(self, reqs: list[tuple[list[int], SamplingParams, Callable[[Any], None] | None]],
+               request_id: str | None) -> list[RequestHandle]:
+        """Queue checked requests under one hold of the lock (``request_id``: the one request's own id)."""
         with self._lock:
             if self.failed is not None:
                 raise RayMoEError(f"the generation loop stopped: {self.failed}")
-            if self.scheduler.pending() + len(reqs) > self.max_queued:
-                raise OverloadedError(f"{self.scheduler.pending()} requests in flight and {len(reqs)} more "
-                                      f"(max_queued={self.max_queued})")
+            pending = self.scheduler.pending()
+            if pending + len(reqs) > self.max_queued:
+                more = f" and {len(reqs)} more" if len(reqs) > 1 else ""
+                raise OverloadedError(f"{pending} requests in flight{more} (max_queued={self.max_queued})")
+            handles = []
             for p, sp, cb in reqs:
-                rid = self.scheduler.submit(p, sp, vocab_size=self.vocab_size)
+                rid = self.scheduler.enqueue(p, sp, request_id=request_id)
                 handle = RequestHandle(rid, len(p), sp.max_new_tokens, cb,
                                        tally=ExpertTally() if sp.expert_stats else None)
                 self._handles[rid] = handle

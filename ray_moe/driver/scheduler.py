@@ -218,6 +218,10 @@ class Scheduler:
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                vocab_size: int | None = None) -> str:
         self.check(prompt, params, vocab_size)
+        return self.enqueue(prompt, params, request_id=request_id)
+
+    def enqueue(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> str:
+        """Queue a request ``check`` already accepted (``submit`` without the check: a batch checks first)."""
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs or rid in self.finished or any(rid in names for names in self._to_free.values()):
             # (a finished id stays refused while a step planned for it may still be committed)
