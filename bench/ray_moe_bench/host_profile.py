@@ -48,7 +48,7 @@ from ray_moe.driver.loop import GenerationLoop
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.model.sampling import SamplingParams
 from ray_moe_bench.common import hardware
-from ray_moe_bench.generate import QUICK
+from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
 from ray_moe_bench.serving import Workload, workload_spec
 
 NOT_HOST = ("forward", "attention_reference")  # the device's work on an H200 (phases excluded from host time)
@@ -123,8 +123,10 @@ def step_kind(phase: str, *args: Any) -> str | None:
     return "decode" if all(it.decode for it in work.items) else "prefill_mixed"
 
 
-def instrument(clock: PhaseClock) -> None:
-    """Wrap the phases of a generation step (see the module docstring) and install the eager capture."""
+def instrument(clock: PhaseClock, standins: bool = True) -> None:
+    """Wrap the phases of a generation step (see the module docstring); ``standins`` (a CPU run): install the
+    eager capture and the attention references as the H200's kernels (on CUDA the real ones run, and a real
+    graph replay is the phase ``replay_copy``)."""
     import ray_moe.model.attention as attn
     import ray_moe.model.paged_decode as paged
     import ray_moe.shard.generation as gen
@@ -148,11 +150,12 @@ def instrument(clock: PhaseClock) -> None:
             return self.body(self.inputs)
 
     # 1. the H200's path on a CPU: static shapes, varlen attention, in-place decode (references as kernels)
-    pipeline.CapturedStep = EagerCapture
-    attn.check_flash = lambda *a, **k: None
-    paged.check_paged = lambda *a, **k: None
-    attn.flash_varlen = attn.sequence_reference
-    paged.paged_decode = paged.paged_decode_reference
+    if standins:
+        pipeline.CapturedStep = EagerCapture
+        attn.check_flash = lambda *a, **k: None
+        paged.check_paged = lambda *a, **k: None
+        attn.flash_varlen = attn.sequence_reference
+        paged.paged_decode = paged.paged_decode_reference
     # 2. the phases
     ex = gen.GenerationExecutor
     for owner, name, phase in [
@@ -162,18 +165,19 @@ def instrument(clock: PhaseClock) -> None:
             (ShardPrefixes, "trim", "prefix_trim"), (ShardPrefixes, "commit", "prefix_commit"),
             (PagedKVCache, "plan_padded", "kv_plan"), (PagedKVCache, "plan", "kv_plan"),
             (PagedKVCache, "plan_batched", "kv_plan"), (pipeline.StepPipeline, "agree_decode", "agree_decode"),
-            (EagerCapture, "replay", "replay_copy"), (ModelHost, "forward_layout", "forward"),
+            (EagerCapture if standins else CapturedStep, "replay", "replay_copy"), (ModelHost, "forward_layout", "forward"),
             (gen, "sample_tensor", "sample"), (gen, "logprobs_tensor", "sample"),
             (PendingStep, "__init__", "pending_init"), (PendingStep, "complete", "complete"),
             (MultiPending, "complete", "complete"), (_GraphPending, "finish", "complete_read"),
             (attn, "sequence_reference", "attention_reference"),
             (paged, "paged_decode_reference", "attention_reference")]:
         clock.wrap(owner, name, phase)
-    attn.flash_varlen, paged.paged_decode = attn.sequence_reference, paged.paged_decode_reference
+    if standins:
+        attn.flash_varlen, paged.paged_decode = attn.sequence_reference, paged.paged_decode_reference
 
 
-def summarize(clock: PhaseClock) -> dict[str, Any]:
-    """Per step kind: steps, CPU ms per step by phase, host ms per step (CPU; phases not in ``NOT_HOST``), and
+def summarize(clock: PhaseClock, not_host: tuple[str, ...] = NOT_HOST) -> dict[str, Any]:
+    """Per step kind: steps, CPU ms per step by phase, host ms per step (CPU; phases not in ``not_host``), and
     the same in wall time."""
     out: dict[str, Any] = {}
     for kind, phases in sorted(clock.cpu.items()):
@@ -181,9 +185,9 @@ def summarize(clock: PhaseClock) -> dict[str, Any]:
         per = {p: round(s * 1e3 / n, 3) for p, s in sorted(phases.items(), key=lambda kv: -kv[1])}
         wall = {p: round(s * 1e3 / n, 3) for p, s in sorted(clock.wall[kind].items(), key=lambda kv: -kv[1])}
         out[kind] = {"steps": clock.steps.get(kind, 0), "cpu_ms_per_step": per,
-                     "host_ms_per_step": round(sum(v for p, v in per.items() if p not in NOT_HOST), 3),
+                     "host_ms_per_step": round(sum(v for p, v in per.items() if p not in not_host), 3),
                      "wall_ms_per_step": wall,
-                     "host_wall_ms_per_step": round(sum(v for p, v in wall.items() if p not in NOT_HOST), 3)}
+                     "host_wall_ms_per_step": round(sum(v for p, v in wall.items() if p not in not_host), 3)}
     return out
 
 
@@ -238,44 +242,61 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="run")
     p.add_argument("--pstats", metavar="FILE", help="also dump the cProfile pass's statistics to FILE")
     p.add_argument("--commit", help="the commit measured, when this runs from an exported tree (no checkout)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: Qwen3-30B-A3B's shapes (random bf16 weights, --layers layers) on the GPU, the real "
+                        "kernels and graphs; the whole workload runs once first (warm: every shape captured)")
+    p.add_argument("--layers", type=int, default=48, help="decoder layers (--device cuda)")
     a = p.parse_args(argv)
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if a.layers < 1:
+        p.error(f"--layers={a.layers}: must be >= 1")
     torch.set_num_threads(1)  # the forward's kernels stay off the profiled thread's cores as much as they can
 
-    # 1. the deployment: one rank, the tiny model, a cache for every sequence's whole context
+    # 1. the deployment: one rank, the tiny model on CPU (a cache for every sequence's whole context) or the
+    # whole shape on CUDA (the cache sized from memory)
     clock = PhaseClock(step_kind)
-    instrument(clock)
+    instrument(clock, standins=not cuda)
     work = workload_spec(Workload.MIXED, a.requests, a.new_tokens, a.prompt_mean, 0)
-    conf = dict(QUICK, num_hidden_layers=2)
+    conf = dict(QWEN3_30B_A3B, num_hidden_layers=a.layers) if cuda else dict(QUICK, num_hidden_layers=2)
+    layers = conf["num_hidden_layers"]
     prompts = work.prompts(conf["vocab_size"])
     cfg = RuntimeConfig(num_ranks=1, num_experts=conf["num_experts"], hidden_size=conf["hidden_size"],
                         ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
-                        slots_per_rank=conf["num_experts"], num_layers=2, device="cpu", dtype="float32", seed=0,
+                        slots_per_rank=conf["num_experts"], num_layers=layers, device=a.device,
+                        dtype="bfloat16" if cuda else "float32", seed=0, seeded_on_device=cuda,
                         decode_token_capacity=min(len(prompts), 256), name="host-profile")
-    dep = InProcessDeployment(cfg, device="cpu", timeout_s=600)
+    dep = InProcessDeployment(cfg, device=a.device, timeout_s=600)
     tr = LocalTransport(dep)
-    kv_tokens = 16 * (sum(-(-(len(x) + a.new_tokens) // 16) for x in prompts) + 64)
-    loop = GenerationLoop(tr, device="cpu", kv_tokens=kv_tokens, block_size=16, max_running=256, max_queued=4096,
+    kv_tokens = None if cuda else 16 * (sum(-(-(len(x) + a.new_tokens) // 16) for x in prompts) + 64)
+    loop = GenerationLoop(tr, device=a.device, kv_tokens=kv_tokens, block_size=16, max_running=256, max_queued=4096,
                           random_model=conf, step_tokens=a.step_tokens, decode_steps=a.decode_steps)
     core = dep.cores[0]
     core.paths = dataclasses.replace(core.paths, capture=True)
     params = SamplingParams(max_new_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
     gen_thread = core._gen_thread
+    # on CUDA the forward is the host launching kernels (eager steps, captures): host work too
+    not_host = () if cuda else NOT_HOST
     try:
-        # 2. a warm pass (small), the measured pass (phases), then one under cProfile on the shard's generation
-        # thread (prompt ids shifted by one: no prefix-cache hit on the measured pass's blocks)
-        for h in [loop.submit(x[:64], params) for x in prompts[:8]]:
+        # 2. a warm pass (small on CPU; the whole workload on CUDA, prompt ids shifted by two), the measured pass
+        # (phases), then one under cProfile on the shard's generation thread (prompt ids shifted by one: no
+        # prefix-cache hit on the measured pass's blocks)
+        warm = [[(t + 2) % conf["vocab_size"] for t in x] for x in prompts] if cuda else [x[:64] for x in prompts[:8]]
+        for h in loop.submit_many([(x, params, None) for x in warm]):
             h.result(600)
         clock.reset()
         for dq in loop.timings.values():
             dq.clear()
         s0, t0 = loop.steps, time.perf_counter()
-        outs = [h.result(3600) for h in [loop.submit(x, params) for x in prompts]]
+        outs = [h.result(3600) for h in loop.submit_many([(x, params, None) for x in prompts])]
         wall, steps, host = time.perf_counter() - t0, loop.steps - s0, sum(loop.timings["host"])
-        phases = summarize(clock)
+        device_ms = sum(loop.timings["device"])
+        phases = summarize(clock, not_host)
         prof = cProfile.Profile()
         gen_thread.submit(prof.enable).result()
         shifted = [[(t + 1) % conf["vocab_size"] for t in x] for x in prompts]
-        for h in [loop.submit(x, params) for x in shifted]:
+        for h in loop.submit_many([(x, params, None) for x in shifted]):
             h.result(3600)
         gen_thread.submit(prof.disable).result()
     finally:
@@ -285,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     # 3. the report
     res: dict[str, Any] = {
         "label": a.label, **git_state(a.commit), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "hardware": hardware(), "model": {k: conf[k] for k in ("num_hidden_layers", "hidden_size", "num_experts",
+        "hardware": hardware(), "device": a.device, "model": {k: conf[k] for k in ("num_hidden_layers", "hidden_size", "num_experts",
                                                                   "num_experts_per_tok", "vocab_size")},
         "workload": {"requests": work.requests, "new_tokens": work.new_tokens, "prompt_mean": work.prompt_mean,
                      "prompt_tokens": sum(map(len, prompts)), "max_prompt": max(map(len, prompts)),
@@ -297,8 +318,13 @@ def main(argv: list[str] | None = None) -> int:
                     "shard_host_ms_total: the sum of StepResult.host_s (forward included); top_functions: cProfile "
                     "on the same thread over a second pass (prompt ids shifted by one)",
         "wall_s": round(wall, 2), "engine_steps": steps, "output_tokens": sum(map(len, outs)),
-        "shard_host_ms_total": round(host, 1), "phases": phases,
+        "shard_host_ms_total": round(host, 1), "device_ms_total": round(device_ms, 1),
+        "host_cpu_ms_total": round(sum(v["host_ms_per_step"] * v["steps"] for v in phases.values()), 1),
+        "phases": phases,
         "top_functions": top_functions(prof), "top_functions_host": top_functions(prof, host_only=True)}
+    if cuda:
+        print(f"device {res['device_ms_total']:.0f} ms; shard host (StepResult.host_s) {host:.0f} ms; host CPU "
+              f"(phases) {res['host_cpu_ms_total']:.0f} ms")
     print(f"{res['engine_steps']} steps in {wall:.1f} s ({res['output_tokens']} tokens); commit "
           f"{res['commit'][:7]} {'+ ' + ', '.join(res['uncommitted']) if res['uncommitted'] else '(clean)'}")
     for kind, v in phases.items():

@@ -286,6 +286,7 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         # shards counted (graphs captured / replayed, fallbacks, out-of-memory steps), for the next profile
         res["step_timings_ms"] = engine.timing_summary()
         res["host_work"] = host_share(engine.timings)
+        res["host_work_by_kind"] = host_share_by_kind(engine.timings, engine.step_shapes)
         shards = rt.shard_status()
         res["shards"] = {str(r): {"counters": st.get("counters"), "capture_error": st.get("capture_error"),
                                   "weight_bytes": st.get("weight_bytes"), "slot_buffers": st.get("slot_buffers")}
@@ -294,6 +295,24 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         return res
     finally:
         rt.shutdown()
+
+
+def host_share_by_kind(timings: dict, shapes: Any) -> dict[str, Any]:
+    """``host_share`` per step kind of the timed pass (``GenerationLoop.step_shapes``, aligned with the timings):
+    decode (decode rows only, one step), multi_decode (decode sub-steps), prefill (prompt tokens, with or without
+    decode rows); and every step's (prompt tokens, decode rows, sub-steps, host ms, device ms, replay ms)."""
+    keys = ("host", "device", "idle", "replay")
+    series = {k: list(timings.get(k, ())) for k in keys}
+    shapes = list(shapes)[-len(series["device"]):] if series["device"] else []
+    kinds: dict[str, dict[str, list]] = {}
+    for i, (prompt, rows, steps) in enumerate(shapes):
+        kind = "prefill" if prompt else ("multi_decode" if steps > 1 else "decode")
+        for k in keys:
+            kinds.setdefault(kind, {x: [] for x in keys})[k].append(series[k][i])
+    out = {kind: {k: v for k, v in host_share(t).items() if k != "note"} for kind, t in kinds.items()}
+    out["steps"] = [[p, r, n, round(series["host"][i], 2), round(series["device"][i], 2), round(series["replay"][i], 2)]
+                    for i, (p, r, n) in enumerate(shapes)]
+    return out
 
 
 def host_share(timings: dict) -> dict[str, Any]:

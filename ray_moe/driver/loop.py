@@ -216,6 +216,9 @@ class GenerationLoop:
         self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in (
             "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport",
             "host", "replay")}
+        # each collected step's shape, in the order of ``timings``' per-step entries: (prompt tokens, decode
+        # rows, decode sub-steps) summed over its ranks
+        self.step_shapes: deque[tuple[int, int, int]] = deque(maxlen=1024)
         self._thread = threading.Thread(target=self._loop, name="ray-moe-generate", daemon=True)
         self._thread.start()
 
@@ -435,6 +438,9 @@ class GenerationLoop:
                          t1 - step.sent - max((r.actor_s for r in results.values()), default=0.0))):
             if ms is not None:  # (a recovered step's round trip includes its failure and re-run)
                 self.timings[key].append(ms * 1e3)
+        items = [it for its in plan.items.values() for it in its]
+        self.step_shapes.append((sum(it.num_tokens for it in items if not it.decode),
+                                 sum(1 for it in items if it.decode), plan.steps))
         return not recovered
 
     def _tally(self, plan: StepPlan, results: dict[int, StepResult]) -> None:
