@@ -70,3 +70,16 @@ def eager_capture(monkeypatch):
 
     monkeypatch.setattr(pipeline, "CapturedStep", EagerCapture)
     return EagerCapture
+
+
+@pytest.fixture
+def paged_references(monkeypatch):
+    """The H200's attention path on CPU: the varlen backend and the in-place decode path, their per-sequence
+    references standing in for FlashAttention and the Triton kernel (each host built after this picks them)."""
+    import ray_moe.model.attention as attn
+    import ray_moe.model.paged_decode as paged
+
+    monkeypatch.setattr(attn, "check_flash", lambda *a, **k: None)
+    monkeypatch.setattr(paged, "check_paged", lambda *a, **k: None)
+    monkeypatch.setattr(attn, "flash_varlen", attn.sequence_reference)
+    monkeypatch.setattr(paged, "paged_decode", paged.paged_decode_reference)

@@ -164,7 +164,7 @@ def instrument(clock: PhaseClock, standins: bool = True) -> None:
             (ex, "_materialize", "materialize"), (ex, "finished", "remember"),
             (ShardPrefixes, "trim", "prefix_trim"), (ShardPrefixes, "commit", "prefix_commit"),
             (PagedKVCache, "plan_padded", "kv_plan"), (PagedKVCache, "plan", "kv_plan"),
-            (PagedKVCache, "plan_batched", "kv_plan"), (pipeline.StepPipeline, "agree_decode", "agree_decode"),
+            (PagedKVCache, "plan_batched", "kv_plan"), (PagedKVCache, "plan_decode_steps", "kv_plan"), (pipeline.StepPipeline, "agree_decode", "agree_decode"),
             (EagerCapture if standins else CapturedStep, "replay", "replay_copy"), (ModelHost, "forward_layout", "forward"),
             (gen, "sample_tensor", "sample"), (gen, "logprobs_tensor", "sample"),
             (PendingStep, "__init__", "pending_init"), (PendingStep, "complete", "complete"),

@@ -71,6 +71,8 @@ class VarlenPlan:
         place): the cache rows of the other sequences' contexts, gathered for ``kernel``; their key offsets are
         ``cu_k[single_rows + 1:]`` (from 0), the one-row group's ``cu_k[:single_rows + 1]`` into ``slots``
     slots_max_k: the longest context the one-row group's slots hold (an upper bound; 0: ``max_k``)
+    k_end: [S] int32 (a paged decode step, ``slots`` without ``single_rows``): sequence i's keys are
+        ``slots[cu_k[i]:k_end[i]]`` (segments with room after them); None: ``cu_k[i + 1]`` ends them
     """
 
     cu_q: torch.Tensor
@@ -83,6 +85,7 @@ class VarlenPlan:
     decode_kernel: DecodeKernel | None = None
     gather: torch.Tensor | None = None
     slots_max_k: int = 0
+    k_end: torch.Tensor | None = None
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -102,7 +105,9 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     v = value[0].transpose(0, 1)
     scale = float(scaling) if scaling is not None else d ** -0.5
     if plan.slots is not None and not plan.single_rows:  # a decode step over the cache itself ([C + 1, H, D]
-        return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale)[None], None  # rows)
+        if plan.k_end is not None:  # rows), segments with room after them
+            return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale, plan.k_end)[None], None
+        return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale)[None], None
     if plan.slots is not None:  # a mixed step over the cache itself
         # 1. the one-row group: one query per sequence, its keys read in place
         # 2. the other sequences over their own contexts, gathered out of the cache (keys from offset 0)

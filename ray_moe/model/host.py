@@ -282,7 +282,7 @@ class ModelHost:
                 slots, gather = layout.read_index[:pk], layout.read_index[pk:]
             kw[attn.VARLEN_NAME] = attn.VarlenPlan(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
                                                    self.varlen_kernel, layout.single_rows, slots, self.decode_kernel,
-                                                   gather, pk)
+                                                   gather, pk, layout.k_end if layout.paged else None)
         elif self.varlen:
             raise ValueError("layout: the varlen backend needs a varlen plan (cu_q / cu_k)")
         try:

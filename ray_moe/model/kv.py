@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ray_moe.core.errors import RayMoEError
-from ray_moe.model.kv_host import HostChunks, pad, send, staging, upload
+from ray_moe.model.kv_host import HostChunks, pad, plan_decode_steps, send, staging, upload
 from ray_moe.model.prefix_cache import BlockPool
 
 
@@ -85,6 +85,8 @@ class StepLayout:
                  place through ``read_index[:paged_keys]`` (offsets ``cu_k[:single_rows + 1]``) and only the
                  other chunks' contexts, ``read_index[paged_keys:]``, are gathered (offsets
                  ``cu_k[single_rows + 1:]`` from 0); 0: the whole context is gathered
+    k_end:       [S'] int32 (a paged decode step whose segments have room after them: ``plan_decode_steps``):
+                 sequence i's context is ``read_index[cu_k[i]:k_end[i]]``; None: ``cu_k[i + 1]`` ends it
     """
 
     write_index: torch.Tensor
@@ -99,6 +101,7 @@ class StepLayout:
     single_rows: int = 0
     paged: bool = False
     paged_keys: int = 0
+    k_end: torch.Tensor | None = None
 
 
 def leading_single_rows(chunks: Sequence[Chunk]) -> int:
@@ -424,6 +427,16 @@ class PagedKVCache:
                "row_valid": up["row_valid"] != 0, "cu_q": up["cu_q"].to(torch.int32),
                "cu_k": up["cu_k"].to(torch.int32), "last": up["last"], **{x: up[x] for x in extra or {}}}
         return out
+
+    def plan_decode_steps(self, chunks: Sequence[Chunk], rows: int, keys: int, steps: int, *,
+                          extra: dict[str, np.ndarray] | None = None) -> list[dict[str, torch.Tensor]]:
+        """A paged varlen decode step (one token per chunk, reserved ``steps - 1`` positions past it) and its
+        ``steps - 1`` sub-steps, planned with one upload (``kv_host.plan_decode_steps``): one dict of device
+        tensors per sub-step; each sequence's keys end at ``k_end`` (``StepLayout.k_end``)."""
+        if any(c.num_tokens != 1 for c in chunks):
+            raise ValueError(f"a decode plan takes one token per sequence, got {[c.num_tokens for c in chunks]}")
+        c = self._chunks([SeqChunk(c.seq_id, c.start, steps) for c in chunks])
+        return plan_decode_steps(c, steps, rows, keys, self.trash_slot, self.device, extra)
 
     def plan_batched(self, chunks: Sequence[Chunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
                      extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:

@@ -42,6 +42,63 @@ class HostChunks:
         np.take(read, pos + np.repeat(k_off, self.lens), out=write[:n])
 
 
+def plan_decode_steps(c: HostChunks, steps: int, rows: int, keys: int, trash: int, device: torch.device,
+                      extra: dict[str, np.ndarray] | None = None) -> list[dict[str, torch.Tensor]]:
+    """A paged decode step of one token per sequence and the ``steps - 1`` sub-steps after it, planned at once
+    (one upload). ``c``: the sequences' chunks with lens = ``steps`` (``starts``: each one's first input
+    position; its context slots, ``reads``, cover positions 0 .. start + steps - 1: reserved beforehand).
+
+      keys:  [seq 0: positions 0 .. start_0 + steps - 1 | seq 1: ... | one trash key per padding row | trash]
+             sub-step j reads sequence i's segment up to position start_i + j (``k_end``): the segment's
+             room past it is read by the later sub-steps; every sub-step shares one slot vector
+      rows:  n sequences, then ``rows - n`` padding rows (one padding sequence each, its one trash key)
+      1. the segments concatenated into ``read_index``, trash after them; ``cu_k`` [rows + 1]: segment starts
+      2. per sub-step j [steps, rows]: write slot and position of start_i + j, ``k_end`` (padding: trash, 0,
+         its key's end); ``token_ids`` [steps, rows] (``extra``'s ``token_ids`` for sub-step 0, zeros after:
+         the caller fills them on the device from the sub-step before)
+      3. one upload; returns one dict per sub-step (device views): write_index, read_index, positions,
+         row_valid, cu_q, cu_k, k_end and ``extra``'s vectors (token_ids per sub-step)."""
+    n = c.lens.size
+    k = int(c.ends.sum())
+    if n > rows or k + rows - n > keys or (n and int(c.lens.min()) != steps):
+        raise ValueError(f"rows={rows}, keys={keys}, steps={steps}: {n} sequences of {k} context slots "
+                         f"(+{rows - n} padding keys), each {steps} positions")
+    extra = dict(extra or {})
+    tokens0 = extra.pop("token_ids", None)
+    sizes = {"read_index": keys, "cu_k": rows + 1, "cu_q": rows + 1, "write_index": steps * rows,
+             "positions": steps * rows, "k_end": steps * rows, "token_ids": steps * rows,
+             **{x: v.size for x, v in extra.items()}}
+    buf, host = staging(sizes, device)
+    read = c.read_into(host["read_index"])
+    host["read_index"][k:] = trash
+    off = np.cumsum(c.ends) - c.ends  # [n] segment starts
+    cu_k = host["cu_k"]
+    cu_k[:n] = off
+    cu_k[n:] = k + np.arange(rows + 1 - n)  # padding rows: one key each
+    host["cu_q"][:] = np.arange(rows + 1)
+    j = np.arange(steps)[:, None]  # [steps, 1]
+    pos, write, end = (host[x].reshape(steps, rows) for x in ("positions", "write_index", "k_end"))
+    pos[:, :n] = c.starts[None, :] + j
+    write[:, :n] = read[off[None, :] + pos[:, :n]]
+    end[:, :n] = off[None, :] + pos[:, :n] + 1
+    pos[:, n:], write[:, n:] = 0, trash
+    end[:, n:] = cu_k[n:rows][None, :] + 1
+    tok = host["token_ids"].reshape(steps, rows)
+    tok[:] = 0
+    if tokens0 is not None:
+        tok[0] = tokens0
+    for x, v in extra.items():
+        host[x][:] = v
+    up = send(buf, sizes, device)
+    shared = {"read_index": up["read_index"], "row_valid": torch.arange(rows, device=device) < n,
+              "cu_q": up["cu_q"].to(torch.int32), "cu_k": up["cu_k"].to(torch.int32),
+              **{x: up[x] for x in extra}}
+    k_end = up["k_end"].to(torch.int32).view(steps, rows)
+    return [{"token_ids": up["token_ids"].view(steps, rows)[i], "write_index": up["write_index"].view(steps, rows)[i],
+             "positions": up["positions"].view(steps, rows)[i], "k_end": k_end[i], **shared}
+            for i in range(steps)]
+
+
 def pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
     """[size] int64: ``x`` [n <= size] then ``fill``."""
     out = np.full(size, fill, dtype=np.int64)
@@ -78,4 +135,4 @@ def upload(host: dict[str, np.ndarray], device: torch.device) -> dict[str, torch
     return send(buf, sizes, device)
 
 
-__all__ = ["HostChunks", "pad", "send", "staging", "upload"]
+__all__ = ["HostChunks", "pad", "plan_decode_steps", "send", "staging", "upload"]

@@ -3,7 +3,7 @@
 #
 #   a decode step: one new query row per sequence, its keys anywhere in the cache
 #   q [S, Hq, D] ── slots [K] (the cache slot of every context position, sequence after sequence; cu_k
-#   [S + 1] cuts it) ──> grid (sequence, kv head, split): each program loads its kv head's Hq / Hk query
+#   [S + 1] cuts it, or cu_k[:S] and k_end [S] when segments have room after them) ──> grid (sequence, kv head, split): each program loads its kv head's Hq / Hk query
 #   heads once, walks its share of the sequence's slots BLOCK_N at a time (keys / values loaded straight
 #   from the cache rows the slots name: no gathered copy of the contexts), online softmax in fp32
 #   ──> one split: the output written directly; several (short batches, long contexts): per-split partial
@@ -31,10 +31,10 @@ from typing import Callable
 
 import torch
 
-# (q [S, Hq, D], k_cache [C, Hk, D], v_cache [C, Hk, Dv], slots [K] int64, cu_k [S + 1] int32, max_k, scale)
-#   -> [S, Hq, Dv]; sequence i's one query attends every key at slots[cu_k[i]:cu_k[i + 1]]; no key: zero
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
-                        torch.Tensor]
+# (q [S, Hq, D], k_cache [C, Hk, D], v_cache [C, Hk, Dv], slots [K] int64, cu_k [S + 1] int32, max_k, scale,
+#  k_end=None) -> [S, Hq, Dv]; sequence i's one query attends every key at slots[cu_k[i]:cu_k[i + 1]] (with
+#  ``k_end`` [S] int32: slots[cu_k[i]:k_end[i]], a segment with room after it); no key: zero
+DecodeKernel = Callable[..., torch.Tensor]
 
 BLOCK_N = 64  # keys per inner iteration (three pipeline stages: 78 us for 256 sequences of ~512 keys on an
 # H200, 3.5 TB/s, against 112 us with two; bench/results/logs/paged_decode-grid-h200x1-s13.json)
@@ -43,17 +43,19 @@ _SMS_H200 = 132
 
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                           cu_k: torch.Tensor, max_k: int, scale: float) -> torch.Tensor:
+                           cu_k: torch.Tensor, max_k: int, scale: float,
+                           k_end: torch.Tensor | None = None) -> torch.Tensor:
     """The contract one sequence at a time (a ``DecodeKernel``; any device and dtype): gather the sequence's
     keys, repeat grouped-query heads, softmax in fp32. A sequence with no key comes out zero."""
     s, hq = q.shape[0], q.shape[1]
     hk, dv = k_cache.shape[1], v_cache.shape[2]
     out = torch.zeros(s, hq, dv, dtype=q.dtype, device=q.device)
-    bounds = cu_k.tolist()
+    lo = cu_k[:s].tolist()
+    hi = cu_k[1:s + 1].tolist() if k_end is None else k_end[:s].tolist()
     rep = hq // hk
     acc = torch.promote_types(q.dtype, torch.float32)
     for i in range(s):
-        idx = slots[bounds[i]:bounds[i + 1]]
+        idx = slots[lo[i]:hi[i]]
         if idx.numel() == 0:
             continue
         k = k_cache.index_select(0, idx).to(acc).repeat_interleave(rep, 1)  # [n, Hq, D]
@@ -82,15 +84,15 @@ def _kernels():
         return None
 
     @triton.jit
-    def _decode(q_ptr, k_ptr, v_ptr, slots_ptr, cu_ptr, o_ptr, part_ptr, ml_ptr, scale,
+    def _decode(q_ptr, k_ptr, v_ptr, slots_ptr, lo_ptr, hi_ptr, o_ptr, part_ptr, ml_ptr, scale,
                 sq_s, sq_h, sk_t, sk_h, sv_t, sv_h, so_s, so_h,
                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr,
                 BDV: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr):
         s = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
-        k0 = tl.load(cu_ptr + s).to(tl.int64)
-        n = tl.load(cu_ptr + s + 1).to(tl.int64) - k0
+        k0 = tl.load(lo_ptr + s).to(tl.int64)
+        n = tl.load(hi_ptr + s).to(tl.int64) - k0
         per = tl.cdiv(tl.cdiv(n, SPLITS), BN) * BN
         lo = sp * per
         hi = tl.minimum(lo + per, n)
@@ -158,9 +160,11 @@ def available() -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 cu_k: torch.Tensor, max_k: int, scale: float) -> torch.Tensor:
+                 cu_k: torch.Tensor, max_k: int, scale: float, k_end: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton ``DecodeKernel`` (CUDA; fp16 / bf16; Hq % Hk == 0; last dims contiguous). ``max_k`` bounds
-    the longest context (it picks the split count: a static shape, so the call is capturable)."""
+    the longest context (it picks the split count: a static shape, so the call is capturable). ``k_end``
+    [S] int32: each sequence's keys end there instead of at ``cu_k[i + 1]`` (the kernel reads two offset
+    vectors: ``cu_k[:S]`` and ``k_end``, or ``cu_k[1:]``, both views)."""
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("paged_decode: Triton is not importable here")
@@ -182,7 +186,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ml = torch.empty(s * hq * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    decode[(s, hk, splits)](q, k_cache, v_cache, slots, cu_k, out, part, ml, scale,
+    hi = cu_k[1:s + 1] if k_end is None else k_end
+    decode[(s, hk, splits)](q, k_cache, v_cache, slots, cu_k, hi, out, part, ml, scale,
                             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                             v_cache.stride(1), out.stride(0), out.stride(1),
                             G=g, GP=gp, D=d, BD=bd, DV=dv, BDV=bdv, BN=BLOCK_N, SPLITS=splits,
@@ -222,6 +227,13 @@ def check_paged(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
             got = paged_decode(q, k, v, slots, c, max(lens), head_dim ** -0.5).float()
             want = paged_decode_reference(q, k, v, slots, c, max(lens), head_dim ** -0.5).float()
             err = max(err, float((got - want).abs().max()))
+        # segments with room after them (a multi-step decode plan): each sequence ends short of the next one
+        q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(device, dtype)
+        end = torch.tensor([max(0, n - r) for n, r in zip(lens, (2, 0, 37, 1))], dtype=torch.int32,
+                           device=device) + cu[:-1]
+        got = paged_decode(q, k, v, slots, cu, max(lens), head_dim ** -0.5, end).float()
+        want = paged_decode_reference(q, k, v, slots, cu, max(lens), head_dim ** -0.5, end).float()
+        err = max(err, float((got - want).abs().max()))
     except Exception as exc:  # noqa: BLE001 - the kernel is unavailable here: say why, keep the gathered path
         return f"in-place decode kernel failed here: {type(exc).__name__}: {str(exc)[:200]}"
     if not (err < 0.05 and math.isfinite(err)):

@@ -39,7 +39,9 @@ from ray_moe.shard.pending import MultiPending, PendingStep, _GraphPending
 from ray_moe.shard.pipeline import StepPipeline
 from ray_moe.shard.prefix import ShardPrefixes
 from ray_moe.shard.records import StepRequest, WorkItem
-from ray_moe.shard.step_rows import (DecodeLayout, shape_bucket, marked_rows, packed_ids, phase_rows, pow2,
+from ray_moe.shard.substeps import SubstepRun, runs_on_arrays
+from ray_moe.shard.step_rows import (MIXED_DECODE_FLOOR, MIXED_SLOTS_FLOOR, QUERY_BOUND_FLOOR, SAMPLED_ROWS_FLOOR,
+                                     DecodeLayout, shape_bucket, marked_rows, packed_ids, phase_rows, pow2, pow4,
                                      prefill_query_bound, single_rows_first)
 
 
@@ -190,17 +192,20 @@ class GenerationExecutor:
         if work.units != (False, True) or any(not it.decode or it.sample is None for it in work.items):
             raise ValueError(f"steps={work.steps}: a multi-step request carries sampled decode items only")
         self.count("multi_step_requests")
+        self.count("multi_step_substeps", work.steps - 1)  # (after the first; ``array_substeps``: on arrays)
+        # a group of one plans every sub-step at its first and launches the later ones on arrays (``substeps``)
+        ahead = work.steps if paths.exchange.size == 1 and runs_on_arrays(work.items) else 1
         parts: list[PendingStep] = []
-        sub = req
         try:
-            for j in range(work.steps):
-                if j:
-                    sub = req.revised(step_id=f"{req.step_id}/{j}", free=(), steps=1,
-                                      items=tuple([it.substep(j) for it in work.items]))
-                else:
-                    sub = req.revised(steps=1)
-                parts.append(self._launch_one(sub, view, paths, status, decode_key,
-                                              parts[0].decision if parts else None))
+            parts.append(self._launch_one(req.revised(steps=1), view, paths, status, decode_key, None, ahead))
+            run = parts[0].graph.substeps if parts[0].graph is not None else None
+            for j in range(1, work.steps):
+                if run is not None:
+                    parts.append(run.substep(self, req, j, parts, last=j == work.steps - 1))
+                    continue
+                sub = req.revised(step_id=f"{req.step_id}/{j}", free=(), steps=1,
+                                  items=tuple([it.substep(j) for it in work.items]))
+                parts.append(self._launch_one(sub, view, paths, status, decode_key, parts[0].decision))
         except BaseException:
             for p in parts:
                 p.abandon()
@@ -208,9 +213,11 @@ class GenerationExecutor:
         return MultiPending(req, parts)
 
     def _launch_one(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
-                    decode_key: int, agreed: Any = None) -> "PendingStep":
+                    decode_key: int, agreed: Any = None, ahead: int = 1) -> "PendingStep":
         """One step (or sub-step). ``agreed``: the decode decision of the request's first sub-step (the
-        generation, the path and the token bucket hold for every sub-step: no control round of its own)."""
+        generation, the path and the token bucket hold for every sub-step: no control round of its own).
+        ``ahead`` > 1: the first sub-step of a multi-step request whose later sub-steps run on arrays: its
+        decode items reserve ``ahead - 1`` more positions and a captured decode step plans them all."""
         t0 = time.perf_counter()
         self.replay_mark = self.pipeline.replay_s  # the step's share of replay time is measured from here
         self._start = None
@@ -238,7 +245,7 @@ class GenerationExecutor:
             self.count("prefix_lookup_tokens", cut.looked_up)
             self.count("prefix_hit_tokens", sum(cut.cached.values()))
             for it in resolved:
-                kv.reserve(it.seq_id, it.start + len(it.tokens))
+                kv.reserve(it.seq_id, it.start + len(it.tokens) + (ahead - 1 if it.decode else 0))
         except (KVBudgetError, DeferredTokenError) as exc:
             local_error = exc
             status = ControlStatus.BAD_INPUT if status == ControlStatus.OK else status
@@ -263,7 +270,8 @@ class GenerationExecutor:
                 bucket = decision.reason is None
                 if bucket:
                     paths = dataclasses.replace(paths, bucket=paths.bucket.for_tokens(decision.cap))
-        out = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills)
+        out = self._forward(req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills,
+                            ahead=ahead)
         if local_error is not None:
             raise local_error
         self.prefixes.commit(kv, whole)
@@ -352,22 +360,23 @@ class GenerationExecutor:
             out[k] = dataclasses.replace(out[k], tokens=(int(t[i]),))
         return tuple(out)
 
-    def finished(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
-        """A step's tokens are known on the host: count it and keep its samples for deferred items."""
+    def finished(self, items: tuple[WorkItem, ...], tokens: dict[str, int], shift: int = 0) -> None:
+        """A step's tokens are known on the host: count it and keep its samples for deferred items (``shift``:
+        a multi-step request's sub-step on its first sub-step's items, positions that many on)."""
         self.count("generate_steps")
-        self._remember(items, tokens)
+        self._remember(items, tokens, shift)
 
-    def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int]) -> None:
+    def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int], shift: int = 0) -> None:
         for it in items:
             if it.sample is not None and it.seq_id in tokens:
-                seen, pos = self.sampled.setdefault(it.seq_id, {}), it.sample.position
+                seen, pos = self.sampled.setdefault(it.seq_id, {}), it.sample.position + shift
                 seen[pos] = tokens[it.seq_id]
                 if min(seen) < pos - 1:  # (the last two positions kept: usually all there is)
                     for p in [p for p in seen if p < pos - 1]:
                         del seen[p]
 
     def _graph_step(self, req, items, view, dispatcher, reason, tag: str, rows: int, *, prefill: bool,
-                    fills: list[tuple[int, torch.Tensor, int]]) -> "_GraphPending":
+                    fills: list[tuple[int, torch.Tensor, int]], ahead: int = 1) -> "_GraphPending":
         """A step with static shapes, captured as ONE CUDA graph (attention, routers, every MoE layer's
         dispatch/experts/combine, LM head) per (generation, shape): the first step of a shape runs eagerly
         (the warm-up) and is then captured; later steps copy their inputs into the graph's buffers and replay.
@@ -377,7 +386,8 @@ class GenerationExecutor:
         the varlen backend a mixed step's decode rows come first as a group of their own (padded to a power of
         two >= 16) and the chunks' padding rows are one sequence with no key (no attention work for padding).
         keys = the next half octave of the rank's context (>= 64; the gathered context is written whole every
-        layer). Sampling runs on the logits."""
+        layer). Sampling runs on the logits. ``ahead`` > 1 (a paged decode step): the plan covers that many
+        sub-steps (``plan_decode_steps``) and the step returns their ``SubstepRun`` (``_GraphPending.substeps``)."""
         kv, dev = self.host.kv, self.host.device
         varlen = self.host.varlen
         chunks = items  # (resolved: each item is its chunk, ``kv.Chunk``; its num_tokens = len(tokens))
@@ -390,19 +400,21 @@ class GenerationExecutor:
             keys = rows
         elif prefill:
             if varlen and 0 < nd < len(chunks):  # decode rows first, as a group of their own (``plan_padded``)
-                single = max(16, pow2(nd))  # (a padding decode row costs little: its routes compute nothing)
+                single = max(MIXED_DECODE_FLOOR, pow2(nd))  # (a padding decode row costs little: its routes
+                # compute nothing)
                 rows = single + shape_bucket(n - nd, 16, 3)
             if single and self.host.paged_decode:  # the one-row group reads the cache in place (octaves of its
                 kd = sum(c.start + c.num_tokens for c in chunks[:nd])  # slot vector: an upload only), the
-                paged_keys = pow2(max(1024, kd + single - nd))  # chunks' contexts alone are gathered
+                paged_keys = pow4(max(MIXED_SLOTS_FLOOR, kd + single - nd))  # chunks' contexts alone are gathered
                 keys = shape_bucket(context - kd, 64, 2)
             else:
                 keys = shape_bucket(context + (single - nd if single else 0), 64, 2)  # (+ the group's padding)
         elif varlen and self.host.paged_decode:  # read in place: the slot vector's length costs an upload only,
-            keys = pow2(max(1024, context + rows - n))  # so octaves keep the captured decode shapes few
+            keys = pow2(max(1024, context + n * (ahead - 1) + rows - n))  # so octaves keep the shapes few
         else:
             keys = shape_bucket(context + (rows - n if varlen else 0), 64, 2)
-        last_rows = (single + max(8, pow2(len(chunks) - nd)) if single else max(1, pow2(len(chunks)))) if prefill else None
+        last_rows = ((single + max(SAMPLED_ROWS_FLOOR, pow2(len(chunks) - nd)) if single else max(1, pow2(len(chunks))))
+                     if prefill else None)
         shift = single - nd if single else 0  # rows of the items after the one-row group move past its padding
         token_ids = packed_ids(items, rows)
         if single:  # the chunks' tokens move past the one-row group's padding rows
@@ -413,16 +425,20 @@ class GenerationExecutor:
         if not prefill and not varlen:  # (varlen attends per sequence over the packed contexts already)
             longest = max(64, pow2(max(c.start + 1 for c in chunks)))
             layout = self.decode_layout.pick(rows, longest, keys)
+        # a decode step reads the cache in place, a mixed step's one-row group too
+        paged = varlen and self.host.paged_decode and (not prefill or paged_keys > 0)
+        plans = None
         if layout is DecodeLayout.BATCHED:
             keys = longest
             staged = kv.plan_batched(chunks, rows, keys, self.dtype, extra=extra)
+        elif paged and not prefill:  # (every sub-step of a multi-step request at once, ``ahead`` > 1)
+            plans = kv.plan_decode_steps(chunks, rows, keys, ahead, extra=extra)
+            staged = plans[0]
         else:
             staged = kv.plan_padded(chunks, rows, keys, self.dtype, last_rows=last_rows, plain=plain, varlen=varlen,
                                     single_rows=single, paged_keys=paged_keys, extra=extra)
         # the longest query run bounds the kernel's grid (``prefill_query_bound``); one row per decode sequence
-        max_q = prefill_query_bound(chunks[nd:] if single else chunks, rows - single) if prefill else 1
-        # a decode step reads the cache in place, a mixed step's one-row group too
-        paged = varlen and self.host.paged_decode and (not prefill or paged_keys > 0)
+        max_q = prefill_query_bound(chunks[nd:] if single else chunks, rows - single, QUERY_BOUND_FLOOR) if prefill else 1
         if self._start is not None:  # the step's device work starts here (its host planning came first)
             self._start.record()  # re-recorded: the later record is the one that counts
         if fills:  # deferred tokens still on the device: copied behind the step that sampled them, with
@@ -449,7 +465,7 @@ class GenerationExecutor:
                           row_valid=inp["row_valid"], path=label)
             layout = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"),
                                 inp.get("last"), inp.get("cu_q"), inp.get("cu_k"), max_q, keys, single,
-                                paged=paged, paged_keys=paged_keys)
+                                paged=paged, paged_keys=paged_keys, k_end=inp.get("k_end"))
             rec = RouteRecorder(ctx, len(view.snapshots), inp["row_valid"]) if marked else None
             logits = self.host.forward_layout(layout, inp["token_ids"], ctx if rec is None else rec)
             # every layer's counts, overflow flags and handle checks in one device vector (in the graph); with
@@ -457,37 +473,45 @@ class GenerationExecutor:
             return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
         key = (unit, rows, keys, last_rows, single, paged_keys, max_q, bool(marked), layout.value)  # (layout last)
-        ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
-            view.generation, key, staged, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
-        ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")
-        host_summary = None
-        if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both
-            host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
-            host_summary.copy_(summary, non_blocking=True)
-        counts = None
-        if marked:  # reduced on the device behind the step; read with the sampled tokens
-            self.count("expert_stats_steps")
-            dev_counts = expert_counts(routes, segments, view.snapshots[0].num_experts)
-            counts = (marked, torch.empty(dev_counts.shape, dtype=dev_counts.dtype, pin_memory=dev.type == "cuda"))
-            counts[1].copy_(dev_counts, non_blocking=True)
-        want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
-        picked = lps = None
-        if want:
-            rows_ = [i for i, _ in want]
-            scores = logits[: len(rows_)] if rows_ == list(range(len(rows_))) else logits.index_select(
-                0, torch.tensor(rows_, dtype=torch.int64).to(logits.device))
-            specs = [it.sample for _, it in want]
-            picked = sample_tensor(scores, specs, self._contexts([it for _, it in want]))
-            lps = logprobs_tensor(scores, picked, specs)
-        host_picked = done = None
-        if dev.type == "cuda":  # copied right behind the step: completing it never waits for later steps
-            if picked is not None:
-                host_picked = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
-                host_picked.copy_(picked, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        return _GraphPending(ctx, tuple(it for _, it in want), picked, host_summary, dev, host_picked, done, lps,
-                             counts)
+        want_rows = [i for i, it in enumerate(items) if it.sample is not None]
+        want = tuple(items[i] for i in want_rows)
+        contexts = self._contexts(list(want))
+
+        def launch(inputs: dict[str, torch.Tensor], specs: list) -> _GraphPending:
+            # replay (or run and capture), then sample; the outputs' host copies queued right behind
+            ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
+                view.generation, key, inputs, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
+            ctx.path = ("local" if prefill else "bucket") + ("-graph" if replayed else "")
+            host_summary = None
+            if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both
+                host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
+                host_summary.copy_(summary, non_blocking=True)
+            counts = None
+            if marked:  # reduced on the device behind the step; read with the sampled tokens
+                self.count("expert_stats_steps")
+                dev_counts = expert_counts(routes, segments, view.snapshots[0].num_experts)
+                counts = (marked, torch.empty(dev_counts.shape, dtype=dev_counts.dtype, pin_memory=dev.type == "cuda"))
+                counts[1].copy_(dev_counts, non_blocking=True)
+            picked = lps = None
+            if want:
+                scores = logits[: len(want_rows)] if want_rows[-1] == len(want_rows) - 1 else logits.index_select(
+                    0, torch.tensor(want_rows, dtype=torch.int64).to(logits.device))
+                picked = sample_tensor(scores, specs, contexts)
+                lps = logprobs_tensor(scores, picked, specs)
+            host_picked = done = None
+            if dev.type == "cuda":  # copied right behind the step: completing it never waits for later steps
+                if picked is not None:
+                    host_picked = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+                    host_picked.copy_(picked, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            return _GraphPending(ctx, want, picked, host_summary, dev, host_picked, done, lps, counts)
+
+        specs = [it.sample for it in want]
+        out = launch(staged, specs)
+        if plans is not None and len(plans) > 1:
+            out.substeps = SubstepRun(plans, launch, want, specs)
+        return out
 
     def device_span(self, start: "torch.cuda.Event | None", end: "torch.cuda.Event | None") -> tuple[float, float]:
         """(busy, idle) seconds of a completed step: its device time, and the device's idle gap since the step
@@ -510,7 +534,7 @@ class GenerationExecutor:
         self.counters[key] = self.counters.get(key, 0) + n
 
     def _forward(self, req, items, view, paths, status, want_prefill, want_decode, bucket, reason, fills,
-                 tag: str = ""):
+                 tag: str = "", ahead: int = 1):
         """The step's model forward: a captured-shape step (``_GraphPending``) or eagerly ((tokens, stats,
         overflow, logprobs, expert counts: {sequence id: [layers, experts] int32} of the items marked
         ``expert_stats``, None when none is)). ``fills``: deferred tokens still on the device (``_resolve``)."""
@@ -530,7 +554,7 @@ class GenerationExecutor:
         if items and paths.capture:
             if bucket and pre is None and "decode" not in self.pipeline.capture_errors:
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, paths.bucket.token_cap,
-                                        prefill=False, fills=fills)
+                                        prefill=False, fills=fills, ahead=ahead)
             if (pre is not None and status == ControlStatus.OK and paths.exchange.size == 1
                     and paths.bucket.mode is DispatchMode.LOCAL and "prefill" not in self.pipeline.capture_errors):
                 # (a refused step takes the eager path, whose first dispatch raises the refusal)

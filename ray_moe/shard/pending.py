@@ -36,6 +36,7 @@ class _GraphPending:
     done: Any = None
     logprobs: LogprobsPending | None = None
     counts: tuple[tuple[str, ...], torch.Tensor] | None = None
+    substeps: Any = None  # a multi-step request's first sub-step: the later ones' ``SubstepRun``
 
     def finish(self) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs], dict[str, np.ndarray] | None]:
         tokens, lps = {}, {}
@@ -61,8 +62,9 @@ class PendingStep:
                  items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
                  graph: _GraphPending | None = None,
                  result: tuple[dict[str, int], tuple, dict[str, TokenLogprobs], dict | None] | None = None,
-                 decision: Any = None, prefix: tuple[dict[str, int], int] = ({}, 0)) -> None:
+                 decision: Any = None, prefix: tuple[dict[str, int], int] = ({}, 0), shift: int = 0) -> None:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
+        self.shift = shift  # a sub-step launched on its first sub-step's items: their positions this many on
         self.prefix = prefix  # (cached tokens per sequence, prefill tokens looked up): ``shard/prefix.py``
         self.decision = decision  # the decode unit's agreed decision (None: no decode round)
         self.t0, self.path, self.reason = t0, path, reason
@@ -99,7 +101,7 @@ class PendingStep:
                 tokens, stats, _, lps, counts = self.graph.finish()  # a group of one: nothing overflows
             finally:
                 ex._picks.pop(self.req.step_id, None)
-            ex.finished(self.items, tokens)
+            ex.finished(self.items, tokens, self.shift)
             self.result, self.graph = (tokens, stats, lps, counts), None
         tokens, stats, lps, counts = self.result
         device_s, idle_s = ex.device_span(self.start, self.event)

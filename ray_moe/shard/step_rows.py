@@ -82,9 +82,26 @@ def packed_ids(items: tuple[WorkItem, ...], rows: int | None = None) -> np.ndarr
     return out
 
 
+# A captured mixed step's static sizes are coarse, so steps planned a little differently (the same workload
+# again, or a step planned while another was in flight) find a graph already captured instead of running
+# eagerly and capturing (~2x a replay's device time on an H200 plus the capture): the decode group's rows (a
+# padding row costs a row of dense work), its slot vector (an upload only: powers of four), the sampled rows
+# (LM-head rows) and the chunks' query bound (empty query blocks exit at once)
+MIXED_DECODE_FLOOR = 64
+MIXED_SLOTS_FLOOR = 1 << 16
+SAMPLED_ROWS_FLOOR = 64
+QUERY_BOUND_FLOOR = 512
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pow4(n: int) -> int:
+    """The smallest power of four >= n (n >= 1)."""
+    e = max(0, int(n) - 1).bit_length()
+    return 1 << (e + (e & 1))
 
 
 def shape_bucket(n: int, floor: int, bits: int) -> int:
@@ -109,4 +126,4 @@ def prefill_query_bound(chunks: Sequence, rows: int, floor: int = 128) -> int:
     return min(int(rows), max(int(floor), pow2(longest)))
 
 
-__all__ = ["DecodeLayout", "prefill_query_bound", "phase_rows", "marked_rows", "single_rows_first", "single_rows_order", "packed_ids", "pow2", "shape_bucket"]
+__all__ = ["DecodeLayout", "prefill_query_bound", "phase_rows", "marked_rows", "single_rows_first", "single_rows_order", "packed_ids", "pow2", "pow4", "shape_bucket"]

@@ -8,17 +8,20 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from pydantic import ValidationError
-from ray_moe_dev.testing.hf_models import save_byte_level_tokenizer
 
-from ray_moe.apps.openai_protocol import (
+pytest.importorskip("fastapi")  # ray[serve]: installed by the project; absent on the bare GPU machine
+
+from pydantic import ValidationError  # noqa: E402
+from ray_moe_dev.testing.hf_models import save_byte_level_tokenizer  # noqa: E402
+
+from ray_moe.apps.openai_protocol import (  # noqa: E402
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
 )
-from ray_moe.apps.server import Choice, FinishReason, bearer_ok, read_api_key
-from ray_moe.core.env import EnvSettings
-from ray_moe.core.errors import ConfigError
+from ray_moe.apps.server import Choice, FinishReason, bearer_ok, read_api_key  # noqa: E402
+from ray_moe.core.env import EnvSettings  # noqa: E402
+from ray_moe.core.errors import ConfigError  # noqa: E402
 
 
 def test_unknown_fields_are_named_and_the_sampler_fields_reach_sampling_params():

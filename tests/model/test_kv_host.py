@@ -7,7 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ray_moe.model.kv import PagedKVCache, SeqChunk
 from ray_moe.model.prefix_cache import block_hash, chain_hashes
@@ -61,6 +64,41 @@ def test_padded_and_split_varlen_plans_place_each_group_past_its_padding():
         assert s["write_index"].tolist()[:4] == writes[0] + writes[1] + [trash] * 2
         assert s["write_index"].tolist()[4:16] == sum(writes[2:], []) and s["positions"].tolist()[:2] == [9, 3]
         assert s["last"].tolist()[:5] == [0, 1, 2 + 2 + 6, 2 + 2 + 6, 2 + 2 + 11]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True), st.integers(1, 5), st.integers(0, 3))
+def test_a_decode_plan_of_several_sub_steps_reads_each_sub_steps_context(starts, steps, pad_rows):
+    """``plan_decode_steps``: sub-step j of sequence i writes and reads position start_i + j: its write slot,
+    position and keys (``read_index[cu_k[i]:k_end[i]]``) equal the slot lookups of positions 0 .. start_i + j;
+    a padding row writes the trash slot at position 0 and reads one trash key; every sub-step shares one slot
+    vector, and sub-step 0 carries the given token ids (the later ones zeros, filled on the device)."""
+    chunks = [SeqChunk(f"s{i}", p, 1) for i, p in enumerate(starts)]
+    kv = PagedKVCache(1024, 4)
+    for c in chunks:  # interleaved: scattered blocks
+        kv.reserve(c.seq_id, c.start // 2 + 1)
+    for c in chunks:
+        kv.reserve(c.seq_id, c.start + steps)
+    rows = len(chunks) + pad_rows
+    keys = sum(c.start + steps for c in chunks) + pad_rows + 3
+    ids = np.arange(rows, dtype=np.int64) + 100
+    plans = kv.plan_decode_steps(chunks, rows, keys, steps, extra={"token_ids": ids})
+    assert len(plans) == steps
+    trash = kv.trash_slot
+    for j, p in enumerate(plans):
+        assert p["read_index"] is plans[0]["read_index"]
+        read, cu, end = p["read_index"].tolist(), p["cu_k"].tolist(), p["k_end"].tolist()
+        assert p["cu_q"].tolist() == list(range(rows + 1))
+        assert p["row_valid"].tolist() == [True] * len(chunks) + [False] * pad_rows
+        assert p["token_ids"].tolist() == (ids.tolist() if j == 0 else [0] * rows)
+        for i, c in enumerate(chunks):
+            assert read[cu[i]:end[i]] == kv.slots(c.seq_id, 0, c.start + j + 1).tolist()
+            assert p["write_index"][i] == kv.slots(c.seq_id, c.start + j, c.start + j + 1)[0]
+            assert p["positions"][i] == c.start + j
+        for i in range(len(chunks), rows):
+            assert read[cu[i]:end[i]] == [trash] and p["write_index"][i] == trash and p["positions"][i] == 0
+    with pytest.raises(ValueError, match=f"steps={steps}"):  # the keys cannot hold every sub-step's context
+        kv.plan_decode_steps(chunks, len(chunks), sum(c.start + steps for c in chunks) - 1, steps)
 
 
 def test_direct_constructors_equal_dataclasses_replace():

@@ -46,6 +46,30 @@ def test_reference_equals_varlen_reference_over_gathered_contexts(lens, shape, s
             assert got[i].abs().max() == 0
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 5)), min_size=1, max_size=6), st.integers(0, 1000))
+def test_segments_with_room_equal_the_same_keys_packed(segs, seed):
+    """``k_end``: sequence i reads slots[cu_k[i]:k_end[i]] of a segment with ``room`` unused entries after it (a
+    multi-step decode plan) == the same keys packed back to back (``cu_k`` alone)."""
+    lens, room = [n for n, _ in segs], [r for _, r in segs]
+    g = torch.Generator().manual_seed(seed)
+    cap = sum(lens) + sum(room) + 3
+    k_cache = torch.randn(cap, 2, 8, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(cap, 2, 8, generator=g, dtype=torch.float64)
+    perm = torch.randperm(cap, generator=g)
+    q = torch.randn(len(lens), 4, 8, generator=g, dtype=torch.float64)
+    starts = np.concatenate([[0], np.cumsum([n + r for n, r in segs])])
+    roomy = perm[: int(starts[-1])]
+    packed = torch.cat([roomy[int(a):int(a) + n] for a, n in zip(starts, lens)])
+    cu_k = torch.tensor(starts, dtype=torch.int32)
+    k_end = cu_k[:-1] + torch.tensor(lens, dtype=torch.int32)
+    got = paged_decode_reference(q, k_cache, v_cache, roomy, cu_k, max(lens), 0.3, k_end)
+    want = paged_decode_reference(q, k_cache, v_cache, packed,
+                                  torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
+                                  max(lens), 0.3)
+    torch.testing.assert_close(got, want)
+
+
 def test_split_rule_is_static_and_bounded():
     assert decode_splits(256, 4, 4096) == 1  # a full batch fills the device with one program per (row, head)
     assert decode_splits(1, 4, 64) == 1  # one key block: nothing to split

@@ -46,6 +46,16 @@ def test_kernel_equals_reference(hq, hk, d, dv, lens):
             assert got[i].abs().max() == 0
 
 
+@pytest.mark.parametrize("lens", [[37, 0, 1, 300, 64, 65], list(range(1, 257))])
+def test_kernel_with_segment_ends_equals_reference(lens):
+    """``k_end``: each sequence stops short of the next one's segment (room after it): kernel == reference."""
+    q, k, v, slots, cu = _case(lens, 32, 4, 128, 128, seed=4)
+    end = cu[:-1] + torch.tensor([n // 2 for n in lens], dtype=torch.int32, device=DEV)
+    got = paged_decode(q, k, v, slots, cu, max(lens), 0.1, end).float()
+    want = paged_decode_reference(q.float(), k.float(), v.float(), slots, cu, max(lens), 0.1, end)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_kernel_replays_in_a_cuda_graph_with_new_lengths():
     """Captured once with an upper bound on the context; replayed with other lengths and slots (the values of
     the captured buffers change, the shapes do not): each replay equals the reference."""

@@ -294,6 +294,29 @@ def test_multi_step_decode_stays_token_equal(tmp_path, eager_capture, family, ra
         assert all(c.get("graph_replays", 0) >= 8 for c in counters), counters
 
 
+@pytest.mark.parametrize("family,pipelined", [("qwen3_moe", True), ("deepseek_v3", False)])
+def test_multi_step_sub_steps_on_arrays_stay_token_equal(tmp_path, eager_capture, paged_references, family, pipelined):
+    """The H200's path (static shapes, varlen attention, decode reading the cache in place; references as the
+    kernels): a group of one plans every sub-step of a multi-step request at its first one and launches the
+    later ones on arrays, each fed the one before's samples on the device; requests joining mid-stream get
+    single steps meanwhile; outputs stay token-equal and every fed token is counted."""
+    import dataclasses
+
+    model, folder = tiny_model(family, tmp_path / family)
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    core = dep.cores[0]
+    core.paths = dataclasses.replace(core.paths, capture=True)
+    prompts, late = _prompts(15, (5, 13, 2, 9)), _prompts(16, (6, 3))
+    got = generate_inprocess(dep, prompts, 11, step_tokens=8, join_after={3: late}, pipelined=pipelined,
+                             decode_steps=4)
+    assert got == _reference(model, prompts + late, 11)
+    c = {**core.generator.counters, **core.pipeline.counters}
+    assert core.generator.host.paged_decode and c.get("multi_step_requests", 0) >= 2, c
+    assert c.get("array_substeps", 0) == c["multi_step_substeps"] >= c["multi_step_requests"], c  # each after the first
+    assert c["deferred_on_device"] >= c["array_substeps"], c  # each fed its sequences' tokens on the device
+
+
 @pytest.mark.parametrize("family,decode_steps", [("qwen3_moe", 1), ("deepseek_v3", 1), ("qwen3_moe", 4)])
 def test_a_step_launched_before_the_previous_completes_takes_its_tokens_on_the_device(tmp_path, eager_capture, family,
                                                                                       decode_steps):

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from ray_moe.shard.records import WorkItem
 from ray_moe.model.kv import SeqChunk
-from ray_moe.shard.step_rows import marked_rows, pow2, prefill_query_bound, shape_bucket, single_rows_first
+from ray_moe.shard.step_rows import marked_rows, pow2, pow4, prefill_query_bound, shape_bucket, single_rows_first
 
 
 @settings(max_examples=200, deadline=None)
@@ -19,6 +19,7 @@ def test_shape_bucket_bounds_the_padding(n, floor, bits):
     if n > floor:
         assert b - n <= n / 2 ** (bits - 1)
     assert pow2(n) == shape_bucket(n, 1, 1) and pow2(n) >= n > pow2(n) // 2
+    assert pow4(n) >= n > pow4(n) // 4 and pow4(n).bit_length() % 2 == 1  # (4**e: an odd bit length)
 
 
 def _item(sid: str, n: int, *, start: int = 4, deferred: bool = False, stats: bool = False) -> WorkItem:
