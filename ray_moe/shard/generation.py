@@ -360,11 +360,13 @@ class GenerationExecutor:
             out[k] = dataclasses.replace(out[k], tokens=(int(t[i]),))
         return tuple(out)
 
-    def finished(self, items: tuple[WorkItem, ...], tokens: dict[str, int], shift: int = 0) -> None:
+    def finished(self, items: tuple[WorkItem, ...], tokens: dict[str, int], shift: int = 0, *,
+                 remember: bool = True) -> None:
         """A step's tokens are known on the host: count it and keep its samples for deferred items (``shift``:
         a multi-step request's sub-step on its first sub-step's items, positions that many on)."""
         self.count("generate_steps")
-        self._remember(items, tokens, shift)
+        if remember:
+            self._remember(items, tokens, shift)
 
     def _remember(self, items: tuple[WorkItem, ...], tokens: dict[str, int], shift: int = 0) -> None:
         for it in items:

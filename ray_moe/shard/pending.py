@@ -65,6 +65,7 @@ class PendingStep:
                  decision: Any = None, prefix: tuple[dict[str, int], int] = ({}, 0), shift: int = 0) -> None:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
         self.shift = shift  # a sub-step launched on its first sub-step's items: their positions this many on
+        self.remember = True  # keep its samples for deferred items (a multi-step request's last two sub-steps)
         self.prefix = prefix  # (cached tokens per sequence, prefill tokens looked up): ``shard/prefix.py``
         self.decision = decision  # the decode unit's agreed decision (None: no decode round)
         self.t0, self.path, self.reason = t0, path, reason
@@ -101,7 +102,7 @@ class PendingStep:
                 tokens, stats, _, lps, counts = self.graph.finish()  # a group of one: nothing overflows
             finally:
                 ex._picks.pop(self.req.step_id, None)
-            ex.finished(self.items, tokens, self.shift)
+            ex.finished(self.items, tokens, self.shift, remember=self.remember)
             self.result, self.graph = (tokens, stats, lps, counts), None
         tokens, stats, lps, counts = self.result
         device_s, idle_s = ex.device_span(self.start, self.event)
@@ -120,6 +121,8 @@ class MultiPending:
 
     def __init__(self, req: StepRequest, parts: list[PendingStep]) -> None:
         self.req, self.parts = req, parts
+        for p in parts[:-2]:  # a rank keeps the last two samples of a sequence (``GenerationExecutor.sampled``)
+            p.remember = False
 
     @property
     def ready(self) -> bool:
@@ -143,7 +146,11 @@ class MultiPending:
                 p.abandon()
             raise
         first, outs = results[0], [r.output for r in results]
-        tokens = {k: tuple(o.tokens[k][0] for o in outs) for k in outs[0].tokens}
+        seqs = list(outs[0].tokens)
+        if all(list(o.tokens) == seqs for o in outs[1:]):  # (every sub-step's sequences in one order: columns)
+            tokens = dict(zip(seqs, zip(*[[t[0] for t in o.tokens.values()] for o in outs])))
+        else:
+            tokens = {k: tuple(o.tokens[k][0] for o in outs) for k in seqs}
         lps = {k: tuple(o.logprobs[k][0] for o in outs) for k in outs[0].logprobs}
         counts: dict[str, np.ndarray] = {}
         for o in outs:  # every sub-step's expert counts, summed per sequence
