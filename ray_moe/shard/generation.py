@@ -12,8 +12,8 @@
 #     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample on the device
 #   launch ends here for a captured step of a group of one (completed behind the next step's launch);
 #   complete: tokens and statistics read with one wait ──> StepResult (one token id per sampled chunk)
-#   multi-step decode: the sub-steps of one request launched back to back, each fed the previous one's
-#   samples on the device; one result with every sequence's tokens in position order
+#   multi-step decode: the sub-steps of one request launched back to back, each fed the previous one's samples
+#   on the device (a group of one: later ones on arrays, shard/substeps.py); tokens in position order
 # ======================================================================================================
 """The shard side of serving: one model step per actor call, token ids in, sampled token ids out."""
 

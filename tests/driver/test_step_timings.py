@@ -11,7 +11,7 @@ from ray_moe.driver.loop import GenerationLoop
 from ray_moe.model.sampling import SamplingParams
 from ray_moe_dev.testing.hf_models import tiny_model
 from ray_moe_dev.testing.inprocess import InProcessDeployment, LocalTransport
-from ray_moe_bench.serving import host_share
+from ray_moe_bench.serving import host_share, host_share_by_kind
 
 
 def test_every_step_records_the_shards_host_work(tmp_path):
@@ -30,6 +30,14 @@ def test_every_step_records_the_shards_host_work(tmp_path):
         share = host_share(loop.timings)
         assert share["steps"] == loop.steps and share["host_ms"] == sum(host)
         assert share["host_over_device"] is None  # CPU: no device time is measured
+        # every collected step's shape, aligned with the timings: the prompt tokens and decode rows it ran
+        shapes = list(loop.step_shapes)
+        assert len(shapes) == loop.steps and sum(p for p, _, _ in shapes) == 9 + 20 + 4
+        assert sum(r * n for _, r, n in shapes) == 3 * 4  # every token after a request's first came from a decode row
+        kinds = host_share_by_kind(loop.timings, loop.step_shapes)
+        assert [row[:3] for row in kinds["steps"]] == [list(x) for x in shapes]
+        assert sum(v["steps"] for k, v in kinds.items() if k != "steps") == loop.steps
+        assert kinds["prefill"]["host_ms"] == sum(h for h, (p, _, _) in zip(host, shapes) if p)
     finally:
         loop.close()
         transport.close()
