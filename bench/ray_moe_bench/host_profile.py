@@ -245,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: Qwen3-30B-A3B's shapes (random bf16 weights, --layers layers) on the GPU, the real "
                         "kernels and graphs; the whole workload runs once first (warm: every shape captured)")
-    p.add_argument("--layers", type=int, default=48, help="decoder layers (--device cuda)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: 48 on cuda, the whole shape; 2 on cpu: the host's per-layer work, "
+                        "layer statistics among it, grows with them)")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
+    a.layers = a.layers or (48 if cuda else 2)
     if a.layers < 1:
         p.error(f"--layers={a.layers}: must be >= 1")
     torch.set_num_threads(1)  # the forward's kernels stay off the profiled thread's cores as much as they can
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = PhaseClock(step_kind)
     instrument(clock, standins=not cuda)
     work = workload_spec(Workload.MIXED, a.requests, a.new_tokens, a.prompt_mean, 0)
-    conf = dict(QWEN3_30B_A3B, num_hidden_layers=a.layers) if cuda else dict(QUICK, num_hidden_layers=2)
+    conf = dict(QWEN3_30B_A3B if cuda else QUICK, num_hidden_layers=a.layers)
     layers = conf["num_hidden_layers"]
     prompts = work.prompts(conf["vocab_size"])
     cfg = RuntimeConfig(num_ranks=1, num_experts=conf["num_experts"], hidden_size=conf["hidden_size"],

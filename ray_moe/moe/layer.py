@@ -157,6 +157,28 @@ class MoEStep:
                                      self.fallback_reason))
         return tuple(stats), overflow
 
+    def summary_layout(self) -> tuple | None:
+        """What ``device_summary`` packs, per layer the element counts of its sent / rows / flag tensors (0: no
+        flag) and the handle checks' count: steps of one layout sum elementwise (``finish_summed``). None when
+        a layer's counts are host values (nothing to sum). Computed once per step context."""
+        if not hasattr(self, "_layout"):
+            def n(x: Any) -> int:
+                return x.numel() if isinstance(x, torch.Tensor) else 0 if x is None else -1
+            per = tuple((layer, n(s), n(r), n(f)) for layer, s, r, f in self._pending)
+            self._layout = None if any(min(p[1:]) < 0 for p in per) else (per, len(self.checks))
+        return self._layout
+
+    def finish_summed(self, summaries: list[np.ndarray]) -> tuple[tuple[LayerStats, ...], bool]:
+        """``finish`` over several steps of this context's ``summary_layout`` (the sub-steps of a multi-step
+        request replaying one graph), ``device_summary`` of each on the host: every step's handle checks
+        verified, their counts summed, then one LayerStats per layer (as ``merge_layer_stats`` of each step's
+        would give) and whether any step overflowed."""
+        k = len(self.checks)
+        if k:
+            for h in summaries:
+                self.checks.verify(h[len(h) - k:].tolist())
+        return self.finish(np.sum(summaries, axis=0))
+
 
 __all__ = ["LayerStats", "MoEStep", "GenerationView", "RouteRecorder", "SplitMoE", "expert_counts", "layer_stats",
            "merge_layer_stats", "run_experts"]

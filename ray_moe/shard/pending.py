@@ -38,7 +38,10 @@ class _GraphPending:
     counts: tuple[tuple[str, ...], torch.Tensor] | None = None
     substeps: Any = None  # a multi-step request's first sub-step: the later ones' ``SubstepRun``
 
-    def finish(self) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs], dict[str, np.ndarray] | None]:
+    def finish(self, stats: bool = True) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs],
+                                                  dict[str, np.ndarray] | None]:
+        """(tokens, layer statistics, overflowed, logprobs, expert counts) once the device is done. ``stats``
+        False: no statistics read (the caller sums ``host_summary`` over sub-steps: ``MoEStep.finish_summed``)."""
         tokens, lps = {}, {}
         if self.done is not None:
             self.done.synchronize()
@@ -49,7 +52,8 @@ class _GraphPending:
                 lps = {self.want[i].seq_id: lp for i, lp in self.logprobs.read().items()}
         elif self.device.type == "cuda" and self.done is None:
             torch.cuda.current_stream(self.device).synchronize()
-        stats, overflow = self.ctx.finish(None if self.host_summary is None else self.host_summary.numpy())
+        stats, overflow = ((), False) if not stats else self.ctx.finish(
+            None if self.host_summary is None else self.host_summary.numpy())
         counts = None if self.counts is None else dict(zip(self.counts[0], self.counts[1].numpy()))
         return tokens, stats, overflow, lps, counts
 
@@ -66,6 +70,8 @@ class PendingStep:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
         self.shift = shift  # a sub-step launched on its first sub-step's items: their positions this many on
         self.remember = True  # keep its samples for deferred items (a multi-step request's last two sub-steps)
+        # the statistics left to the caller (``MultiPending``): the step context and its summary on the host
+        self.summed: tuple[MoEStep, np.ndarray] | None = None
         self.prefix = prefix  # (cached tokens per sequence, prefill tokens looked up): ``shard/prefix.py``
         self.decision = decision  # the decode unit's agreed decision (None: no decode round)
         self.t0, self.path, self.reason = t0, path, reason
@@ -93,17 +99,22 @@ class PendingStep:
         """A step that will not be completed: later steps no longer read its tokens."""
         self.executor._picks.pop(self.req.step_id, None)
 
-    def complete(self) -> StepResult:
+    def complete(self, stats: bool = True) -> StepResult:
+        """The step's result. ``stats`` False (a captured step): its layer statistics are not read; the step
+        context and its device summary on the host are left in ``summed`` (``MultiPending`` sums them)."""
         ex = self.executor
         self.wait()  # the device's part done: what follows is the completion's host work
         t = time.perf_counter()
         if self.graph is not None:
+            g = self.graph
             try:
-                tokens, stats, _, lps, counts = self.graph.finish()  # a group of one: nothing overflows
+                tokens, stats_, _, lps, counts = g.finish(stats)  # a group of one: nothing overflows
             finally:
                 ex._picks.pop(self.req.step_id, None)
             ex.finished(self.items, tokens, self.shift, remember=self.remember)
-            self.result, self.graph = (tokens, stats, lps, counts), None
+            self.result, self.graph = (tokens, stats_, lps, counts), None
+            if not stats:
+                self.summed = (g.ctx, g.host_summary.numpy())
         tokens, stats, lps, counts = self.result
         device_s, idle_s = ex.device_span(self.start, self.event)
         out = GenerationOutput({k: (v,) for k, v in tokens.items()}, self.path, self.reason,
@@ -137,10 +148,16 @@ class MultiPending:
             p.abandon()
 
     def complete(self) -> StepResult:
+        """One result: every sequence's tokens in position order, the layer statistics summed over the
+        sub-steps (sub-steps replaying one captured layout: their device summaries summed, one LayerStats per
+        layer, ``MoEStep.finish_summed``; else each sub-step's, merged)."""
         results = []
+        gs = [p.graph for p in self.parts]
+        layout = gs[0].ctx.summary_layout() if all(g is not None and g.host_summary is not None for g in gs) else None
+        summed = layout is not None and all(g.ctx.summary_layout() == layout for g in gs[1:])
         try:
             for p in self.parts:
-                results.append(p.complete())
+                results.append(p.complete(stats=not summed))
         except BaseException:
             for p in self.parts[len(results):]:
                 p.abandon()
@@ -158,8 +175,11 @@ class MultiPending:
                 counts[k] = c + counts[k] if k in counts else c.copy()
         out = GenerationOutput(tokens, outs[0].decode_path, outs[0].fallback_reason, logprobs=lps,
                                expert_counts=counts)
-        return StepResult(first.rank, self.req.step_id, first.generation, out,
-                          merge_layer_stats([ls for r in results for ls in r.layers]),
+        if summed:
+            layers = self.parts[0].summed[0].finish_summed([p.summed[1] for p in self.parts])[0]
+        else:
+            layers = merge_layer_stats([ls for r in results for ls in r.layers])
+        return StepResult(first.rank, self.req.step_id, first.generation, out, layers,
                           time.perf_counter() - self.parts[0].t0,
                           device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results),
                           host_s=sum(r.host_s for r in results), replay_s=sum(r.replay_s for r in results))

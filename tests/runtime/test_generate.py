@@ -302,15 +302,37 @@ def test_multi_step_sub_steps_on_arrays_stay_token_equal(tmp_path, eager_capture
     single steps meanwhile; outputs stay token-equal and every fed token is counted."""
     import dataclasses
 
+    from ray_moe.shard.core import ShardCore
+
     model, folder = tiny_model(family, tmp_path / family)
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
     core = dep.cores[0]
     core.paths = dataclasses.replace(core.paths, capture=True)
+    results = []
+    complete = ShardCore._complete_step
+
+    def recorded(self, pending, stack):
+        results.append(complete(self, pending, stack))
+        return results[-1]
+
     prompts, late = _prompts(15, (5, 13, 2, 9)), _prompts(16, (6, 3))
-    got = generate_inprocess(dep, prompts, 11, step_tokens=8, join_after={3: late}, pipelined=pipelined,
-                             decode_steps=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ShardCore, "_complete_step", recorded)
+        got = generate_inprocess(dep, prompts, 11, step_tokens=8, join_after={3: late}, pipelined=pipelined,
+                                 decode_steps=4)
     assert got == _reference(model, prompts + late, 11)
+    # the layer statistics count every row of every sub-step once (multi-step results sum their sub-steps'
+    # device summaries): each fed token (the prompts, and each request's generated tokens but its last) was
+    # routed to top-k experts in every MoE layer
+    rows = sum(map(len, prompts + late)) + 10 * len(prompts + late)
+    top_k = model.config.num_experts_per_tok
+    per_layer: dict[int, int] = {}
+    for res in results:
+        for ls in res.layers:
+            per_layer[ls.layer] = per_layer.get(ls.layer, 0) + ls.accepted
+            assert ls.expert_counts.sum() == ls.accepted
+    assert per_layer and set(per_layer.values()) == {rows * top_k}, (per_layer, rows * top_k)
     c = {**core.generator.counters, **core.pipeline.counters}
     assert core.generator.host.paged_decode and c.get("multi_step_requests", 0) >= 2, c
     assert c.get("array_substeps", 0) == c["multi_step_substeps"] >= c["multi_step_requests"], c  # each after the first
