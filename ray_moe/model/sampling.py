@@ -210,6 +210,13 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec],
     return [int(t) for t in sample_tensor(logits, specs, contexts).tolist()]
 
 
+def plain_greedy(specs: Sequence[SampleSpec]) -> bool:
+    """Whether every row takes the argmax of its raw logits and asks for nothing else: no temperature, penalty,
+    logit bias, min_tokens mask at its position or logprobs (``sample_tensor`` is then one argmax)."""
+    return all(sp.temperature <= 0.0 and not sp.penalized and not sp.masked and not sp.logit_bias
+               and sp.logprobs is None for sp in specs)
+
+
 def sample_tensor(logits: torch.Tensor, specs: list[SampleSpec],
                   contexts: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
     """``sample`` on the logits' device: [S] int64, no host wait (read it when the step is done)."""
@@ -247,4 +254,4 @@ def logprobs_tensor(logits: torch.Tensor, picked: torch.Tensor, specs: Sequence[
 
 
 __all__ = ["MAX_LOGPROBS", "LogprobsPending", "SamplingParams", "SampleSpec", "TokenLogprobs", "logprobs_tensor",
-           "process_logits", "sample", "sample_tensor"]
+           "plain_greedy", "process_logits", "sample", "sample_tensor"]

@@ -278,7 +278,7 @@ class GenerationExecutor:
         path = ("bucket" if bucket else "variable") if want_decode else None
         if isinstance(out, _GraphPending):
             if paths.exchange.size == 1:  # no overflow to agree on: complete it later
-                if out.picked is not None:
+                if out.picked is not None and out.substeps is None:  # (else: the last sub-step's, read on)
                     self._picks[req.step_id] = (out.picked, {(it.seq_id, it.sample.position): i
                                                              for i, it in enumerate(out.want)})
                 return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision,
@@ -479,7 +479,7 @@ class GenerationExecutor:
         want = tuple(items[i] for i in want_rows)
         contexts = self._contexts(list(want))
 
-        def launch(inputs: dict[str, torch.Tensor], specs: list) -> _GraphPending:
+        def launch(inputs: dict[str, torch.Tensor], specs: list, greedy: bool = False) -> _GraphPending:
             # replay (or run and capture), then sample; the outputs' host copies queued right behind
             ((logits, summary, routes), ctx), replayed = self.pipeline.run_static(
                 view.generation, key, inputs, body, unit=unit, limit=self.max_prefill_graphs if prefill else None)
@@ -498,8 +498,8 @@ class GenerationExecutor:
             if want:
                 scores = logits[: len(want_rows)] if want_rows[-1] == len(want_rows) - 1 else logits.index_select(
                     0, torch.tensor(want_rows, dtype=torch.int64).to(logits.device))
-                picked = sample_tensor(scores, specs, contexts)
-                lps = logprobs_tensor(scores, picked, specs)
+                picked = torch.argmax(scores, dim=-1) if greedy else sample_tensor(scores, specs, contexts)  # (plain)
+                lps = None if greedy else logprobs_tensor(scores, picked, specs)
             host_picked = done = None
             if dev.type == "cuda":  # copied right behind the step: completing it never waits for later steps
                 if picked is not None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from ray_moe.model.sampling import plain_greedy
 from ray_moe.shard.pending import PendingStep
 from ray_moe.shard.records import StepRequest, WorkItem
 
@@ -33,20 +34,24 @@ def runs_on_arrays(items: tuple[WorkItem, ...]) -> bool:
 @dataclass(eq=False)
 class SubstepRun:
     """What the sub-steps after the first replay: ``staged`` [steps] (the plan's per-sub-step device inputs;
-    entry 0 was sub-step 0's), ``launch(staged, specs) -> _GraphPending`` (the graph step's replay, sampling and
-    host copies over these inputs), the sampled items (sub-step 0's, in ``picked`` order) and their specs."""
+    entry 0 was sub-step 0's), ``launch(staged, specs, greedy) -> _GraphPending`` (the graph step's replay,
+    sampling (``greedy``: every row plain greedy, one argmax) and host copies over these inputs), the sampled
+    items (sub-step 0's, in ``picked`` order) and their specs."""
 
     staged: list[dict[str, torch.Tensor]]
     launch: Callable[[dict[str, torch.Tensor], list], Any]
     want: tuple[WorkItem, ...]
     specs: list
 
+    def __post_init__(self) -> None:
+        # whether a spec reads its position (a seeded temperature draw, a min_tokens mask); if none does,
+        # every sub-step samples with the first one's specs, and plain greedy rows with one argmax
+        self.positional = any(sp.temperature > 0.0 or sp.suppress for sp in self.specs)
+        self.greedy = not self.positional and plain_greedy(self.specs)
+
     def specs_at(self, j: int) -> list:
-        """Sub-step j's sample specs: positions j on where a spec reads its position (a seeded temperature
-        draw, a min_tokens mask); the same specs otherwise (greedy rows never read it)."""
-        if any(sp.temperature > 0.0 or sp.suppress for sp in self.specs):
-            return [sp.at(sp.position + j) for sp in self.specs]
-        return self.specs
+        """Sub-step j's sample specs: positions j on where a spec reads its position; the same specs otherwise."""
+        return [sp.at(sp.position + j) for sp in self.specs] if self.positional else self.specs
 
     def substep(self, ex: Any, req: StepRequest, j: int, parts: list[PendingStep], *, last: bool) -> PendingStep:
         """Launch sub-step ``j`` (>= 1) of ``req`` on executor ``ex`` behind ``parts`` (sub-steps 0 .. j - 1):
@@ -66,7 +71,7 @@ class SubstepRun:
         ex.count("deferred_tokens", n)
         ex.count("deferred_on_device", n)
         ex.count("array_substeps")
-        graph = self.launch(staged, self.specs_at(j))
+        graph = self.launch(staged, self.specs_at(j), self.greedy)
         sub, first = req.revised(step_id=f"{req.step_id}/{j}"), parts[0]
         if last and graph.picked is not None:
             ex._picks[sub.step_id] = (graph.picked, {(it.seq_id, it.sample.position + j): i

@@ -131,3 +131,31 @@ def test_ignore_eos_runs_past_it_and_min_tokens_holds_it_back(tmp_path, decode_s
                           eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
     assert hs[2].tokens == held and eos not in hs[2].tokens[:first + 3]
     assert len(hs[2].tokens) > first + 1
+
+
+def test_array_sub_steps_sample_what_single_steps_sample(tmp_path, eager_capture, paged_references):
+    """The H200's decode path (references as the kernels): a multi-step request's later sub-steps run on arrays
+    with their specs at their own positions (seeded temperature / top-p draws keyed by position, min_tokens masks,
+    logprobs) or one argmax for plain greedy rows: tokens and logprobs equal those of one-step decode."""
+    from ray_moe.model.sampling import SampleSpec, plain_greedy
+
+    _, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    prompts = _prompts(21, (5, 11, 3, 8))
+    params = [SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=7),
+              SamplingParams(max_new_tokens=9, min_tokens=6, ignore_eos=True, seed=3, temperature=0.5),
+              SamplingParams(max_new_tokens=9, logprobs=2),
+              SamplingParams(max_new_tokens=9)]
+    runs = {}
+    for steps in (1, 4):
+        dep = _deployment(folder, 1, True)
+        handles = _run(dep, list(zip(prompts, params)), decode_steps=steps)
+        runs[steps] = [(h.tokens, [lp.logprob for lp in h.logprobs] if h.logprobs else None) for h in handles]
+        counters = dep.cores[0].generator.counters
+        assert dep.cores[0].generator.host.paged_decode
+        if steps > 1:
+            assert counters.get("array_substeps", 0) == counters["multi_step_substeps"] > 0, counters
+    assert runs[4] == runs[1]
+    assert plain_greedy([SampleSpec(0.0, 1.0, 0, 5)]) and not plain_greedy([SampleSpec(0.7, 1.0, 0, 5)])
+    assert not plain_greedy([SampleSpec(0.0, 1.0, 0, 5, logprobs=0)])
+    assert not plain_greedy([SampleSpec(0.0, 1.0, 0, 5, suppress=(1,), suppress_until=9)])
+    assert plain_greedy([SampleSpec(0.0, 1.0, 0, 9, suppress=(1,), suppress_until=9)])  # (past min_tokens)
