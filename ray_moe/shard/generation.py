@@ -232,7 +232,7 @@ class GenerationExecutor:
             self.prefixes.forget(sid)
         local_error: Exception | None = None
         fills: list[tuple[int, torch.Tensor, int]] = []
-        whole, prefix = (), ({}, 0)
+        whole, prefix, hashed = (), ({}, 0), {}
         ordered = single_rows_first(req.input.items)
         if ordered is not req.input.items:
             req = req.revised(items=ordered)
@@ -241,7 +241,7 @@ class GenerationExecutor:
             resolved, fills = self._keep_tokens(resolved, fills)
             whole = resolved  # (uncut: the prompt blocks it writes are named after the launch)
             cut = self.prefixes.trim(kv, resolved, fills)
-            resolved, fills, prefix = cut.items, cut.fills, (cut.cached, cut.looked_up)
+            resolved, fills, prefix, hashed = cut.items, cut.fills, (cut.cached, cut.looked_up), cut.hashed
             self.count("prefix_lookup_tokens", cut.looked_up)
             self.count("prefix_hit_tokens", sum(cut.cached.values()))
             for it in resolved:
@@ -274,7 +274,7 @@ class GenerationExecutor:
                             ahead=ahead)
         if local_error is not None:
             raise local_error
-        self.prefixes.commit(kv, whole)
+        self.prefixes.commit(kv, whole, hashed)
         path = ("bucket" if bucket else "variable") if want_decode else None
         if isinstance(out, _GraphPending):
             if paths.exchange.size == 1:  # no overflow to agree on: complete it later

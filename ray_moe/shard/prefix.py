@@ -10,7 +10,8 @@ rank's cache already holds, and the full blocks a step wrote are named for later
          whole that samples nothing runs no rows (dropped from the step)
     commit (after the step's forward was launched: its writes are queued before any later step's)
       3. every full block of prompt tokens the sequence now has written is registered under its hash, except
-         the block of a sampled chunk's last token (decode tokens follow in it)
+         the block of a sampled chunk's last token (decode tokens follow in it); the hashes step 1 computed
+         for the same blocks are reused (``PrefixTrim.hashed``: a prompt's blocks are hashed once a step)
 
 A step that is rerun (a stale generation, a recovered rank) finds its attached and registered blocks valid and
 cuts the same positions or more: what it reports as cached (``cached_tokens``: positions of attached blocks
@@ -35,12 +36,14 @@ from ray_moe.shard.step_rows import single_rows_order
 class PrefixTrim:
     """One step's trim: ``items`` (cut; dropped ones gone, one-row items first), ``fills`` re-indexed to them,
     ``cached``: {sequence id: its chunk's tokens served from attached blocks}, ``looked_up``: prefill tokens
-    of the step (what the cached ones are a share of)."""
+    of the step (what the cached ones are a share of), ``hashed``: {sequence id: (the first block looked up,
+    the chained hashes of its chunk's blocks from there)} for ``commit``."""
 
     items: tuple[WorkItem, ...]
     fills: list
     cached: dict[str, int]
     looked_up: int
+    hashed: dict[str, tuple[int, list[int]]] = dataclasses.field(default_factory=dict)
 
 
 def _prefill(it: WorkItem) -> bool:
@@ -71,6 +74,7 @@ class ShardPrefixes:
         B = kv.block_size
         out: list[WorkItem | None] = []
         cached: dict[str, int] = {}
+        hashed: dict[str, tuple[int, list[int]]] = {}
         looked = 0
         for it in items:
             if not _prefill(it):
@@ -86,7 +90,9 @@ class ShardPrefixes:
                 full = (it.start + n - keep) // B - v // B
                 if full > 0:
                     parent = kv.valid_hashes(sid)[-1] if v else None
-                    got = kv.attach(sid, chain_hashes(parent, it.tokens[:full * B], B))
+                    hs = chain_hashes(parent, it.tokens[:full * B], B)
+                    hashed[sid] = (v // B, hs)  # (blocks of the uncut chunk: it starts at v)
+                    got = kv.attach(sid, hs)
                     if got:
                         self._attached.setdefault(sid, set()).update(range(v // B, v // B + got))
                     v = kv.valid_tokens(sid)
@@ -105,7 +111,8 @@ class ShardPrefixes:
         kept = [k for k, it in enumerate(out) if it is not None]  # then one-row items first again (cut chunks)
         order = [kept[i] for i in single_rows_order([out[k] for k in kept])]
         where = {k: i for i, k in enumerate(order)}
-        return PrefixTrim(tuple(out[k] for k in order), [(where[k], *rest) for k, *rest in fills], cached, looked)
+        return PrefixTrim(tuple(out[k] for k in order), [(where[k], *rest) for k, *rest in fills], cached, looked,
+                          hashed)
 
     def _restart(self, kv: PagedKVCache, it: WorkItem) -> None:
         """A chunk from position 0 of a sequence that already holds blocks: a rerun when its valid blocks are
@@ -118,8 +125,10 @@ class ShardPrefixes:
             kv.free(it.seq_id)
             self.forget(it.seq_id)
 
-    def commit(self, kv: PagedKVCache, items: Sequence[WorkItem]) -> None:
-        """Step 3 for the step's (resolved, uncut) ``items``, once its forward was launched."""
+    def commit(self, kv: PagedKVCache, items: Sequence[WorkItem],
+               hashed: dict[str, tuple[int, list[int]]] | None = None) -> None:
+        """Step 3 for the step's (resolved, uncut) ``items``, once its forward was launched; ``hashed``: the
+        trim's hashes of the same items' blocks (``PrefixTrim.hashed``), reused where they cover the blocks."""
         if not self.enabled:
             return
         B = kv.block_size
@@ -141,8 +150,13 @@ class ShardPrefixes:
             if it.sample is not None:  # never the block of the last token
                 full = min(full, (end - 1) // B - v // B)
             if full > 0:
-                parent: Any = kv.valid_hashes(sid)[-1] if v else None
-                kv.register(sid, chain_hashes(parent, known[:full * B], B))
+                b0, hs = (hashed or {}).get(sid, (-1, []))
+                i = v // B - b0
+                if b0 >= 0 and b0 * B == it.start <= v and i + full <= len(hs):  # the same blocks' content
+                    kv.register(sid, hs[i:i + full])
+                else:
+                    parent: Any = kv.valid_hashes(sid)[-1] if v else None
+                    kv.register(sid, chain_hashes(parent, known[:full * B], B))
             if it.sample is not None:
                 self._tail.pop(sid, None)
             else:

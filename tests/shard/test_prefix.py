@@ -23,13 +23,37 @@ def _chunk(sid: str, tokens, start: int, sample: bool) -> WorkItem:
     return WorkItem(sid, tuple(tokens), start, SPEC if sample else None, False)
 
 
-def _step(pre: ShardPrefixes, kv: PagedKVCache, items: list[WorkItem]):
-    """One step as the executor runs it: trim, reserve the cut items, (forward), commit the uncut ones."""
+def _step(pre: ShardPrefixes, kv: PagedKVCache, items: list[WorkItem], reuse: bool = True):
+    """One step as the executor runs it: trim, reserve the cut items, (forward), commit the uncut ones (with the
+    trim's hashes, ``reuse``, as the executor passes them)."""
     cut = pre.trim(kv, items, [])
     for it in cut.items:
         kv.reserve(it.seq_id, it.start + len(it.tokens))
-    pre.commit(kv, items)
+    pre.commit(kv, items, cut.hashed if reuse else None)
     return cut
+
+
+def test_commit_reuses_the_trims_hashes_and_names_the_same_blocks(monkeypatch):
+    """Each step's prompt blocks are hashed once (the lookup's hashes registered at commit): the blocks named,
+    what later prompts find, equal hashing again at commit, with hits, chunks and a block two chunks fill."""
+    import ray_moe.shard.prefix as prefix
+
+    calls = []
+    real = prefix.chain_hashes
+    monkeypatch.setattr(prefix, "chain_hashes", lambda *a: calls.append(len(a[1])) or real(*a))
+    prompt = list(range(100, 118))  # 18 tokens: four full blocks of 4
+    steps = [[_chunk("a", prompt, 0, True)], [_chunk("b", prompt[:10], 0, False)],
+             [_chunk("b", prompt[10:], 10, True)], [_chunk("c", prompt + [5, 6, 7], 0, True)]]
+    named, counts = {}, {}
+    for reuse in (True, False):
+        kv, pre = PagedKVCache(32, 4), ShardPrefixes()
+        calls.clear()
+        cuts = [_step(pre, kv, items, reuse) for items in steps]
+        named[reuse] = ({s: kv.valid_hashes(s) for s in "abc"}, [(c.cached, c.looked_up) for c in cuts])
+        counts[reuse] = len(calls)
+    assert named[True] == named[False] and named[True][0]["a"]
+    assert counts[True] < counts[False]
+    assert named[True][1][3][0] == {"c": 16}  # c finds a's four named blocks
 
 
 def test_a_second_prompt_skips_the_shared_blocks_but_never_its_last_tokens_block():
