@@ -12,8 +12,7 @@
 #     ──> overflow agreed at the end (rerun with the decode unit on the normal path) ──> sample on the device
 #   launch ends here for a captured step of a group of one (completed behind the next step's launch);
 #   complete: tokens and statistics read with one wait ──> StepResult (one token id per sampled chunk)
-#   multi-step decode: the sub-steps of one request launched back to back, each fed the previous one's samples
-#   on the device (a group of one: later ones on arrays, shard/substeps.py); tokens in position order
+#   multi-step decode: sub-steps launched back to back, each fed the last one's samples on the device (substeps.py)
 # ======================================================================================================
 """The shard side of serving: one model step per actor call, token ids in, sampled token ids out."""
 
@@ -45,8 +44,7 @@ from ray_moe.shard.step_rows import (MIXED_DECODE_FLOOR, MIXED_SLOTS_FLOOR, QUER
                                      prefill_query_bound, single_rows_first)
 
 
-# a cache sized from memory (``kv_tokens=None``): the default share of the GPU, and what is kept beside weights
-# and cache for a step's activations, gathered contexts and captured graphs (a heuristic: the larger of the two)
+# a cache sized from memory (``kv_tokens=None``): the GPU's share, and what is kept for activations and graphs
 DEFAULT_MEMORY_FRACTION = 0.9
 WORKSPACE_MIN_BYTES = 2 << 30
 WORKSPACE_SHARE = 0.05
@@ -387,9 +385,8 @@ class GenerationExecutor:
         per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask. On
         the varlen backend a mixed step's decode rows come first as a group of their own (padded to a power of
         two >= 16) and the chunks' padding rows are one sequence with no key (no attention work for padding).
-        keys = the next half octave of the rank's context (>= 64; the gathered context is written whole every
-        layer). Sampling runs on the logits. ``ahead`` > 1 (a paged decode step): the plan covers that many
-        sub-steps (``plan_decode_steps``) and the step returns their ``SubstepRun`` (``_GraphPending.substeps``)."""
+        keys = the next half octave of the rank's context (>= 64). Sampling runs on the logits. ``ahead`` > 1 (paged
+        decode): the plan covers that many sub-steps and the step returns their ``SubstepRun``."""
         kv, dev = self.host.kv, self.host.device
         varlen = self.host.varlen
         chunks = items  # (resolved: each item is its chunk, ``kv.Chunk``; its num_tokens = len(tokens))
@@ -475,6 +472,9 @@ class GenerationExecutor:
             return (logits, ctx.device_summary(), None if rec is None else rec.ids), ctx
 
         key = (unit, rows, keys, last_rows, single, paged_keys, max_q, bool(marked), layout.value)  # (layout last)
+        if prefill and self.pipeline.graphs.get(view.generation, key) is None:  # a graph of a larger query bound
+            key = self.pipeline.graphs.covering(view.generation, key, 6) or key  # serves the step unchanged
+            max_q = key[6]
         want_rows = [i for i, it in enumerate(items) if it.sample is not None]
         want = tuple(items[i] for i in want_rows)
         contexts = self._contexts(list(want))

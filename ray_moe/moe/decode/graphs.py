@@ -206,6 +206,14 @@ class StepGraphs:
     def put(self, generation: int, key: Any, step: CapturedStep) -> None:
         self._graphs[(generation, key)] = step
 
+    def covering(self, generation: int, key: tuple, slot: int) -> tuple | None:
+        """The captured key of ``generation`` equal to ``key`` but at position ``slot``, where its value is the
+        smallest one >= key's: an upper bound baked into a graph (a kernel's grid bound), so a step of ``key``
+        runs in that graph unchanged. None: no such graph."""
+        fits = [k for g, k in self._graphs if g == generation and isinstance(k, tuple) and len(k) == len(key)
+                and k[slot] >= key[slot] and k[:slot] == key[:slot] and k[slot + 1:] == key[slot + 1:]]
+        return min(fits, key=lambda k: k[slot]) if fits else None
+
     def count(self, generation: int, kind: Any) -> int:
         """Captured steps of ``generation`` whose key starts with ``kind``."""
         return sum(1 for g, k in self._graphs if g == generation and isinstance(k, tuple) and k and k[0] == kind)
