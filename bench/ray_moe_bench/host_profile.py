@@ -161,7 +161,7 @@ def instrument(clock: PhaseClock, standins: bool = True) -> None:
     for owner, name, phase in [
             (ex, "_launch", "launch"), (ex, "_launch_one", "launch_one"), (ex, "_resolve", "resolve"),
             (ex, "_keep_tokens", "keep_tokens"), (ex, "_graph_step", "graph_step"), (ex, "_forward", "forward_eager"),
-            (ex, "_materialize", "materialize"), (ex, "finished", "remember"),
+            (gen, "read_fills", "materialize"), (ex, "finished", "remember"),
             (ShardPrefixes, "trim", "prefix_trim"), (ShardPrefixes, "commit", "prefix_commit"),
             (PagedKVCache, "plan_padded", "kv_plan"), (PagedKVCache, "plan", "kv_plan"),
             (PagedKVCache, "plan_batched", "kv_plan"), (PagedKVCache, "plan_decode_steps", "kv_plan"), (pipeline.StepPipeline, "agree_decode", "agree_decode"),

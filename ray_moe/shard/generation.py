@@ -39,9 +39,10 @@ from ray_moe.shard.pipeline import StepPipeline
 from ray_moe.shard.prefix import ShardPrefixes
 from ray_moe.shard.records import StepRequest, WorkItem
 from ray_moe.shard.substeps import SubstepRun, runs_on_arrays
-from ray_moe.shard.step_rows import (MIXED_DECODE_FLOOR, MIXED_SLOTS_FLOOR, QUERY_BOUND_FLOOR, SAMPLED_ROWS_FLOOR,
+from ray_moe.shard.step_rows import (MIXED_DECODE_FLOOR, MIXED_SLOTS_FLOOR, QUERY_BOUND_AT, QUERY_BOUND_FLOOR,
+                                     SAMPLED_ROWS_FLOOR,
                                      DecodeLayout, shape_bucket, marked_rows, packed_ids, phase_rows, pow2, pow4,
-                                     prefill_query_bound, single_rows_first)
+                                     prefill_query_bound, read_fills, single_rows_first)
 
 
 # a cache sized from memory (``kv_tokens=None``): the GPU's share, and what is kept for activations and graphs
@@ -210,18 +211,28 @@ class GenerationExecutor:
             raise
         return MultiPending(req, parts)
 
+    def begin_step(self) -> float:
+        """A (sub-)step's launch begins: replay clock marked, CUDA start event queued; returns the host clock."""
+        self.replay_mark = self.pipeline.replay_s
+        self._start = None
+        if self.host.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        return time.perf_counter()
+
+    def keep_picks(self, step_id: str, graph: _GraphPending, shift: int = 0) -> None:
+        """A launched step's device samples by (sequence, position + ``shift``) for later steps' ``_resolve``."""
+        if graph.picked is not None:
+            self._picks[step_id] = (graph.picked, {(it.seq_id, it.sample.position + shift): i
+                                                   for i, it in enumerate(graph.want)})
+
     def _launch_one(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
                     decode_key: int, agreed: Any = None, ahead: int = 1) -> "PendingStep":
         """One step (or sub-step). ``agreed``: the decode decision of the request's first sub-step (the
         generation, the path and the token bucket hold for every sub-step: no control round of its own).
         ``ahead`` > 1: the first sub-step of a multi-step request whose later sub-steps run on arrays: its
         decode items reserve ``ahead - 1`` more positions and a captured decode step plans them all."""
-        t0 = time.perf_counter()
-        self.replay_mark = self.pipeline.replay_s  # the step's share of replay time is measured from here
-        self._start = None
-        if self.host.device.type == "cuda":  # queued behind the steps already launched: fires when this one starts
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+        t0 = self.begin_step()
         kv = self.host.kv
         for sid in req.input.free:
             kv.free(sid)
@@ -276,9 +287,8 @@ class GenerationExecutor:
         path = ("bucket" if bucket else "variable") if want_decode else None
         if isinstance(out, _GraphPending):
             if paths.exchange.size == 1:  # no overflow to agree on: complete it later
-                if out.picked is not None and out.substeps is None:  # (else: the last sub-step's, read on)
-                    self._picks[req.step_id] = (out.picked, {(it.seq_id, it.sample.position): i
-                                                             for i, it in enumerate(out.want)})
+                if out.substeps is None:  # (else the last sub-step's samples are the ones read on)
+                    self.keep_picks(req.step_id, out)
                 return PendingStep(self, req, view.generation, items, t0, path, reason, graph=out, decision=decision,
                                    prefix=prefix)
             out = out.finish()
@@ -330,7 +340,7 @@ class GenerationExecutor:
             return items, fills
         mine = {k for k, _, _ in fills} & set(held)
         if mine:
-            items = self._materialize(items, [f for f in fills if f[0] in mine])
+            items = read_fills(items, [f for f in fills if f[0] in mine])
             fills = [f for f in fills if f[0] not in mine]
             self.count("penalty_token_reads", len(mine))
         for k in held:
@@ -347,16 +357,6 @@ class GenerationExecutor:
         """Each sampled item's tokens before its sample position (penalized sequences; None for the others)."""
         return [self.history.get(it.seq_id, [])[:it.sample.position] if it.sample.penalized else None
                 for it in items]
-
-    @staticmethod
-    def _materialize(items: tuple[WorkItem, ...], fills: list[tuple[int, torch.Tensor, int]]) -> tuple[WorkItem, ...]:
-        """Items with their device-held deferred tokens read to the host (waits for the step that sampled them)."""
-        if not fills:
-            return items
-        out = list(items)
-        for k, t, i in fills:
-            out[k] = dataclasses.replace(out[k], tokens=(int(t[i]),))
-        return tuple(out)
 
     def finished(self, items: tuple[WorkItem, ...], tokens: dict[str, int], shift: int = 0, *,
                  remember: bool = True) -> None:
@@ -384,7 +384,7 @@ class GenerationExecutor:
         prefill (one-rank groups): rows = the next quarter octave of the step's tokens (>= 16), one sampled row
         per sequence (padded to a power of two); one sequence from position 0 keeps the plain causal mask. On
         the varlen backend a mixed step's decode rows come first as a group of their own (padded to a power of
-        two >= 16) and the chunks' padding rows are one sequence with no key (no attention work for padding).
+        two, ``MIXED_DECODE_FLOOR``) and the chunks' padding rows are one sequence with no key (no attention work).
         keys = the next half octave of the rank's context (>= 64). Sampling runs on the logits. ``ahead`` > 1 (paged
         decode): the plan covers that many sub-steps and the step returns their ``SubstepRun``."""
         kv, dev = self.host.kv, self.host.device
@@ -399,8 +399,7 @@ class GenerationExecutor:
             keys = rows
         elif prefill:
             if varlen and 0 < nd < len(chunks):  # decode rows first, as a group of their own (``plan_padded``)
-                single = max(MIXED_DECODE_FLOOR, pow2(nd))  # (a padding decode row costs little: its routes
-                # compute nothing)
+                single = max(MIXED_DECODE_FLOOR, pow2(nd))  # (a padding row's routes compute nothing)
                 rows = single + shape_bucket(n - nd, 16, 3)
             if single and self.host.paged_decode:  # the one-row group reads the cache in place (octaves of its
                 kd = sum(c.start + c.num_tokens for c in chunks[:nd])  # slot vector: an upload only), the
@@ -473,8 +472,8 @@ class GenerationExecutor:
 
         key = (unit, rows, keys, last_rows, single, paged_keys, max_q, bool(marked), layout.value)  # (layout last)
         if prefill and self.pipeline.graphs.get(view.generation, key) is None:  # a graph of a larger query bound
-            key = self.pipeline.graphs.covering(view.generation, key, 6) or key  # serves the step unchanged
-            max_q = key[6]
+            key = self.pipeline.graphs.covering(view.generation, key, QUERY_BOUND_AT) or key  # serves it unchanged
+            max_q = key[QUERY_BOUND_AT]
         want_rows = [i for i, it in enumerate(items) if it.sample is not None]
         want = tuple(items[i] for i in want_rows)
         contexts = self._contexts(list(want))
@@ -565,7 +564,7 @@ class GenerationExecutor:
                 n = sum(len(it.tokens) for it in items)
                 return self._graph_step(req, items, view, paths.bucket, reason, tag, shape_bucket(n, 16, 3),
                                         prefill=True, fills=fills)
-        items = self._materialize(items, fills)
+        items = read_fills(items, fills)
         split = SplitMoE(pre, dec, *phase_rows(items, self.host.device))
         marked, segments = marked_rows(items)
         rec = RouteRecorder(split, len(view.snapshots)) if marked else None

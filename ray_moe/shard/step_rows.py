@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from enum import Enum
@@ -91,11 +92,23 @@ MIXED_DECODE_FLOOR = 64
 MIXED_SLOTS_FLOOR = 1 << 16
 SAMPLED_ROWS_FLOOR = 64
 QUERY_BOUND_FLOOR = 512
+QUERY_BOUND_AT = 6  # the query bound's position in a captured step's key (an upper bound: ``StepGraphs.covering``)
 
 
 def pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def read_fills(items: tuple[WorkItem, ...], fills: list[tuple[int, torch.Tensor, int]]) -> tuple[WorkItem, ...]:
+    """Items with their device-held deferred tokens read to the host (waits for the step that sampled them).
+    fills: (item index, the sampling step's token tensor, index in it)."""
+    if not fills:
+        return items
+    out = list(items)
+    for k, t, i in fills:
+        out[k] = dataclasses.replace(out[k], tokens=(int(t[i]),))
+    return tuple(out)
 
 
 def pow4(n: int) -> int:
@@ -126,4 +139,4 @@ def prefill_query_bound(chunks: Sequence, rows: int, floor: int = 128) -> int:
     return min(int(rows), max(int(floor), pow2(longest)))
 
 
-__all__ = ["DecodeLayout", "prefill_query_bound", "phase_rows", "marked_rows", "single_rows_first", "single_rows_order", "packed_ids", "pow2", "pow4", "shape_bucket"]
+__all__ = ["DecodeLayout", "prefill_query_bound", "phase_rows", "marked_rows", "single_rows_first", "single_rows_order", "packed_ids", "pow2", "pow4", "read_fills", "shape_bucket"]

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -59,12 +58,7 @@ class SubstepRun:
         first sub-step's items, their sample positions j on; the ``last`` sub-step's samples are the ones a
         step launched behind this request reads on the device (``_picks``). Counts the tokens fed on the device
         (as a deferred decode item's are)."""
-        t0 = time.perf_counter()
-        ex.replay_mark = ex.pipeline.replay_s
-        ex._start = None
-        if ex.host.device.type == "cuda":
-            ex._start = torch.cuda.Event(enable_timing=True)
-            ex._start.record()
+        t0 = ex.begin_step()
         staged = self.staged[j]
         n = len(self.want)
         staged["token_ids"][:n].copy_(parts[j - 1].graph.picked)  # queued behind the sub-step that sampled them
@@ -73,9 +67,8 @@ class SubstepRun:
         ex.count("array_substeps")
         graph = self.launch(staged, self.specs_at(j), self.greedy)
         sub, first = req.revised(step_id=f"{req.step_id}/{j}"), parts[0]
-        if last and graph.picked is not None:
-            ex._picks[sub.step_id] = (graph.picked, {(it.seq_id, it.sample.position + j): i
-                                                     for i, it in enumerate(graph.want)})
+        if last:
+            ex.keep_picks(sub.step_id, graph, j)
         return PendingStep(ex, sub, first.generation, first.items, t0, first.path, first.reason, graph=graph,
                            decision=first.decision, shift=j)
 
