@@ -265,10 +265,11 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
 
         if spec["warmup"]:
             one_pass(spec["warm_prompts"])
-        steps0 = engine.steps
+        steps0, gc0 = engine.steps, engine.gc_counters()
         for dq in engine.timings.values():  # the timed pass's steps only
             dq.clear()
         outs, wall, sent, stamps = one_pass(prompts)
+        gc1 = engine.gc_counters()
         res = token_metrics(prompts, outs, wall, sent, stamps)
         res.update(start_s=start_s, engine_steps=engine.steps - steps0, decode_steps=engine.scheduler.decode_steps,
                    settings={"ranks": ranks, "decode_token_capacity": cap, "kv_tokens_per_rank": engine.kv_tokens,
@@ -282,6 +283,10 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
                                                   "in the shard actors, whose allocator peak ray-moe does not "
                                                   "report; see nvidia_smi"})
         res["outputs_digest"] = _digest(outs)
+        # the driver process's garbage-collector pauses in the timed pass (MEASURED: gc.callbacks; the shards'
+        # own, since their start, are in shards[*].counters: gc_*)
+        res["driver_gc"] = {k: (gc1[k] if k in ("gc_pause_max_us", "gc_frozen_objects") else gc1[k] - gc0[k])
+                            for k in gc1}
         # where a step's time goes (median ms per step: plan, launch, wait, shard, device, idle, ...) and what the
         # shards counted (graphs captured / replayed, fallbacks, out-of-memory steps), for the next profile
         res["step_timings_ms"] = engine.timing_summary()

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ray_moe.core.gc_pauses import GcPauses
 from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
 from ray_moe.shard.records import GenerationInput, StepKind, StepRequest, StepResult
 from ray_moe.model.sampling import SamplingParams, TokenLogprobs
@@ -184,7 +185,16 @@ class GenerationLoop:
         self.kv_tokens = None if kv_tokens is None else int(kv_tokens)
         self.max_queued = int(max_queued)
         self._loaded: set[int] = set()
-        info = self._load(transport.members())
+        # this process's collector pauses (``gc_counters``); on CUDA the heap alive after the model loaded is
+        # frozen: a full collection between two steps' launches would leave the GPUs idle for it
+        self.gc = GcPauses().install()
+        try:
+            info = self._load(transport.members())
+        except BaseException:
+            self.gc.close()
+            raise
+        if device == "cuda":
+            self.gc.freeze()
         if self.kv_tokens is None:  # sized from memory on each rank: the cache tokens the first rank holds
             self.kv_tokens = int(info["kv_blocks"]) * int(info["block_size"])
         self.attention_backend = info.get("attention")
@@ -288,6 +298,7 @@ class GenerationLoop:
             self._stop = True
             self._wake.notify()
         self._thread.join(timeout=60)
+        self.gc.close()
 
     # ------------------------------------------------------------------ the loop
     def _load(self, ranks: list[int]) -> dict:
@@ -459,6 +470,10 @@ class GenerationLoop:
         hit, looked = self.prefix_hit_tokens, self.prefix_lookup_tokens
         return {"enabled": self.prefix_caching, "hit_tokens": hit, "lookup_tokens": looked,
                 "hit_ratio": hit / looked if looked else None, "routed": self.scheduler.prefix_routed}
+
+    def gc_counters(self) -> dict[str, int]:
+        """This (driver) process's garbage-collector pauses since the loop started (``GcPauses``)."""
+        return self.gc.counters()
 
     def timing_summary(self, last: int | None = None) -> dict[str, float]:
         """Median milliseconds per step of each part (the last ``last`` steps)."""

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import ray
 import torch
 
+from ray_moe.core.gc_pauses import GcPauses
 from ray_moe.shard.core import ShardCore
 from ray_moe.shard.records import StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
@@ -45,6 +46,7 @@ class ExpertShardActor:
         self.core = ShardCore(rank, cfg, source if source is not None else weight_source(cfg), device=device)
         self._migration = None
         self._migration_stream = None
+        self.gc = GcPauses().install()  # this process's collector pauses (one actor per process)
 
     # ---------------------------------------------------------------- setup
     def node_info(self) -> dict[str, Any]:
@@ -235,12 +237,18 @@ class ExpertShardActor:
 
     # ---------------------------------------------------------------- serving generation
     def load_model(self, **options: Any) -> dict[str, Any]:
-        """``ShardCore.load_model`` (keyword options)."""
-        return self.core.load_model(**options)
+        """``ShardCore.load_model`` (keyword options). On CUDA the heap alive after the model is built is frozen
+        (``GcPauses.freeze``): a full collection between two launches would leave the GPU idle for it."""
+        info = self.core.load_model(**options)
+        if self.device.type == "cuda":
+            self.gc.freeze()
+        return info
 
     # ---------------------------------------------------------------- diagnostics
     def status(self) -> dict[str, Any]:
-        return self.core.status()
+        st = self.core.status()
+        st["counters"] = {**st["counters"], **self.gc.counters()}
+        return st
 
     def expert_weights(self, layer: int, expert: int) -> dict[str, Any] | None:
         w = self.core.expert_weights(layer, expert)

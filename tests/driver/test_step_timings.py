@@ -41,3 +41,24 @@ def test_every_step_records_the_shards_host_work(tmp_path):
     finally:
         loop.close()
         transport.close()
+
+
+def test_the_loop_counts_its_processs_collector_pauses_and_removes_its_callback(tmp_path):
+    import gc
+
+    _, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    transport = LocalTransport(dep)
+    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=16)
+    try:
+        assert loop.gc._callback in gc.callbacks
+        before = loop.gc_counters()
+        assert before["gc_freezes"] == 0  # on CPU the heap is not frozen (no device to keep fed)
+        gc.collect(2)
+        after = loop.gc_counters()
+        assert after["gc_full_collections"] == before["gc_full_collections"] + 1
+        assert after["gc_pause_us"] > before["gc_pause_us"]
+    finally:
+        loop.close()
+        transport.close()
+    assert loop.gc._callback not in gc.callbacks

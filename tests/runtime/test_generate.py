@@ -137,6 +137,9 @@ def test_generate_and_stream_equal_transformers(served):
     assert rt.serving().overlapped > 0
     assert sum(st["counters"].get("deferred_tokens", 0) for st in rt.shard_status().values()) > 0
     assert all(st["counters"].get("multi_step_requests", 0) > 0 for st in rt.shard_status().values())
+    # each shard process counts its collector's pauses (its heap is frozen on CUDA only)
+    assert all(st["counters"]["gc_collections"] > 0 and st["counters"]["gc_freezes"] == 0
+               for st in rt.shard_status().values())
     # on CPU the model keeps transformers' own norms and rotary (the fused kernels are CUDA-only)
     assert all(st["fused_kernels"] == {"norm_layers": 0, "rotary_modules": [], "router_layers": 0, "qkv_modules": 0,
                                        "skipped": {}}

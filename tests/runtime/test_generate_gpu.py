@@ -49,6 +49,10 @@ def test_cuda_generation_replays_whole_step_graphs(ray_session, tmp_path, family
         # multi-step decode ran (several sub-steps per call, fed on the device) and device time was measured
         assert again["counters"].get("multi_step_requests", 0) >= 2, again["counters"]
         assert again["counters"].get("device_busy_us", 0) > 0, again["counters"]
+        # on CUDA the shard's heap was frozen after the model loaded, and its collector pauses are counted
+        assert again["counters"]["gc_freezes"] == 1 and again["counters"]["gc_frozen_objects"] > 10_000
+        assert again["counters"]["gc_collections"] > 0, again["counters"]
+        assert rt.serving().gc_counters()["gc_freezes"] == 1
         timings = rt.serving().timing_summary()
         assert timings["device"] > 0 and timings["device"] <= timings["shard"] + 1e-6, timings
     finally:
