@@ -305,8 +305,9 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
 def host_share_by_kind(timings: dict, shapes: Any) -> dict[str, Any]:
     """``host_share`` per step kind of the timed pass (``GenerationLoop.step_shapes``, aligned with the timings):
     decode (decode rows only, one step), multi_decode (decode sub-steps), prefill (prompt tokens, with or without
-    decode rows); and every step's (prompt tokens, decode rows, sub-steps, host ms, device ms, replay ms)."""
-    keys = ("host", "device", "idle", "replay")
+    decode rows); and every step's (prompt tokens, decode rows, sub-steps, host ms, device ms, replay ms, host CPU
+    ms)."""
+    keys = ("host", "device", "idle", "replay", "host_cpu")
     series = {k: list(timings.get(k, ())) for k in keys}
     shapes = list(shapes)[-len(series["device"]):] if series["device"] else []
     kinds: dict[str, dict[str, list]] = {}
@@ -315,7 +316,8 @@ def host_share_by_kind(timings: dict, shapes: Any) -> dict[str, Any]:
         for k in keys:
             kinds.setdefault(kind, {x: [] for x in keys})[k].append(series[k][i])
     out = {kind: {k: v for k, v in host_share(t).items() if k != "note"} for kind, t in kinds.items()}
-    out["steps"] = [[p, r, n, round(series["host"][i], 2), round(series["device"][i], 2), round(series["replay"][i], 2)]
+    out["steps"] = [[p, r, n, round(series["host"][i], 2), round(series["device"][i], 2), round(series["replay"][i], 2),
+                     round(series["host_cpu"][i], 2) if i < len(series["host_cpu"]) else None]
                     for i, (p, r, n) in enumerate(shapes)]
     return out
 
@@ -323,17 +325,20 @@ def host_share_by_kind(timings: dict, shapes: Any) -> dict[str, Any]:
 def host_share(timings: dict) -> dict[str, Any]:
     """The shards' host work over their device time in the timed pass (sums over its steps of the busiest
     rank's ``host_s`` and ``device_s``) and the device's idle gaps between steps over the same device time."""
-    host, device, idle, replay = (sum(timings.get(k, ())) for k in ("host", "device", "idle", "replay"))
-    return {"host_ms": host, "device_ms": device, "idle_ms": idle, "replay_ms": replay,
+    host, device, idle, replay, cpu = (sum(timings.get(k, ())) for k in ("host", "device", "idle", "replay", "host_cpu"))
+    return {"host_ms": host, "device_ms": device, "idle_ms": idle, "replay_ms": replay, "host_cpu_ms": cpu,
             "steps": len(timings.get("device", ())),
             "host_over_device": host / device if device else None,
             "host_outside_replays_over_device": (host - replay) / device if device else None,
+            "host_cpu_over_device": cpu / device if device else None,
             "idle_over_device": idle / device if device else None,
             "note": "host: the shard's wall time in each step's launch (plan, staging, issuing or replaying kernels, "
                     "captures; blocking inside it included, e.g. a full kernel queue) and completion (reading tokens), "
                     "not the wait between: an upper bound of the host work; replay: its part inside captured-graph "
                     "replays (input copies and the graph launch, which blocks while the device's queue is full); "
-                    "host - replay: planning, staging, eager kernels and captures, sampling, completion; idle: the "
+                    "host - replay: planning, staging, eager kernels and captures, sampling, completion; host_cpu: "
+                    "the shard thread's CPU time over the same spans (time.thread_time: GIL waits and sleeping "
+                    "waits not in it, spinning CUDA waits are); idle: the "
                     "device's gaps between steps (the host work the device waited for)"}
 
 

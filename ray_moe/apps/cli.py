@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-running", type=int, default=256, help="sequences in flight over every rank")
     sv.add_argument("--decode-steps", type=int, default=None,
                     help="multi-step decode: decode tokens per sequence per step when every sequence is decoding "
-                         "and none waits (1: one token per step; default 4 on cuda, 1 on cpu)")
+                         "and none waits (1: one token per step; default 4 on cuda (offline rt.generate: 8), 1 on cpu)")
     sv.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                     help="keep transformers' own RMSNorm and rotary embedding on cuda (default: the fused kernels, "
                          "each taken only where it reproduces transformers' own)")

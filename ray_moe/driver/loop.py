@@ -32,7 +32,13 @@ from ray_moe.driver.transport import StepTransport
 from ray_moe.core.types import Phase
 
 _DONE = object()
-DEFAULT_DECODE_STEPS_CUDA = 4  # multi-step decode on CUDA unless told otherwise (measured: bench.generate)
+# decode sub-steps per actor call on CUDA unless told otherwise (multi-step decode): offline (``rt.generate``) 8,
+# the OpenAI server 4 (a request arriving mid-call waits for the call's end to join; streamed tokens arrive in
+# bursts of that many). Measured on one H200, 48-layer Qwen3-30B-A3B shape, session 17
+# (bench/results/logs/s17/run1): decode-heavy 12,319 (4) / 12,326 (8) output tok/s, the shard's host work outside
+# graph replays 8.9% / 6.1% of its device time; mixed 6,801 / 6,859, 9.7% / 6.1%.
+DEFAULT_DECODE_STEPS_CUDA = 8
+SERVER_DECODE_STEPS_CUDA = 4
 # prefill tokens per rank per step unless told otherwise: on CUDA a step reads every routed expert's weights once
 # whatever its size, so larger steps read them fewer times per prompt token. Offline (``rt.generate``) 16k, the
 # OpenAI server 8k (shorter prefill steps stall the running sequences' next tokens less): vLLM 0.25's own
@@ -154,7 +160,7 @@ class GenerationLoop:
     rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
     ``submit`` refuses new ones (overload); decode_steps: decode sub-steps one step may run when every
     sequence is decoding and none waits (multi-step decode: one actor call per rank for that many tokens
-    per sequence; 1 turns it off). Default: 4 on CUDA, where it keeps the device fed while the host round
+    per sequence; 1 turns it off). Default: 8 on CUDA (``ray-moe serve``: 4), where it keeps the device fed while the host round
     trip runs; 1 on CPU (no device to keep fed: every step's load reaches the rebalancer's window and
     requests join at every step; the CPU demo takes about the same time either way). fused_kernels: the model's
     RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
@@ -222,10 +228,11 @@ class GenerationLoop:
         # transport (the step's round trip from its actor calls sent to its results here, minus the slowest
         # actor call on its shard: Ray's dispatch, (de)serialisation and transfer both ways), host (the
         # busiest rank's host wall time in the step's launch and completion: ``StepResult.host_s``, an upper
-        # bound of its host work), replay (that rank's part of it inside graph replays: ``StepResult.replay_s``)
+        # bound of its host work), replay (that rank's part of it inside graph replays: ``StepResult.replay_s``),
+        # host_cpu (that rank's thread CPU time over the same spans: ``StepResult.host_cpu_s``)
         self.timings: dict[str, deque] = {k: deque(maxlen=1024) for k in (
             "plan", "launch", "wait", "shard", "queued", "account", "commit", "device", "idle", "transport",
-            "host", "replay")}
+            "host", "replay", "host_cpu")}
         # each collected step's shape, in the order of ``timings``' per-step entries: (prompt tokens, decode
         # rows, decode sub-steps) summed over its ranks
         self.step_shapes: deque[tuple[int, int, int]] = deque(maxlen=1024)
@@ -445,6 +452,7 @@ class GenerationLoop:
                         ("device", max((r.device_s for r in results.values()), default=0.0)),
                         ("idle", max((r.idle_s for r in results.values()), default=0.0)),
                         ("host", busiest.host_s if busiest else 0.0), ("replay", busiest.replay_s if busiest else 0.0),
+                        ("host_cpu", busiest.host_cpu_s if busiest else 0.0),
                         ("transport", None if recovered else
                          t1 - step.sent - max((r.actor_s for r in results.values()), default=0.0))):
             if ms is not None:  # (a recovered step's round trip includes its failure and re-run)

@@ -86,7 +86,8 @@ class GenerationExecutor:
         # device timing (CUDA): the launching step's start event, the last completed step's end event
         self._start: torch.cuda.Event | None = None
         self._last_end: torch.cuda.Event | None = None
-        self.replay_mark = 0.0  # the pipeline's replay clock when the launching step began (``PendingStep.replay_s``)
+        # the pipeline's replay clock and the launching thread's CPU clock when the launching step began
+        self.replay_mark = self.cpu_mark = 0.0  # (``PendingStep.replay_s``, ``launch_cpu_s``)
 
     @classmethod
     def load(cls, rank: int, *, checkpoint: str | None, random_model: dict | None, num_layers: int, hidden_size: int,
@@ -213,7 +214,7 @@ class GenerationExecutor:
 
     def begin_step(self) -> float:
         """A (sub-)step's launch begins: replay clock marked, CUDA start event queued; returns the host clock."""
-        self.replay_mark = self.pipeline.replay_s
+        self.replay_mark, self.cpu_mark = self.pipeline.replay_s, time.thread_time()
         self._start = None
         if self.host.device.type == "cuda":
             self._start = torch.cuda.Event(enable_timing=True)

@@ -77,6 +77,7 @@ class PendingStep:
         self.t0, self.path, self.reason = t0, path, reason
         self.graph, self.result = graph, result
         self.launch_s = time.perf_counter() - t0  # the launch's host work (made at the launch's end)
+        self.launch_cpu_s = time.thread_time() - executor.cpu_mark  # its CPU time on the launching thread
         # of which inside graph replays (input copies and the graph launch, which blocks while the device's
         # queue is full: waiting, not work)
         self.replay_s = executor.pipeline.replay_s - executor.replay_mark
@@ -104,7 +105,7 @@ class PendingStep:
         context and its device summary on the host are left in ``summed`` (``MultiPending`` sums them)."""
         ex = self.executor
         self.wait()  # the device's part done: what follows is the completion's host work
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         if self.graph is not None:
             g = self.graph
             try:
@@ -123,7 +124,7 @@ class PendingStep:
         end = time.perf_counter()
         return StepResult(ex.rank, self.req.step_id, self.generation, out, stats, end - self.t0,
                           device_s=device_s, idle_s=idle_s, host_s=self.launch_s + (end - t),
-                          replay_s=self.replay_s)
+                          replay_s=self.replay_s, host_cpu_s=self.launch_cpu_s + (time.thread_time() - c))
 
 
 class MultiPending:
@@ -182,7 +183,8 @@ class MultiPending:
         return StepResult(first.rank, self.req.step_id, first.generation, out, layers,
                           time.perf_counter() - self.parts[0].t0,
                           device_s=sum(r.device_s for r in results), idle_s=sum(r.idle_s for r in results),
-                          host_s=sum(r.host_s for r in results), replay_s=sum(r.replay_s for r in results))
+                          host_s=sum(r.host_s for r in results), replay_s=sum(r.replay_s for r in results),
+                          host_cpu_s=sum(r.host_cpu_s for r in results))
 
 
 __all__ = ["PendingStep", "MultiPending"]

@@ -131,6 +131,8 @@ class StepResult:
     part of ``host_s`` inside captured-graph replays (copying the inputs into the graph's buffers and launching
     it; the launch blocks while the device's kernel queue is full, so this is mostly waiting for the device):
     ``host_s - replay_s`` is the step's host work outside them (planning, staging, sampling, completion).
+    host_cpu_s: the launching thread's CPU time over the same spans as ``host_s`` (``time.thread_time``: neither a
+    wait on the GIL nor a blocking wait that sleeps is in it; a spinning CUDA wait is).
     actor_s: the call on the shard, arrival to return (a driver's round trip minus it is Ray's transport).
     active_generation: the rank's ACTIVE generation when the step ended."""
 
@@ -147,6 +149,7 @@ class StepResult:
     actor_s: float = 0.0
     host_s: float = 0.0
     replay_s: float = 0.0
+    host_cpu_s: float = 0.0
 
     @property
     def kind(self) -> StepKind:

@@ -27,8 +27,11 @@ def test_every_step_records_the_shards_host_work(tmp_path):
         host, shard = list(loop.timings["host"]), list(loop.timings["shard"])
         assert len(host) == len(shard) == loop.steps > 0
         assert all(0.0 < h <= s + 1e-6 for h, s in zip(host, shard)), (host, shard)
+        # the shard thread's CPU time over the same spans: positive, and no more than their wall time
+        cpu = list(loop.timings["host_cpu"])
+        assert len(cpu) == len(host) and all(0.0 < c <= h + 0.5 for c, h in zip(cpu, host)), (cpu, host)
         share = host_share(loop.timings)
-        assert share["steps"] == loop.steps and share["host_ms"] == sum(host)
+        assert share["steps"] == loop.steps and share["host_ms"] == sum(host) and share["host_cpu_ms"] == sum(cpu)
         assert share["host_over_device"] is None  # CPU: no device time is measured
         # every collected step's shape, aligned with the timings: the prompt tokens and decode rows it ran
         shapes = list(loop.step_shapes)
