@@ -247,6 +247,7 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
                             max_queued=max(4096, len(prompts)), decode_steps=spec.get("decode_steps"),
                             prefix_caching=spec.get("prefix_caching", True))
         start_s = time.perf_counter() - t0
+        after_start = memory_after_start(rt.shard_status())
         # the product has no ignore_eos: the scheduler's EOS set is emptied so every request makes its budget
         engine.scheduler.eos = frozenset()
         params = SamplingParams(max_new_tokens=new, temperature=0.0)
@@ -271,7 +272,7 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         outs, wall, sent, stamps = one_pass(prompts)
         gc1 = engine.gc_counters()
         res = token_metrics(prompts, outs, wall, sent, stamps)
-        res.update(start_s=start_s, engine_steps=engine.steps - steps0, decode_steps=engine.scheduler.decode_steps,
+        res.update(start_s=start_s, memory_after_start=after_start, engine_steps=engine.steps - steps0, decode_steps=engine.scheduler.decode_steps,
                    settings={"ranks": ranks, "decode_token_capacity": cap, "kv_tokens_per_rank": engine.kv_tokens,
                              "attention": engine.attention_backend,
                              "step_tokens": engine.scheduler.configured[0], "max_running": spec["max_running"],
@@ -300,6 +301,20 @@ def run_ray_moe(spec: dict) -> dict[str, Any]:
         return res
     finally:
         rt.shutdown()
+
+
+def memory_after_start(status: dict) -> dict[str, Any]:
+    """Each shard's device memory right after start, before any step (MEASURED by the shard, ``ShardCore._memory``):
+    allocated bytes over the weights it holds (expert slot buffers + the model's other modules); the KV cache's
+    tensors are allocated at the first step (``kv_bytes`` 0 here)."""
+    out: dict[str, Any] = {}
+    for r, st in status.items():
+        m = dict(st.get("memory") or {})
+        weights = m.get("expert_bytes", 0) + m.get("module_bytes", 0)
+        if "allocated_bytes" in m and weights:
+            m["allocated_over_weights"] = m["allocated_bytes"] / weights
+        out[str(r)] = m
+    return out
 
 
 def host_share_by_kind(timings: dict, shapes: Any) -> dict[str, Any]:

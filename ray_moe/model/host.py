@@ -193,6 +193,18 @@ class ModelHost:
         if tied:
             self.model.tie_weights()
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this host holds (MEASURED from the tensors): the model's non-expert parameters and buffers
+        (``module_bytes``; the routed experts live in the shard's slot buffers) and the KV cache's tensors allocated
+        so far (``kv_bytes``: a layer's are allocated at its first step)."""
+        seen: set[int] = set()
+        module = 0
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            if t.device.type != "meta" and t.untyped_storage().data_ptr() not in seen:  # (tied weights once)
+                seen.add(t.untyped_storage().data_ptr())
+                module += t.untyped_storage().nbytes()
+        return {"module_bytes": module, "kv_bytes": self.kv.allocated_bytes()}
+
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token takes over every attention layer (analytical, from the config: keys and values
         of every key/value head; MLA: its query-sized keys and its values, per head)."""

@@ -143,6 +143,10 @@ class PagedKVCache:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def allocated_bytes(self) -> int:
+        """Bytes of the cache tensors allocated so far (each layer's at its first step)."""
+        return sum(t.nbytes for pair in self._store.values() for t in pair)
+
     @property
     def free_blocks(self) -> int:
         """Blocks a reservation may take: free ones and cached ones (prefix caching evicts those on demand)."""

@@ -266,7 +266,19 @@ class ShardCore:
                 # the KV block pool: free / held / cached blocks and cached blocks evicted (``model/prefix_cache``)
                 "kv_blocks": None if self.generator is None else {**self.generator.host.kv.pool.counts(),
                                                                    "evictions": self.generator.host.kv.pool.evictions},
+                "memory": self._memory(),
             }
+
+    def _memory(self) -> dict[str, int]:
+        """Bytes on this rank's device (MEASURED): the expert slot buffers, the hosted model's other modules and
+        KV cache tensors (``ModelHost.memory``), and on CUDA the allocator's allocated / reserved bytes and peak."""
+        out = {"expert_bytes": self.store.nbytes,
+               **({} if self.generator is None else self.generator.host.memory())}
+        if self.device.type == "cuda":
+            out.update(allocated_bytes=torch.cuda.memory_allocated(self.device),
+                       reserved_bytes=torch.cuda.memory_reserved(self.device),
+                       peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device))
+        return out
 
     # ================================================================ data path
     def step(self, req: StepRequest, publish: Callable[[np.ndarray], Any] | None = None) -> StepResult:

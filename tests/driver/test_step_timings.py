@@ -65,3 +65,33 @@ def test_the_loop_counts_its_processs_collector_pauses_and_removes_its_callback(
         loop.close()
         transport.close()
     assert loop.gc._callback not in gc.callbacks
+
+
+def test_the_shard_reports_the_bytes_it_holds_weights_and_kv_cache(tmp_path):
+    from ray_moe_bench.serving import memory_after_start
+
+    model, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, decode_token_capacity=8))
+    transport = LocalTransport(dep)
+    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=16)
+    try:
+        core = dep.cores[0]
+        mem = core.status()["memory"]
+        c = model.config
+        # the model's non-expert tensors: everything but the routed experts' (which the slot buffers hold)
+        experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." in n)
+        everything = sum(p.numel() * p.element_size() for p in model.parameters())
+        tied = c.tie_word_embeddings * model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        assert mem["module_bytes"] == everything - tied - experts + buffers, (mem, everything, experts, buffers)
+        assert mem["expert_bytes"] == core.store.nbytes > 0
+        assert mem["kv_bytes"] == 0  # each layer's cache tensors are allocated at its first step
+        assert memory_after_start({0: core.status()}) == {"0": mem}  # (CPU: no allocator figures, no ratio)
+        assert len(loop.submit(list(range(1, 12)), SamplingParams(max_new_tokens=3)).result(120)) == 3
+        kv = core.status()["memory"]["kv_bytes"]
+        head = getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+        slots = loop.kv_tokens + 1  # (+ the trash slot)
+        assert kv == c.num_hidden_layers * 2 * slots * c.num_key_value_heads * head * 4  # float32 keys and values
+    finally:
+        loop.close()
+        transport.close()
