@@ -64,9 +64,11 @@ def results_dir(out: str | None = None) -> str:
     """The folder a run writes to: ``out`` (``--out``), else ``RAY_MOE_RESULTS_DIR``, else ``./ray-moe-results``.
 
     The repository's tracked ``bench/results/`` is written only when named explicitly (``bench/run_h200x2.sh``)."""
-    from ray_moe.core.env import read_env
+    if out is None:  # (the product's env reader: imported only when needed, so --out runs need no pydantic)
+        from ray_moe.core.env import read_env
 
-    path = out or read_env().results_dir
+        out = read_env().results_dir
+    path = out
     os.makedirs(path, exist_ok=True)
     return path
 

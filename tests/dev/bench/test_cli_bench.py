@@ -20,7 +20,7 @@ from ray_moe_bench import available
 
 REPO = Path(__file__).resolve().parents[3]
 EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "elastic", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate", "serving",
-            "overlap", "rebalance_memory", "runners", "skinny", "step_profile", "host_profile", "capture_keys"}
+            "overlap", "rebalance_memory", "runners", "skinny", "step_profile", "host_profile", "capture_keys", "graph_relaunch"}
 
 
 def console_script() -> str:
@@ -111,3 +111,15 @@ def test_default_results_folder_is_in_the_working_directory(tmp_path, monkeypatc
     monkeypatch.setenv("RAY_MOE_RESULTS_DIR", str(tmp_path / "env"))
     assert results_dir() == str(tmp_path / "env")
     assert results_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
+
+
+def test_graph_relaunch_needs_a_gpu_and_says_so(capsys, monkeypatch):
+    import torch
+
+    from ray_moe_bench import graph_relaunch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark runs (bench/results/logs/s17/graph_relaunch-h200x1.json)")
+    monkeypatch.setattr(sys, "argv", ["graph_relaunch"])
+    assert graph_relaunch.main() == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
