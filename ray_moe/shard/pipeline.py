@@ -204,10 +204,6 @@ class StepPipeline:
             else:
                 self.graphs.put(generation, key, step)
                 self.count("graphs_captured")
-                if step.uploaded is True:  # (else its first replay uploads it: ``upload_graph``)
-                    self.count("graphs_uploaded")
-                elif step.uploaded:
-                    self.count("graph_upload_errors")
         return out, False
 
     # 3. ------------------------------------------------------------ the overflow agreement

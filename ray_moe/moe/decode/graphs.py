@@ -157,7 +157,6 @@ class CapturedStep:
     def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
         self.inputs = inputs
         self.graph: Any = None
-        self.uploaded: bool | str = False  # ``upload_graph``'s answer at capture
         self.output: Any = None
         self.context: Any = None
 
@@ -172,7 +171,6 @@ class CapturedStep:
         with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             self.output, self.context = body(self.inputs)
         self.graph = g
-        self.uploaded = upload_graph(g)
         return g.pool()
 
     def replay(self, staged: dict[str, torch.Tensor]) -> tuple[Any, Any]:
@@ -181,32 +179,6 @@ class CapturedStep:
             self.inputs[name].copy_(t)
         self.graph.replay()
         return self.output, self.context
-
-
-def upload_graph(graph: Any, runtime: Any = None, stream: int | None = None) -> bool | str:
-    """Upload a captured (instantiated) graph to the device now, in the current stream (``cudaGraphUpload``), so
-    that its first replay does not: a graph's first launch uploads it, ordered behind the work already in the
-    stream, and the launching host thread waits meanwhile. (Session 17, the H200, through Ray: the timed pass's
-    first replays of prefill graphs captured in the warm-up and not replayed there took 40-76 ms of host time
-    with an idle device and 236-338 ms behind a running step, the step before's device time plus ~76 ms; the
-    graphs replayed before returned in ~1.3 ms.) ``runtime``: CuPy's CUDA runtime module (None: imported here);
-    ``stream``: the stream's handle (None: torch's current stream, where the shard replays).
-    Returns True once uploaded, False where it cannot be (no CuPy, or a torch without ``raw_cuda_graph_exec``:
-    the first replay uploads), or the error's text (the graph is kept: its first replay uploads)."""
-    handle = getattr(graph, "raw_cuda_graph_exec", None)
-    if handle is None:
-        return False
-    if runtime is None:
-        try:
-            from cupy.cuda import runtime
-        except Exception:  # noqa: BLE001 - no CuPy (or one built for another CUDA): the first replay uploads
-            return False
-    try:
-        stream = int(torch.cuda.current_stream().cuda_stream) if stream is None else stream
-        runtime.graphUpload(int(handle()), stream)
-    except Exception as exc:  # noqa: BLE001 - an optimisation only: replays still upload on first launch
-        return f"{type(exc).__name__}: {exc}"[:200]
-    return True
 
 
 def capture_failure(exc: BaseException) -> str:
@@ -257,4 +229,4 @@ class StepGraphs:
 
 
 __all__ = ["DecodeRecord", "DecodeDecision", "decide", "decode_round", "agree_overflow", "generation_digest",
-           "bucket_key_digest", "CapturedStep", "StepGraphs", "DECODE_FIELDS", "KEY_FIELD", "DECODE_TAG", "upload_graph"]
+           "bucket_key_digest", "CapturedStep", "StepGraphs", "DECODE_FIELDS", "KEY_FIELD", "DECODE_TAG"]
