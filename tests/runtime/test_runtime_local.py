@@ -182,7 +182,7 @@ def test_background_telemetry_export_is_rate_limited_with_a_trailing_export(rt, 
     import ray_moe.runtime as runtime_mod
 
     calls = []
-    monkeypatch.setattr(runtime_mod, "TELEMETRY_EXPORT_INTERVAL_S", 0.3)
+    monkeypatch.setattr(runtime_mod, "TELEMETRY_EXPORT_INTERVAL_S", 1.0)  # (wide: a loaded 2-core CI VM)
     monkeypatch.setattr(rt, "publish_telemetry", lambda: calls.append(time.monotonic()))
     deadline = time.monotonic() + 5
     while rt._publishing and time.monotonic() < deadline:  # an export of earlier steps still scheduled
@@ -199,5 +199,5 @@ def test_background_telemetry_export_is_rate_limited_with_a_trailing_export(rt, 
         time.sleep(0.01)
     time.sleep(0.5)
     assert len(calls) == 2, calls
-    assert calls[0] - t0 < 0.2  # the first one right away
-    assert calls[1] - calls[0] >= 0.29  # the trailing one an interval later, covering the second burst
+    assert calls[0] - t0 < 0.5  # the first one right away
+    assert calls[1] - calls[0] >= 0.99  # the trailing one an interval later, covering the second burst
