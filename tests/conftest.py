@@ -6,8 +6,6 @@ import os
 
 import pytest
 
-from ray_moe.moe.decode.graphs import CapturedStep
-
 # pytest's `pythonpath` ini puts dev/ and bench/ on this process's path only; the subprocesses some tests start
 # and the Ray workers (which inherit the environment of the process that starts the local instance) need them too
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,28 +44,21 @@ def ray_session():
     ray.shutdown()
 
 
-# ---- the static-shape (CUDA-graph) step paths on CPU
-class EagerCapture(CapturedStep):
-    """A captured step without CUDA: 'capture' keeps the body, 'replay' copies the staged inputs into the
-    captured buffers (same names and shapes, as a graph replay requires) and runs the body eagerly."""
-
-    def capture(self, body, pool=None):
-        self.body = body
-        return pool
-
-    def replay(self, staged):
-        assert staged.keys() == self.inputs.keys()
-        for name, t in staged.items():
-            assert t.shape == self.inputs[name].shape, name
-            self.inputs[name].copy_(t)
-        return self.body(self.inputs)
-
-
+# ---- the CUDA-graph step paths on CPU
 @pytest.fixture
 def eager_capture(monkeypatch):
-    """The static-shape (CUDA-graph) step paths on CPU: the shard pipeline's captures become ``EagerCapture``."""
-    import ray_moe.shard.pipeline as pipeline
+    """The CUDA-graph step paths on CPU: every shard built after this captures (its data paths say so) with
+    the eager emulations of ``ray_moe_dev.testing.graphs`` (generation steps' lattice, expert-only steps)."""
+    import dataclasses
 
+    import ray_moe.shard.graph_runner as graph_runner
+    import ray_moe.shard.pipeline as pipeline
+    from ray_moe_dev.testing.graphs import EagerCapture, EagerGraphs
+
+    pick = pipeline.DataPaths.pick.__func__
+    monkeypatch.setattr(pipeline.DataPaths, "pick",
+                        classmethod(lambda cls, *a, **k: dataclasses.replace(pick(cls, *a, **k), capture=True)))
+    monkeypatch.setattr(graph_runner, "CudaGraphs", EagerGraphs)
     monkeypatch.setattr(pipeline, "CapturedStep", EagerCapture)
     return EagerCapture
 

@@ -61,7 +61,6 @@ from ray_moe.apps.openai_protocol import (
     TokenizeRequest,
 )
 from ray_moe.core.errors import ConfigError, RayMoEError
-from ray_moe.driver.loop import SERVER_DECODE_STEPS_CUDA, SERVER_STEP_TOKENS
 
 
 class Endpoint(str, Enum):
@@ -534,12 +533,8 @@ def run_server(args: Any, *, ready: threading.Event | None = None, stop: threadi
     rt = Runtime.start(cfg)
     model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    step_tokens = args.step_tokens
-    if step_tokens is None:  # vllm serve's default: shorter prefill steps than offline generation
-        step_tokens = SERVER_STEP_TOKENS["cuda" if args.device == "cuda" else "cpu"]
-    if decode_steps is None and args.device == "cuda":  # streamed tokens in shorter bursts than offline
-        decode_steps = SERVER_DECODE_STEPS_CUDA
-    serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=step_tokens,
+    # the product's defaults (``driver/loop.py``): the same as ``Runtime.generate`` and the serving benchmark
+    serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
                    max_running=args.max_running, max_queued=args.max_queued,
                    decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True),
                    attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None),

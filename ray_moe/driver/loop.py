@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import queue
 import threading
 import time
@@ -32,21 +34,18 @@ from ray_moe.driver.transport import StepTransport
 from ray_moe.core.types import Phase
 
 _DONE = object()
-# decode sub-steps per actor call on CUDA unless told otherwise (multi-step decode): offline (``rt.generate``) 8,
-# the OpenAI server 4 (a request arriving mid-call waits for the call's end to join; streamed tokens arrive in
-# bursts of that many). Measured on one H200, 48-layer Qwen3-30B-A3B shape, session 17
-# (bench/results/logs/s17/run1): decode-heavy 12,319 (4) / 12,326 (8) output tok/s, the shard's host work outside
-# graph replays 8.9% / 6.1% of its device time; mixed 6,801 / 6,859, 9.7% / 6.1%.
-DEFAULT_DECODE_STEPS_CUDA = 8
-SERVER_DECODE_STEPS_CUDA = 4
-# prefill tokens per rank per step unless told otherwise: on CUDA a step reads every routed expert's weights once
-# whatever its size, so larger steps read them fewer times per prompt token. Offline (``rt.generate``) 16k, the
-# OpenAI server 8k (shorter prefill steps stall the running sequences' next tokens less): vLLM 0.25's own
-# defaults on >= 70 GB GPUs (``LLM`` 16384, ``vllm serve`` 8192). Measured on one H200, 48-layer Qwen3-30B-A3B
-# shape, mixed workload (bench/results/logs/step_profile-h200x1-48l-mixed-s14-06015c3.json): 8k steps 5,543
-# output tok/s, 16k steps 6,489.
-DEFAULT_STEP_TOKENS = {"cuda": 16384, "cpu": 2048}
-SERVER_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
+# ONE set of defaults for every front (``Runtime.generate``, ``ray-moe serve``, the serving benchmark):
+# decode sub-steps per actor call on CUDA (multi-step decode: a request arriving mid-call waits for the call's end to
+# join; streamed tokens arrive in bursts of that many). Measured on one H200, 48-layer Qwen3-30B-A3B shape (session
+# 17, bench/results/logs/s17/run1): decode-heavy 12,319 (4) / 12,326 (8) output tok/s, mixed 6,801 / 6,859: the
+# shorter bursts cost nothing measurable.
+DEFAULT_DECODE_STEPS_CUDA = 4
+# prefill tokens per rank per step (vLLM 0.25's ``vllm serve`` default on >= 70 GB GPUs): every captured token size
+# is at most this plus a decode row of each running sequence (``shard/lattice.py``); a shorter step stalls the
+# running sequences' next tokens less
+DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
+
+log = logging.getLogger("ray_moe")
 
 
 @dataclass(frozen=True)
@@ -160,14 +159,19 @@ class GenerationLoop:
     rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
     ``submit`` refuses new ones (overload); decode_steps: decode sub-steps one step may run when every
     sequence is decoding and none waits (multi-step decode: one actor call per rank for that many tokens
-    per sequence; 1 turns it off). Default: 8 on CUDA (``ray-moe serve``: 4), where it keeps the device fed while the host round
+    per sequence; 1 turns it off). Default: 4 on CUDA, where it keeps the device fed while the host round
     trip runs; 1 on CPU (no device to keep fed: every step's load reaches the rebalancer's window and
     requests join at every step; the CPU demo takes about the same time either way). fused_kernels: the model's
     RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``; False
     keeps transformers' own). prefix_caching: KV blocks of identical prompt prefixes are shared within a rank
     and new requests routed to the rank holding their prefix (``shard/prefix.py``, ``Scheduler``); the prompt
     tokens served from those blocks over every prefill token are ``prefix_hit_tokens / prefix_lookup_tokens``
-    (committed steps: a recovered step counts once; ``prefix_stats``)."""
+    (committed steps: a recovered step counts once; ``prefix_stats``).
+
+    The step shapes are fixed at start (``shard/lattice.py``): each rank runs at most ``rank_running`` =
+    ceil(max_running / ranks) sequences, and every decode size up to it and every token size up to ``step_tokens
+    + rank_running`` is captured as a CUDA graph before the loop serves (``steps``: each rank's report; a step
+    kind that runs eagerly there is warned about, with the reason, in ``warnings``)."""
 
     def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int | None = 8192, block_size: int = 16, step_tokens: int | None = None,
                  max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
@@ -190,15 +194,24 @@ class GenerationLoop:
         self.block_size = int(block_size)
         self.kv_tokens = None if kv_tokens is None else int(kv_tokens)
         self.max_queued = int(max_queued)
+        self.device = device
+        self.step_tokens = int(step_tokens)
+        # the step lattice's per-rank running limit (the scheduler keeps every rank within it)
+        self.rank_running = max(1, math.ceil(int(max_running) / max(1, len(transport.members()))))
         self._loaded: set[int] = set()
+        self.warnings: list[str] = []
         # this process's collector pauses (``gc_counters``); on CUDA the heap alive after the model loaded is
         # frozen: a full collection between two steps' launches would leave the GPUs idle for it
         self.gc = GcPauses().install()
         try:
             info = self._load(transport.members())
+            t0 = time.perf_counter()
+            self.steps_report = transport.prepare_steps(transport.members())  # the lattice captured: before serving
+            self.capture_s = time.perf_counter() - t0
         except BaseException:
             self.gc.close()
             raise
+        self._warn_slow_paths()
         if device == "cuda":
             self.gc.freeze()
         if self.kv_tokens is None:  # sized from memory on each rank: the cache tokens the first rank holds
@@ -209,7 +222,7 @@ class GenerationLoop:
         self.scheduler = Scheduler(transport.members(), kv_blocks=int(info["kv_blocks"]), block_size=block_size,
                                    max_context=self.max_context, step_tokens=step_tokens, max_running=max_running,
                                    eos_token_ids=info.get("eos_token_ids", ()), decode_steps=decode_steps,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, rank_running=self.rank_running)
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -313,10 +326,37 @@ class GenerationLoop:
         infos = self.transport.load_model(todo, kv_tokens=self.kv_tokens, block_size=self.block_size,
                                           random_model=self.random_model, fused_kernels=self.fused_kernels,
                                           attention=self.attention, memory_fraction=self.memory_fraction,
-                                          prefix_caching=self.prefix_caching)
+                                          prefix_caching=self.prefix_caching, rank_running=self.rank_running,
+                                          step_tokens=self.step_tokens)
         self._loaded.update(todo)
         # the scheduler plans one cache size for every rank: the smallest (memory-sized caches may differ)
         return min(infos, key=lambda i: int(i["kv_blocks"])) if infos else {}
+
+    def _warn_slow_paths(self) -> None:
+        """Say at start which step kinds leave the captured graphs on the GPU, and why (``warnings``, logged)."""
+        if self.device != "cuda":
+            return
+        seen = set()
+        for rep in self.steps_report:
+            for kind, path in (rep.get("paths") or {}).items():
+                if kind != "beyond_lattice" and path.startswith("eager") and (kind, path) not in seen:
+                    seen.add((kind, path))
+                    self.warnings.append(f"rank {rep.get('rank')}: {kind} steps run {path}: every kernel launched "
+                                         f"from Python, several times a graph's host work per step")
+        for w in self.warnings:
+            log.warning("ray-moe: %s", w)
+
+    def graph_counters(self) -> dict[str, int]:
+        """Graph captures summed over the ranks: at start (``graphs_captured_start``) and since
+        (``graphs_captured_serving``: a generation published later, or an expert-only step's shape), and the steps
+        by path (``decode_graph_steps``, ``piecewise_steps``, ``eager_steps``), from each rank's status."""
+        out: dict[str, int] = {}
+        for st in self.transport.status_of(self.transport.members()):
+            for k, v in (st.get("counters") or {}).items():
+                if k.startswith("graphs_captured") or k in ("decode_graph_steps", "piecewise_steps", "eager_steps",
+                                                            "graph_replays"):
+                    out[k] = out.get(k, 0) + int(v)
+        return out
 
     def _loop(self) -> None:
         while True:

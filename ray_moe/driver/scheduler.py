@@ -133,7 +133,8 @@ PREFIX_LOAD_SLACK = 4
 
 class Scheduler:
     """kv_blocks / block_size: every rank's cache; max_context: the model's positions; step_tokens: the
-    prefill token budget of one rank in one step (decode tokens always run); decode_steps: the most decode
+    prefill token budget of one rank in one step (decode tokens always run); max_running: sequences in flight
+    over every rank, rank_running: on one rank (None: max_running); decode_steps: the most decode
     sub-steps of one step (multi-step decode; 1: one token per sequence per step); keep_finished: finished
     sequences kept for inspection (``status``), the oldest dropped first. prefix_caching: route a new request
     to the rank that recently got its prompt's prefix (module docstring), within ``prefix_slack`` sequences of
@@ -147,7 +148,8 @@ class Scheduler:
     def __init__(self, ranks: Sequence[int], *, kv_blocks: int, block_size: int, max_context: int,
                  step_tokens: int = 2048, max_running: int = 256, eos_token_ids: Iterable[int] = (),
                  decode_steps: int = 1, keep_finished: int = 1024, prefix_caching: bool = True,
-                 prefix_slack: int = PREFIX_LOAD_SLACK, prefix_index_blocks: int | None = None) -> None:
+                 prefix_slack: int = PREFIX_LOAD_SLACK, prefix_index_blocks: int | None = None,
+                 rank_running: int | None = None) -> None:
         if not 1 <= int(decode_steps) <= 64:
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
         if not isinstance(prefix_caching, bool):
@@ -175,6 +177,10 @@ class Scheduler:
         self.max_context = int(max_context)
         self.step_tokens = int(step_tokens)
         self.max_running = int(max_running)
+        # sequences one rank runs at most (the step lattice's decode sizes stop there; None: max_running)
+        self.rank_running = int(rank_running) if rank_running is not None else self.max_running
+        if self.rank_running < 1:
+            raise ValueError(f"rank_running={rank_running}: must be >= 1")
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.seqs: dict[str, SeqStatus] = {}
         self._queue: deque[str] = deque()
@@ -327,9 +333,9 @@ class Scheduler:
                 self._queue.popleft()
                 continue
             need = self.blocks(s.reserve_tokens)
-            fits = [r for r in self.ranks if self.kv_blocks - self._used[r] >= need]
+            fits = [r for r in self.ranks if self.kv_blocks - self._used[r] >= need and loads[r] < self.rank_running]
             if not fits:
-                return  # FIFO: the head waits for blocks to free up
+                return  # FIFO: the head waits for blocks (or a rank's running sequences) to free up
             r = min(fits, key=lambda u: (loads[u], self._used[u], u))
             hashes = self._prefix_hashes(s)
             if hashes:

@@ -49,6 +49,15 @@ class StepTransport(ABC):
         """Host the model on ``ranks`` (``ShardCore.load_model`` options); each rank's limits."""
 
     @abstractmethod
+    def prepare_steps(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        """Capture the step lattice on every one of ``ranks`` at once (``ShardCore.prepare_steps``); each
+        rank's report."""
+
+    @abstractmethod
+    def status_of(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        """Each of ``ranks``' status (``ShardCore.status``)."""
+
+    @abstractmethod
     def next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
         """(live ranks, the generation a new step pins (``pinned`` if given), a fresh step id)."""
 

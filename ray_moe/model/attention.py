@@ -1,42 +1,45 @@
 # ======================================================================================================
 #  ATTENTION OVER THE PAGED CACHE (one rank, one step; pure torch: no Ray)
 #
-#   transformers' attention module ──> cache.update: new keys / values written at their slots, every
-#   sequence's context gathered in packed order [1, H, K, D]
-#     MASKED:  SDPA over the packed contexts with the block-diagonal mask [1, 1, N, K]   (the reference path:
-#              CPU, fp32, any head size; work ~ step tokens x ALL contexts)
-#     VARLEN:  FlashAttention-2 variable-length forward through PyTorch (aten._flash_attention_forward):
-#              each sequence's queries attend its own keys only (cu_seq_q / cu_seq_k), causal aligned at the
-#              bottom right, grouped-query attention without repeating keys; no mask is built (work ~ per
-#              sequence); capturable in a CUDA graph (the lengths live in device tensors, the maxima are
-#              the captured shape's); a mixed step's one-row (decode) sequences come first and run as a call
-#              of their own, so the prefill chunks' long query runs do not size the grid of every decode row
-#     PAGED DECODE (VARLEN, a step of one-row sequences only): nothing gathered; cache.update hands back the
-#              cache tensors and the in-place decode kernel (model/paged_decode.py) reads each sequence's
-#              slots [1, H, C + 1, D]; a captured mixed step's one-row group too (its other sequences' contexts
-#              are gathered out of the cache tensors for FlashAttention)
-#   ──> [1, N, H, Dv] back into the module (its output projection)
+#   transformers' attention module ──> cache.update: the step's new keys / values written at their slots (every
+#   row, padding rows to the trash slot); it hands back the cache tensors themselves [1, H, C + 1, D] (or, for
+#   a layer that transforms what it caches before attending (MLA's latent), the step's contexts gathered)
+#   ──> the ``ray_moe`` attention function: the step's ``StepAttention`` decides what runs
+#       InlineAttention: ``attend`` now, with the step's AttentionPlan (eager steps; whole-step graphs, whose plan
+#                        holds the captured shapes)
+#       a hole of a piecewise graph (``model/piecewise.py``): the capture ends here; at replay ``attend`` runs
+#                        between the pieces with each step's own plan
+#   attend (the plan names the real rows; padding rows after them come out zero):
+#     MASKED:  the contexts gathered, SDPA with the block-diagonal mask [1, 1, n, K]  (the reference path:
+#              CPU, fp32, any head size; work ~ step rows x ALL contexts)
+#     VARLEN:  FlashAttention-2 variable-length forward through PyTorch (aten._flash_attention_forward) over the
+#              gathered contexts: each sequence's queries attend its own keys (cu_q / cu_k), causal aligned at
+#              the bottom right, grouped-query heads without repeating keys; the leading one-row sequences run
+#              as a call of their own (their grid does not take the prefill chunks' query runs) and, with the
+#              in-place decode kernel (model/paged_decode.py), read their slots in place (nothing gathered)
+#   ──> [1, n, H, Dv] back into the module (its output projection)
 # ======================================================================================================
 """Attention backends of the model host, registered with transformers' ``AttentionInterface``.
 
-The host sets ``config._attn_implementation`` to ``ray_moe_varlen`` for the VARLEN backend and passes each
-step's ``VarlenPlan`` as the keyword ``ray_moe_varlen`` of the model's forward; transformers hands its keyword
-arguments through every decoder layer to the attention function, so the model's own modules run everything
-else (projections, rotary embeddings, norms, MLA's low-rank projections). The implementation name is not a
-mask implementation of transformers', so it builds no mask for it.
+The host sets ``config._attn_implementation`` to ``ray_moe`` and passes each step's ``StepAttention`` as the
+keyword ``ray_moe_attention`` of the model's forward; transformers hands its keyword arguments through every
+decoder layer to the attention function, so the model's own modules run everything else (projections, rotary
+embeddings, norms, MLA's low-rank projections). The name is not a mask implementation of transformers', so it
+builds no mask: the plan carries what the backend needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.paged_decode import DecodeKernel
 
-VARLEN_NAME = "ray_moe_varlen"
+ATTENTION_NAME = "ray_moe"
+ATTENTION_KW = "ray_moe_attention"
 
 # (q [Nq, Hq, D], k [Nk, Hk, D], v [Nk, Hk, D], cu_q [S + 1] int32, cu_k [S + 1] int32, max_q, max_k, scale)
 #   -> [Nq, Hq, D]; causal, aligned at the bottom right of each sequence (query i of Lq sees keys <= Lk - Lq + i)
@@ -53,94 +56,133 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
     return out[0]
 
 
-@dataclass(frozen=True, eq=False)
-class VarlenPlan:
-    """The per-sequence geometry of one step for the VARLEN backend.
+@dataclass(frozen=True)
+class Kernels:
+    """The host's attention kernels: ``varlen`` (FlashAttention's contract, or a caller's reference) and
+    ``decode`` (the in-place decode kernel, or None: one-row sequences attend gathered contexts too)."""
 
-    cu_q: [S + 1] int32 query row offsets of each sequence in the packed step (device)
-    cu_k: [S + 1] int32 key offsets of each sequence in the packed gathered context (device)
-    max_q, max_k: the longest query run and context (host ints; upper bounds are fine)
-    kernel: the varlen kernel (``flash_varlen`` on the device; tests pass a per-sequence reference)
-    single_rows: the first ``single_rows`` query rows are as many one-row sequences (the first ``single_rows``
-        entries of the offsets): they run as one decode-shaped call (one query per sequence) and the other
-        sequences as a second call; 0: one call for all
-    slots: [K] int64 (a paged decode step: every row one sequence, the keys / values handed in are the whole
-        cache and sequence i's context is at ``slots[cu_k[i]:cu_k[i + 1]]``), read in place by
-        ``decode_kernel``; None: the keys are the packed gathered contexts
-    gather: [K2] int64 (with ``slots`` and ``single_rows``: a mixed step whose one-row group reads the cache in
-        place): the cache rows of the other sequences' contexts, gathered for ``kernel``; their key offsets are
-        ``cu_k[single_rows + 1:]`` (from 0), the one-row group's ``cu_k[:single_rows + 1]`` into ``slots``
-    slots_max_k: the longest context the one-row group's slots hold (an upper bound; 0: ``max_k``)
-    k_end: [S] int32 (a paged decode step, ``slots`` without ``single_rows``): sequence i's keys are
-        ``slots[cu_k[i]:k_end[i]]`` (segments with room after them); None: ``cu_k[i + 1]`` ends them
+    varlen: VarlenKernel = flash_varlen
+    decode: DecodeKernel | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """How one step's real rows attend the paged cache (all tensors on the cache's device).
+
+    rows:        n, the real query rows (the step's first n rows; padding rows after them are not attended)
+    backend:     MASKED or VARLEN
+    gather:      [K] int64 cache slots of the contexts to gather (packed, sequence after sequence), or None
+    mask:        MASKED: [1, 1, n, K] additive float (0 attend, dtype min elsewhere), or None: one sequence from
+                 position 0 (SDPA's causal kernel over its own rows)
+    cu_q, cu_k:  VARLEN: [S + 1] int32 query-row / key offsets; with ``slots`` and ``single_rows`` (a mixed step
+                 whose one-row group reads in place) cu_k is [single_rows + 1] into ``slots`` then [S2 + 1] into
+                 the gathered keys, each from 0
+    max_q, max_k: the longest query run and context (host ints, upper bounds)
+    single_rows: the leading one-row sequences attended in a call of their own (0: one call); with ``slots``
+                 and no ``gather``, every row is one (a decode step read in place)
+    slots:       [K1] int64 cache slots the one-row sequences read in place (the decode kernel), or None
+    k_end:       [S] int32 (a decode step in place whose segments have room after them): sequence i's keys are
+                 ``slots[cu_k[i]:k_end[i]]``; None: ``cu_k[i + 1]`` ends them
     """
 
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    kernel: VarlenKernel = flash_varlen
+    rows: int
+    backend: AttentionBackend
+    gather: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_q: int = 1
+    max_k: int = 1
     single_rows: int = 0
     slots: torch.Tensor | None = None
-    decode_kernel: DecodeKernel | None = None
-    gather: torch.Tensor | None = None
-    slots_max_k: int = 0
     k_end: torch.Tensor | None = None
 
+    @property
+    def in_place(self) -> bool:
+        """Every row is a one-row sequence read in place (nothing gathered)."""
+        return self.slots is not None and self.gather is None
 
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query [1, Hq, N, D], key [1, Hk, K, D], value
-    [1, Hk, K, Dv] (the packed contexts ``cache.update`` returned) -> ([1, N, Hq, Dv], None). A value head
-    narrower than the query's (DeepSeek's MLA) is zero-padded for the kernel and the output cut back."""
-    plan: VarlenPlan | None = kwargs.get(VARLEN_NAME)
-    if plan is None:
-        raise RuntimeError(f"{VARLEN_NAME} attention ran without a VarlenPlan (a forward outside a planned step)")
-    if query.shape[0] != 1:
-        raise ValueError(f"query: the varlen backend takes one packed batch row, got {tuple(query.shape)}")
+
+def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           plan: AttentionPlan, scaling: float | None, kernels: Kernels, *, gathered: bool = False) -> torch.Tensor:
+    """The plan's real rows of one attention layer: query [1, Hq, R >= n, D]; key [1, Hk, C + 1, D] / value
+    [1, Hk, C + 1, Dv], the cache tensors (``gathered``: the contexts the plan's ``gather`` names, [1, Hk, K, D],
+    already gathered by the cache) -> [1, n, Hq, Dv]."""
+    n = plan.rows
+    q = query[:, :, :n]
     d, dv = int(query.shape[-1]), int(value.shape[-1])
-    q = query[0].transpose(0, 1)  # [N, Hq, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
     scale = float(scaling) if scaling is not None else d ** -0.5
-    if plan.slots is not None and not plan.single_rows:  # a decode step over the cache itself ([C + 1, H, D]
-        if plan.k_end is not None:  # rows), segments with room after them
-            return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale, plan.k_end)[None], None
-        return plan.decode_kernel(q, k, v, plan.slots, plan.cu_k, plan.max_k, scale)[None], None
-    if plan.slots is not None:  # a mixed step over the cache itself
-        # 1. the one-row group: one query per sequence, its keys read in place
-        # 2. the other sequences over their own contexts, gathered out of the cache (keys from offset 0)
-        s1 = plan.single_rows
-        first = plan.decode_kernel(q[:s1], k, v, plan.slots, plan.cu_k[: s1 + 1], plan.slots_max_k or plan.max_k,
-                                   scale)
-        kg, vg = k.index_select(0, plan.gather), v.index_select(0, plan.gather)
-        if dv != d:
-            vg = torch.nn.functional.pad(vg, (0, d - dv))
-        rest = plan.kernel(q[s1:], kg, vg, plan.cu_q[s1:] - s1, plan.cu_k[s1 + 1:], plan.max_q, plan.max_k, scale)
-        return torch.cat([first, rest[..., :dv]])[None], None
-    if dv != d:
-        v = torch.nn.functional.pad(v, (0, d - dv))
+    if plan.backend is AttentionBackend.MASKED:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        k, v = (key, value) if gathered or plan.gather is None else (
+            key.index_select(2, plan.gather), value.index_select(2, plan.gather))
+        out, _ = sdpa_attention_forward(module, q, k, v, plan.mask, scaling=scale)
+        return out
+    qs = q[0].transpose(0, 1)  # [n, Hq, D]
+    kc, vc = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [C + 1 (or K), Hk, D]
     s1 = plan.single_rows
-    if s1:
-        # 1. the one-row sequences: one query each (the kernel's decode shape: a grid of one query block per
-        #    sequence instead of max_q / block rows for every sequence)
-        # 2. the others over the same packed keys (absolute key offsets), query offsets shifted to their rows
-        out = torch.cat([plan.kernel(q[:s1], k, v, plan.cu_q[: s1 + 1], plan.cu_k[: s1 + 1], 1, plan.max_k, scale),
-                         plan.kernel(q[s1:], k, v, plan.cu_q[s1:] - s1, plan.cu_k[s1:], plan.max_q, plan.max_k,
-                                     scale)])
+    if plan.in_place:  # a decode step read in place
+        return kernels.decode(qs, kc, vc, plan.slots, plan.cu_k, plan.max_k, scale, plan.k_end)[None]
+    parts = []
+    if plan.slots is not None:  # 1. the one-row group in place, 2. the others over their gathered contexts
+        parts.append(kernels.decode(qs[:s1], kc, vc, plan.slots, plan.cu_k[:s1 + 1], plan.max_k, scale))
+        cu_q, cu_k, qs = plan.cu_q[s1:] - s1, plan.cu_k[s1 + 1:], qs[s1:]
+        s1 = 0
     else:
-        out = plan.kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
-    if dv != d:
-        out = out[..., :dv]
-    return out[None], None
+        cu_q, cu_k = plan.cu_q, plan.cu_k
+    kg, vg = (kc, vc) if gathered else (kc.index_select(0, plan.gather), vc.index_select(0, plan.gather))
+    if dv != d:  # FlashAttention takes one head size: MLA's narrower values are zero-padded, the output cut back
+        vg = torch.nn.functional.pad(vg, (0, d - dv))
+    if s1:  # the one-row sequences (one query each: the decode grid), then the others over the same keys
+        parts.append(kernels.varlen(qs[:s1], kg, vg, cu_q[:s1 + 1], cu_k[:s1 + 1], 1, plan.max_k, scale))
+        parts.append(kernels.varlen(qs[s1:], kg, vg, cu_q[s1:] - s1, cu_k[s1:], plan.max_q, plan.max_k, scale))
+    else:
+        parts.append(kernels.varlen(qs, kg, vg, cu_q, cu_k, plan.max_q, plan.max_k, scale))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[..., :dv][None]
+
+
+class StepAttention(Protocol):
+    """What a step's attention layers call (the ``ray_moe_attention`` keyword): -> [1, R, Hq, Dv]."""
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, eq=False)
+class InlineAttention:
+    """``attend`` right away with ``plan`` (padding rows past ``plan.rows`` come out zero). ``gathered``: the
+    cache hands back the plan's gathered contexts (a layer that transforms its cache before attending)."""
+
+    plan: AttentionPlan
+    kernels: Kernels
+    gathered: bool = False
+
+    def __call__(self, module, query, key, value, scaling):
+        out = attend(module, query, key, value, self.plan, scaling, self.kernels, gathered=self.gathered)
+        pad = int(query.shape[2]) - self.plan.rows
+        return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, pad)) if pad else out
+
+
+def step_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [1, Hq, R, D], key / value what the cache handed
+    back -> ([1, R, Hq, Dv], None), by the step's ``StepAttention``."""
+    call: StepAttention | None = kwargs.get(ATTENTION_KW)
+    if call is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention ran without a step's attention (a forward outside a step)")
+    if query.shape[0] != 1:
+        raise ValueError(f"query: steps are one packed batch row, got {tuple(query.shape)}")
+    return call(module, query, key, value, scaling), None
 
 
 def register() -> None:
-    """Make ``ray_moe_varlen`` an attention implementation transformers' modules can select."""
+    """Make ``ray_moe`` an attention implementation transformers' modules can select."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(VARLEN_NAME, varlen_attention)
+    AttentionInterface.register(ATTENTION_NAME, step_attention)
 
 
 def check_flash(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -194,5 +236,6 @@ def sequence_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
     return out
 
 
-__all__ = ["AttentionBackend", "VarlenPlan", "VarlenKernel", "flash_varlen", "varlen_attention", "register",
-           "check_flash", "sequence_reference", "VARLEN_NAME"]
+__all__ = ["AttentionBackend", "AttentionPlan", "InlineAttention", "Kernels", "StepAttention", "VarlenKernel",
+           "attend", "flash_varlen", "step_attention", "register", "check_flash", "sequence_reference",
+           "ATTENTION_NAME", "ATTENTION_KW"]

@@ -173,7 +173,9 @@ class RuntimeConfig(BaseModel):
     memory_budget_bytes: int | None = Field(default=None, ge=1, description="per-rank weight budget")
     staging_slots: int = Field(default=2, ge=0, description=(
         "spare rows per layer in a shard's expert slot buffers (migration staging); more grow the buffer"))
-    decode_token_capacity: int = Field(default=32, ge=1, description="C_T: decode tokens per rank in the bucket")
+    decode_token_capacity: int | None = Field(default=None, ge=1, description=(
+        "C_T: the decode bucket's largest token capacity per rank (its captured decode sizes stop there); None: "
+        "the running sequences of a rank when serving (ceil(max_running / ranks)), 32 for expert-only steps"))
     decode_slot_capacity: int | None = Field(default=None, ge=1, description="C_q per slot (None: 2x even share)")
     decode_buckets: bool = Field(default=True, description="decode steps use the fixed-capacity bucket path")
     cuda_graphs: bool = Field(default=True, description="capture and replay decode buckets as CUDA graphs")

@@ -8,6 +8,8 @@ weights (``bind(..., drop_weights=True)``): a rank allocates only its own expert
 
     host = ModelHost.from_checkpoint(folder, device="cpu", dtype=torch.float32, kv_tokens=4096)
     logits = host.forward(chunks, token_ids, executor)     # [S, V] float32: one row per sequence
+    rows, plan = host.plan(chunks, ids)                    # a step's rows and attention plan (kv.plan_step)
+    logits = host.forward_rows(rows, InlineAttention(plan, host.kernels), executor)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ray_moe.model.norms import FusedNorms, fuse_rms_norms
 from ray_moe.model.qkv import FusedQKV, fuse_qkv
 from ray_moe.model.router_topk import FusedRouters, fuse_routers
 from ray_moe.model.rotary import FusedRotary, fuse_rotary
-from ray_moe.model.kv import PagedKVCache, SeqChunk, StepLayout, kv_blocks_for_memory
+from ray_moe.model.kv import PagedKVCache, SeqChunk, StepRows, kv_blocks_for_memory
 
 
 def _safetensors_files(folder: str) -> dict[str, str]:
@@ -65,12 +67,14 @@ class ModelHost:
         self.dtype = dtype
         register()
         self.attention, self.attention_reason = self._pick_attention(AttentionBackend(attention), varlen_kernel)
-        self.varlen_kernel = varlen_kernel or attn.flash_varlen
+        # a layer that transforms what it caches before attending (DeepSeek's MLA expands its latent): its
+        # attention takes the step's contexts gathered by the cache, never the cache itself
+        self.latent_cache = getattr(self.config, "kv_lora_rank", None) is not None
         # a varlen decode step reads the cache in place when the kernel serves here (else it gathers)
-        self.decode_kernel, self.decode_reason = self._pick_decode(decode_kernel, varlen_kernel)
-        if self.attention is AttentionBackend.VARLEN:
-            attn.register()
-            self.model.config._attn_implementation = attn.VARLEN_NAME
+        decode, self.decode_reason = self._pick_decode(decode_kernel, varlen_kernel)
+        self.kernels = attn.Kernels(varlen_kernel or attn.flash_varlen, decode)
+        attn.register()
+        self.model.config._attn_implementation = attn.ATTENTION_NAME
         self.seam = _StepSeam()
         self.moe_layers = len(bind(model, self.seam, drop_weights=True))
         self.kv = PagedKVCache(max(1, -(-kv_tokens // block_size)), block_size, device=device, dtype=dtype)
@@ -100,6 +104,8 @@ class ModelHost:
         where ``paged_decode.check_paged`` passes."""
         if self.attention is not AttentionBackend.VARLEN:
             return None, "the masked backend gathers the contexts"
+        if self.latent_cache:
+            return None, "the model's attention expands a latent cache (MLA): its contexts are gathered"
         if kernel is not None:
             return kernel, None
         if varlen_kernel is not None:
@@ -257,58 +263,53 @@ class ModelHost:
             self.qkv = fuse_qkv(self.model)
 
     # ------------------------------------------------------------------ one step
-    @torch.no_grad()
-    def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
-        """chunks: the step's sequences in packed order; token_ids: [N] int64 their new tokens (packed).
-        Returns [S, V] float32 logits at each sequence's last new token. Positions must be reserved."""
-        return self.forward_layout(self.kv.plan(chunks, self.dtype, varlen=self.varlen, paged=self.paged_decode),
-                                   token_ids, executor)
-
     @property
     def varlen(self) -> bool:
-        """Steps are planned for the varlen backend (per-sequence offsets, no mask)."""
+        """Steps attend with the varlen backend (per-sequence offsets, no mask)."""
         return self.attention is AttentionBackend.VARLEN
 
     @property
     def paged_decode(self) -> bool:
-        """Decode steps read the cache in place (``StepLayout.paged``)."""
-        return self.decode_kernel is not None
+        """One-row sequences read the cache in place (``AttentionPlan.slots``)."""
+        return self.kernels.decode is not None
+
+    @property
+    def decode_kernel(self):
+        return self.kernels.decode
+
+    def plan(self, chunks: Sequence[SeqChunk], token_ids: Any, *, rows: int | None = None,
+             last_rows: int | None = None) -> tuple[StepRows, "attn.AttentionPlan"]:
+        """A step's rows and exact attention plan (``PagedKVCache.plan_step`` with this host's backend)."""
+        ids = token_ids.numpy() if isinstance(token_ids, torch.Tensor) else token_ids
+        return self.kv.plan_step(chunks, ids.astype("int64", copy=False), self.attention, paged=self.paged_decode,
+                                 rows=rows, last_rows=last_rows, mask_dtype=self.dtype)
 
     @torch.no_grad()
-    def forward_layout(self, layout: StepLayout, token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
-        """The model over one planned layout (``layout.last`` None: logits of every row; a batched layout,
-        ``read_index`` [B, K]: the model runs on B sequences of one token). No host sync: a padded layout
-        with static shapes runs inside a CUDA graph capture as well."""
+    def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:
+        """chunks: the step's sequences in packed order; token_ids: [N] int64 their new tokens (packed).
+        Returns [S, V] float32 logits at each sequence's last new token. Positions must be reserved."""
+        rows, plan = self.plan(chunks, token_ids.cpu())
+        return self.forward_rows(rows, attn.InlineAttention(plan, self.kernels, self.latent_cache), executor,
+                                 gather=plan.gather if self.latent_cache else None)
+
+    @torch.no_grad()
+    def forward_rows(self, rows: StepRows, attention: Any, executor: Any,
+                     gather: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over one step's rows: logits [L, V] float32 at ``rows.last`` (None: [R, V], every row).
+        ``attention``: the step's ``StepAttention`` (every attention layer calls it); ``gather``: a latent
+        cache's contexts handed back by ``update`` (``latent_cache``). No host sync: static rows run inside a
+        CUDA graph capture as well."""
         self.seam.moe_forward = executor.layer_entry
-        self.kv.layout = layout
-        kw: dict[str, Any] = {}
-        if layout.cu_q is not None:
-            if not self.varlen:
-                raise ValueError("layout: a varlen plan, but this host attends with the masked backend")
-            if layout.paged and self.decode_kernel is None:
-                raise ValueError("layout: a paged decode plan, but this host has no in-place decode kernel")
-            slots, gather, pk = (layout.read_index if layout.paged else None), None, layout.paged_keys
-            if layout.paged and layout.single_rows:  # a mixed step: the one-row group's slots, the rest gathered
-                if not pk:
-                    raise ValueError("layout: a paged mixed step without paged_keys (its one-row group's slots)")
-                slots, gather = layout.read_index[:pk], layout.read_index[pk:]
-            kw[attn.VARLEN_NAME] = attn.VarlenPlan(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                                                   self.varlen_kernel, layout.single_rows, slots, self.decode_kernel,
-                                                   gather, pk, layout.k_end if layout.paged else None)
-        elif self.varlen:
-            raise ValueError("layout: the varlen backend needs a varlen plan (cu_q / cu_k)")
+        kv = self.kv
+        kv.write_index, kv.gather = rows.write_index, gather
         try:
-            if layout.read_index.dim() == 2:  # a batched decode step: [B, 1] tokens, one sequence per row
-                out = self.model(input_ids=token_ids.to(self.device)[:, None], position_ids=layout.positions[:, None],
-                                 attention_mask=layout.mask, cache=self.kv, use_cache=True, logits_to_keep=1)
-                return out.logits[:, -1].float()
-            out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=layout.positions[None],
-                             attention_mask=layout.mask, cache=self.kv, use_cache=True,
-                             logits_to_keep=0 if layout.last is None else layout.last, **kw)
+            out = self.model(input_ids=rows.token_ids[None], position_ids=rows.positions[None], attention_mask=None,
+                             cache=kv, use_cache=True, logits_to_keep=0 if rows.last is None else rows.last,
+                             **{attn.ATTENTION_KW: attention})
             return out.logits[0].float()
         finally:
             self.seam.moe_forward = _outside_step
-            self.kv.layout = None
+            kv.write_index = kv.gather = None
 
     def idle(self, executor: Any, hidden_size: int, top_k: int) -> None:
         """A rank with no sequence this step still joins every MoE layer's collectives, with empty batches."""

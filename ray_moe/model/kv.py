@@ -2,15 +2,15 @@
 
 One cache per rank, one block pool for every sequence on it. A sequence owns a list of fixed-size blocks;
 token position ``p`` of a sequence lives in cache slot ``block[p // B] * B + p % B``. A step packs the new
-tokens of every sequence into one ``[1, N]`` batch (prefill chunks and decode tokens side by side); each
-attention layer calls ``cache.update(a [1, H_a, N, D_a], b [1, H_b, N, D_b], layer_idx, kwargs=...)``, which
-writes the new tokens at their slots and returns every sequence's whole context ``[1, H, K, D]`` in packed
-order; a block-diagonal causal mask ``[1, 1, N, K]`` (``StepLayout.mask``) keeps sequences apart. The two
-tensors are whatever the layer caches (keys and values; DeepSeek's MLA caches its compressed latent and rotary
-key), allocated at the first update with the shapes that arrive. No attention kernel is written here:
-transformers' own SDPA attention runs on the gathered context with the mask (the MASKED backend), or the
-varlen backend (``model/attention.py``) runs FlashAttention per sequence from the plan's ``cu_q`` / ``cu_k``
-(no mask is built: ``plan(..., varlen=True)``).
+tokens of every sequence into one ``[1, R]`` batch (prefill chunks and decode tokens side by side, padding rows
+after the real ones); each attention layer calls ``cache.update(a [1, H_a, R, D_a], b [1, H_b, R, D_b],
+layer_idx, ...)``, which writes every row at its slot (``StepRows.write_index``: padding rows write the trash
+slot past the last block) and hands back the cache tensors themselves ``[1, H, C + 1, D]``; the step's
+``AttentionPlan`` (``plan_step``) says which slots each sequence's queries read (``model/attention.py`` gathers
+them, or reads them in place). The two tensors are whatever the layer caches (keys and values; DeepSeek's MLA
+caches its compressed latent and rotary key): allocated at the first update with the shapes that arrive. A layer
+that transforms what it caches before attending (MLA expands its latent) takes the step's contexts gathered by
+the cache instead (``gathered``: the plan's ``gather`` slots, packed).
 
 Writes are positional, so a step that is rerun (a stale generation, an overflowed bucket) rewrites the same
 slots with the same values: sequence bookkeeping only changes through ``reserve``, ``free``, ``attach`` and
@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from ray_moe.core.errors import RayMoEError
-from ray_moe.model.kv_host import HostChunks, pad, plan_decode_steps, send, staging, upload
+from ray_moe.core.types import AttentionBackend
+from ray_moe.model.attention import AttentionPlan
+from ray_moe.model.kv_host import HostChunks, plan_decode_steps, send, staging
 from ray_moe.model.prefix_cache import BlockPool
 
 
@@ -61,47 +63,42 @@ class Chunk(Protocol):
 
 
 @dataclass(frozen=True, eq=False)
-class StepLayout:
-    """Where one step's tokens go and what they read (all int64 on the cache's device).
+class StepRows:
+    """The rows of one step, what a captured graph takes as its static inputs (tensors on the cache's device).
 
-    write_index: [N] cache slot of each new token (packed order)
-    read_index:  [K] cache slots of every sequence's context (positions 0 .. end), sequence after sequence;
-                 or [B, K] for a batched decode step (one row per sequence, ``plan_batched``)
-    positions:   [N] position of each new token in its sequence (rotary embeddings)
-    mask:        [1, 1, N, K] additive float mask (0 attend, dtype min elsewhere): block-diagonal causal; None
-                 for one sequence from position 0 (transformers builds its causal mask)
-    last:        [S] packed index of each sequence's last new token (where its next token is sampled), or
-                 None: every row is one sequence's only new token (a decode step)
-    cu_q, cu_k:  [S' + 1] int32 query-row / context offsets of each sequence (a varlen plan; mask is then None;
-                 a padded plan counts its padding sequences in S'), or None
-    max_q, max_k: the longest query run and context of a varlen plan (host ints, upper bounds)
-    single_rows: the leading query rows that are sequences of one row each (a varlen plan whose one-row
-                 sequences come first: attention runs them in a decode-shaped call of their own, so a prefill
-                 chunk's long query run does not size the kernel's grid for every decode row); 0: one call
-    paged:       a varlen decode step (one row per sequence) whose attention reads the cache in place:
-                 ``update`` writes the new tokens and returns the cache tensors themselves, ``read_index``
-                 names each sequence's slots (``model/paged_decode.py``); nothing is gathered
-    paged_keys:  a split varlen step (``single_rows`` > 0) with ``paged``: its one-row group reads the cache in
-                 place through ``read_index[:paged_keys]`` (offsets ``cu_k[:single_rows + 1]``) and only the
-                 other chunks' contexts, ``read_index[paged_keys:]``, are gathered (offsets
-                 ``cu_k[single_rows + 1:]`` from 0); 0: the whole context is gathered
-    k_end:       [S'] int32 (a paged decode step whose segments have room after them: ``plan_decode_steps``):
-                 sequence i's context is ``read_index[cu_k[i]:k_end[i]]``; None: ``cu_k[i + 1]`` ends it
+    token_ids:   [R] int64 the new tokens in packed order (padding rows 0)
+    positions:   [R] int64 each row's position in its sequence (rotary embeddings; padding 0)
+    write_index: [R] int64 each row's cache slot (padding rows: the trash slot)
+    row_valid:   [R] bool, the real rows (the first ``n``); padding rows route nowhere
+    last:        [L] int64 the row of each sequence's last new token (where its next token is sampled; padding
+                 entries row 0), or None: the logits of every row (a decode step)
+    n:           the real rows
     """
 
-    write_index: torch.Tensor
-    read_index: torch.Tensor
+    token_ids: torch.Tensor
     positions: torch.Tensor
-    mask: torch.Tensor | None
+    write_index: torch.Tensor
+    row_valid: torch.Tensor
     last: torch.Tensor | None
-    cu_q: torch.Tensor | None = None
-    cu_k: torch.Tensor | None = None
-    max_q: int = 0
-    max_k: int = 0
-    single_rows: int = 0
-    paged: bool = False
-    paged_keys: int = 0
-    k_end: torch.Tensor | None = None
+    n: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The static inputs of a captured step, by name."""
+        out = {"token_ids": self.token_ids, "positions": self.positions, "write_index": self.write_index,
+               "row_valid": self.row_valid}
+        if self.last is not None:
+            out["last"] = self.last
+        return out
+
+    @staticmethod
+    def of(inputs: dict[str, torch.Tensor], n: int) -> "StepRows":
+        """The rows of a captured step's static inputs (``tensors``' names)."""
+        return StepRows(inputs["token_ids"], inputs["positions"], inputs["write_index"], inputs["row_valid"],
+                        inputs.get("last"), n)
 
 
 def leading_single_rows(chunks: Sequence[Chunk]) -> int:
@@ -112,6 +109,12 @@ def leading_single_rows(chunks: Sequence[Chunk]) -> int:
             break
         n += 1
     return n
+
+
+def leading_single_rows_of(lens: np.ndarray) -> int:
+    """``leading_single_rows`` of the chunks' new-token counts [S]."""
+    ones = np.flatnonzero(lens != 1)
+    return int(lens.size if ones.size == 0 else ones[0])
 
 
 class PagedKVCache:
@@ -136,7 +139,9 @@ class PagedKVCache:
         self._valid: dict[str, list[int]] = {}
         self._slot_arr: dict[str, np.ndarray] = {}  # [held blocks * B] slot of each reserved position
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.layout: StepLayout | None = None
+        # the step being run: where its rows are written, and (``gathered`` steps) the contexts handed back
+        self.write_index: torch.Tensor | None = None
+        self.gather: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -246,230 +251,94 @@ class PagedKVCache:
             raise KVBudgetError(f"sequence {seq_id!r}: position {stop - 1} was never reserved")
         return np.zeros(0, dtype=np.int64) if stop <= start else arr[start:stop]
 
-    # ------------------------------------------------------------------ one step
     @property
     def trash_slot(self) -> int:
         """A slot no sequence owns: padding tokens of a captured step write and read it."""
         return self.capacity_tokens
 
-    def plan(self, chunks: Sequence[Chunk], mask_dtype: torch.dtype, *, varlen: bool = False,
-             paged: bool = False) -> StepLayout:
-        """The layout of one step (reserve every chunk's positions first): index vectors built on the host
-        (numpy, no per-token Python), uploaded once; the mask is built on the device. ``varlen``: no mask, the
-        per-sequence offsets instead (one sequence per chunk). ``paged`` (varlen): a step of one-token chunks
-        only reads the cache in place (``StepLayout.paged``)."""
-        v = self._host_plan(chunks, mask=not varlen)
-        dev = self.device
+    # ------------------------------------------------------------------ one step
+    def plan_step(self, chunks: "Sequence[Chunk] | HostChunks", token_ids: np.ndarray, backend: AttentionBackend, *,
+                  paged: bool = False, rows: int | None = None, last_rows: int | None = None,
+                  mask_dtype: torch.dtype = torch.float32) -> tuple[StepRows, AttentionPlan]:
+        """The rows and the exact attention plan of one step (every chunk's positions reserved first), host
+        arrays built once (numpy, no per-token Python) and uploaded in one copy.
+
+        chunks: the step's sequences in packed order (or their ``HostChunks``, e.g. a warm-up's over the trash
+        slot); token_ids: [n] their new tokens; rows: pad the rows to this many (None: n); last_rows: the
+        ``last`` entries (None: one per sequence); paged (VARLEN): the leading one-row sequences read their
+        slots in place (``AttentionPlan.slots``), the other contexts are gathered; mask_dtype: MASKED's mask.
+          1. host arrays: each chunk's context slots, the rows' write slots and positions
+          2. the plan's vectors: gather / slots and offsets (VARLEN) or the mask's keys (MASKED)
+          3. one upload; row_valid and the mask built on the device"""
+        c = chunks if isinstance(chunks, HostChunks) else self._chunks(chunks)
+        s, n, k = int(c.lens.size), int(c.lens.sum()), int(c.ends.sum())
+        r = n if rows is None else int(rows)
+        nl = s if last_rows is None else int(last_rows)
+        if n > r or s > nl or token_ids.size != n:
+            raise ValueError(f"rows={rows}, last_rows={last_rows}: the step has {n} tokens ({token_ids.size} ids) "
+                             f"of {s} sequences")
+        nd = leading_single_rows_of(c.lens)
+        varlen = backend is AttentionBackend.VARLEN
+        paged = paged and varlen and nd > 0
+        kd = int(c.ends[:nd].sum()) if paged else 0
+        # 1. the rows (real, then padding) and every context's slots in packed order
+        sizes = {"write_index": r, "positions": r, "token_ids": r, "last": nl, "read": k}
         if varlen:
-            lens, ends = v["lens"], v["ends"]
-            up = upload({"write": v["write"], "read": v["read"], "q_pos": v["q_pos"], "last": v["last"],
-                          "cu_q": np.concatenate([[0], np.cumsum(lens)]), "cu_k": np.concatenate([[0], np.cumsum(ends)])},
-                         dev)
-            single = leading_single_rows(chunks)
-            layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"], mask=None,
-                                last=up["last"], cu_q=up["cu_q"].to(torch.int32), cu_k=up["cu_k"].to(torch.int32),
-                                max_q=int(lens.max(initial=1)), max_k=int(ends.max(initial=1)),
-                                single_rows=single if 0 < single < len(chunks) else 0,
-                                paged=paged and 0 < single == len(chunks))
-            self.layout = layout
-            return layout
-        up = {k: torch.from_numpy(v[k]).to(dev) for k in ("write", "read", "q_seq", "q_pos", "k_seq", "k_pos", "last")}
-        # one sequence from its first position: the plain causal case, left to transformers' own mask (SDPA
-        # then runs its causal kernels instead of a dense additive mask)
-        plain = len(chunks) == 1 and chunks[0].start == 0
-        layout = StepLayout(write_index=up["write"], read_index=up["read"], positions=up["q_pos"],
-                            mask=None if plain else _mask(up["q_seq"], up["q_pos"], up["k_seq"], up["k_pos"], mask_dtype),
-                            last=up["last"])
-        self.layout = layout
-        return layout
-
-    def plan_padded(self, chunks: Sequence[Chunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
-                    last_rows: int | None = None, plain: bool = False, varlen: bool = False,
-                    single_rows: int = 0, paged_keys: int = 0,
-                    extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
-        """A step padded to ``rows`` tokens and ``keys`` context slots: the static shapes of a captured step.
-        Padding tokens write the trash slot and attend only to key 0 (their outputs are never read; their
-        routes are masked); padding keys read the trash slot and are masked.
-        Returns device tensors: write_index [rows], read_index [keys], positions [rows], row_valid [rows] bool,
-        and mask [1, 1, rows, keys] (absent when ``plain``: one sequence from position 0, keys == rows,
-        transformers' causal mask; padding rows then come after every real one). ``last_rows``: also
-        ``last`` [last_rows], the packed row of each sequence's last new token (padding entries row 0);
-        None: one token per sequence, every row is sampled (a decode step). ``extra``: more int64 host vectors
-        to upload with the plan (one host-to-device copy for all of them). ``varlen``: no mask; ``cu_q`` /
-        ``cu_k`` [S' + 1] int32 instead, of a static sequence count S' (see ``varlen_offsets``). ``single_rows``
-        (varlen prefill): the first ``single_rows`` rows are a group of one-row sequences (the chunks of one token
-        at the front of ``chunks``, padded with one-row sequences of one trash key), the rest the other chunks
-        padded to ``rows``; ``last_rows`` then counts both groups' sequences. ``paged_keys`` (with
-        ``single_rows``): the one-row group's slots first, padded to ``paged_keys`` (read in place), then the
-        other chunks' contexts padded to ``keys`` (gathered; ``StepLayout.paged_keys``)."""
-        if single_rows:
-            if not (varlen and last_rows is not None):
-                raise ValueError("single_rows: a varlen prefill plan (last_rows given)")
-            return self._plan_split_varlen(chunks, rows, keys, last_rows, single_rows, extra, paged_keys)
-        if paged_keys:
-            raise ValueError(f"paged_keys={paged_keys}: a split varlen plan (single_rows given)")
-        c = self._chunks(chunks)
-        n, k = int(c.lens.sum()), int(c.ends.sum())
-        pad_keys = (rows - n) if (varlen and last_rows is None) else 0  # a decode row of padding reads one key
-        if n > rows or k + pad_keys > keys or (last_rows is not None and len(chunks) > last_rows):
-            raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}: the step has {n} tokens, {k} "
-                             f"context slots{f' (+{pad_keys} padding keys)' if pad_keys else ''} and "
-                             f"{len(chunks)} sequences")
+            sizes.update(cu_q=s + 1, cu_k=s + 1 + (1 if paged and nd < s else 0))
+        else:
+            sizes.update(q_seq=n, k_seq=k, k_pos=k)
+        buf, host = staging(sizes, self.device)
+        read = c.read_into(host["read"])
+        write, pos = host["write_index"], host["positions"]
+        c.rows_into(read, write, pos)
+        write[n:], pos[n:] = self.trash_slot, 0
+        host["token_ids"][:n], host["token_ids"][n:] = token_ids, 0
+        host["last"][:s], host["last"][s:] = np.cumsum(c.lens) - 1, 0
+        # 2. the plan's vectors
         if varlen:
-            return self._plan_padded_varlen(c, rows, keys, last_rows, extra)
-        v = self._host_plan(chunks, gathered=c)
-        if plain and not (len(chunks) == 1 and chunks[0].start == 0 and rows == keys):
-            raise ValueError("plain: one sequence from position 0 with keys == rows")
-
-        host = {"write_index": pad(v["write"], rows, self.trash_slot), "read_index": pad(v["read"], keys, self.trash_slot),
-                "positions": pad(v["q_pos"], rows, 0)}
-        if last_rows is not None:
-            host["last"] = pad(v["last"], last_rows, 0)
-        if not plain:
-            # padding queries are sequence -1, padding keys sequence -2: they match nothing (the padding
-            # queries get key 0 below); real queries never see a padding key
-            host.update(q_seq=pad(v["q_seq"], rows, -1), k_seq=pad(v["k_seq"], keys, -2), k_pos=pad(v["k_pos"], keys, 0))
-        else:  # padding rows continue the sequence's positions (a causal mask keeps them after the real ones)
-            host["positions"] = np.arange(rows, dtype=np.int64)
-        host.update(extra or {})
-        dev = self.device
-        up = upload(host, dev)
-        row_valid = torch.arange(rows, device=dev) < n
-        out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
-               "row_valid": row_valid, **{k: up[k] for k in extra or {}}}
-        if last_rows is not None:
-            out["last"] = up["last"]
-        if not plain:
-            allowed = _allowed(up["q_seq"], up["positions"], up["k_seq"], up["k_pos"])
-            allowed[:, 0] |= ~row_valid  # a padding query attends key 0 only (no empty softmax row)
-            out["mask"] = _additive(allowed, mask_dtype)[None, None]
-        return out
-
-    def _plan_padded_varlen(self, c: HostChunks, rows: int, keys: int, last_rows: int | None,
-                            extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
-        """``plan_padded`` for the varlen backend: padding tokens write and read the trash slot; the offsets
-        come from ``varlen_offsets``; no mask. Every vector is written once, into the step's one upload buffer:
-          1. the segments: write / read / positions, the offsets, ``last``, ``extra``
-          2. the contexts concatenated into ``read_index``, then the token rows (write slots, positions)
-          3. padding, offsets, one upload"""
-        n, k, trash = int(c.lens.sum()), int(c.ends.sum()), self.trash_slot
-        cu_q, cu_k = varlen_offsets(c.lens, c.ends, rows, keys, last_rows)
-        sizes = {"write_index": rows, "read_index": keys, "positions": rows, "cu_q": cu_q.size, "cu_k": cu_k.size,
-                 **({} if last_rows is None else {"last": last_rows}), **{x: v.size for x, v in (extra or {}).items()}}
-        buf, host = staging(sizes, self.device)
-        read = c.read_into(host["read_index"])
-        host["read_index"][k:] = trash
-        c.rows_into(read, host["write_index"], host["positions"])
-        host["write_index"][n:], host["positions"][n:] = trash, 0
-        host["cu_q"][:], host["cu_k"][:] = cu_q, cu_k
-        if last_rows is not None:
-            host["last"][:c.lens.size] = np.cumsum(c.lens) - 1
-            host["last"][c.lens.size:] = 0
-        for x, v in (extra or {}).items():
-            host[x][:] = v
+            host["cu_q"][:] = np.concatenate([[0], np.cumsum(c.lens)])
+            if paged and nd < s:  # the one-row group's offsets into its slots, the others' into their gathered keys
+                host["cu_k"][:] = np.concatenate([[0], np.cumsum(c.ends[:nd]), [0], np.cumsum(c.ends[nd:])])
+            else:
+                host["cu_k"][:] = np.concatenate([[0], np.cumsum(c.ends)])
+        else:
+            seq = np.arange(s, dtype=np.int64)
+            k_off = np.cumsum(c.ends) - c.ends
+            host["q_seq"][:], host["k_seq"][:] = np.repeat(seq, c.lens), np.repeat(seq, c.ends)
+            host["k_pos"][:] = np.arange(k, dtype=np.int64) - k_off[host["k_seq"]]
+        # 3. one upload
         up = send(buf, sizes, self.device)
-        out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
-               "row_valid": torch.arange(rows, device=self.device) < n, "cu_q": up["cu_q"].to(torch.int32),
-               "cu_k": up["cu_k"].to(torch.int32), **{k: up[k] for k in extra or {}}}
-        if last_rows is not None:
-            out["last"] = up["last"]
-        return out
+        step = StepRows(up["token_ids"], up["positions"], up["write_index"], torch.arange(r, device=self.device) < n,
+                        up["last"], n)
+        if varlen:
+            slots = up["read"][:kd] if paged else None
+            gather = None if paged and nd == s else up["read"][kd:]
+            plan = AttentionPlan(n, backend, gather=gather, cu_q=up["cu_q"].to(torch.int32),
+                                 cu_k=up["cu_k"].to(torch.int32), max_q=int(c.lens.max(initial=1)),
+                                 max_k=int(c.ends.max(initial=1)), single_rows=nd if (paged or nd < s) else 0,
+                                 slots=slots)
+            return step, plan
+        plain = s == 1 and int(c.starts[0]) == 0  # one sequence from its first position: SDPA's causal kernel
+        mask = None if plain else _mask(up["q_seq"], up["positions"][:n], up["k_seq"], up["k_pos"], mask_dtype)
+        return step, AttentionPlan(n, backend, gather=up["read"], mask=mask)
 
-    def _plan_split_varlen(self, chunks: Sequence[Chunk], rows: int, keys: int, last_rows: int, single: int,
-                           extra: dict[str, np.ndarray] | None, paged_keys: int = 0) -> dict[str, torch.Tensor]:
-        """``plan_padded`` for a varlen prefill step in two groups (static shapes):
-
-          rows:  [one-row sequences | their padding rows (to ``single``) | other chunks | padding (to ``rows``)]
-          keys:  [their contexts | one trash key per padding row | the chunks' contexts | padding (to ``keys``)]
-          1. the leading one-row chunks and ``single - nd`` one-row padding sequences: the decode group
-             (``single`` sequences, each one row; ``varlen_offsets``' decode layout)
-          2. the other chunks, one padding sequence with every padding row and no key, empty sequences up to
-             ``last_rows - single`` (``varlen_offsets``' prefill layout), offsets shifted past group 1
-        ``last`` [last_rows]: group 1's rows, then each chunk's last row (padding entries row 0).
-        ``paged_keys``: group 1 reads the cache in place: keys = [its slots and padding keys (to ``paged_keys``) |
-        the chunks' contexts (to ``keys``)], and group 2's key offsets start from 0 (``cu_k`` [single + 1 + S2 + 1])."""
-        nd = leading_single_rows(chunks)
-        c = self._chunks(chunks)
-        lens, ends = c.lens, c.ends
-        n, k, kd = int(lens.sum()), int(ends.sum()), int(ends[:nd].sum())
-        pad1 = single - nd
-        keys_fit = (kd + pad1 <= paged_keys and k - kd <= keys) if paged_keys else k + pad1 <= keys
-        if (nd > single or n - nd > rows - single or len(chunks) - nd > last_rows - single
-                or not keys_fit):
-            raise ValueError(f"rows={rows}, keys={keys}, last_rows={last_rows}, single_rows={single}, "
-                             f"paged_keys={paged_keys}: the step has {nd} one-row sequences first ({kd} context "
-                             f"slots), {n} tokens, {k} context slots and {len(chunks)} sequences")
-        trash = self.trash_slot
-        cq1, ck1 = varlen_offsets(lens[:nd], ends[:nd], single, kd + pad1, None)
-        cq2, ck2 = varlen_offsets(lens[nd:], ends[nd:], rows - single, keys - (0 if paged_keys else kd + pad1),
-                                  last_rows - single)
-        # group 2's keys start past group 1's (read in place: padded to ``paged_keys``; else its padding keys)
-        off2 = paged_keys if paged_keys else kd + pad1
-        cu_k = np.concatenate([ck1, ck2]) if paged_keys else np.concatenate([ck1, ck2[1:] + off2])
-        cu_q = np.concatenate([cq1, cq2[1:] + single])
-        sizes = {"write_index": rows, "read_index": paged_keys + keys if paged_keys else keys, "positions": rows,
-                 "cu_q": cu_q.size, "cu_k": cu_k.size, "last": last_rows, "row_valid": rows,
-                 **{x: v.size for x, v in (extra or {}).items()}}
-        buf, host = staging(sizes, self.device)
-        read, write, pos = host["read_index"], host["write_index"], host["positions"]
-        read[:], write[:], pos[:] = trash, trash, 0  # padding everywhere, then each group's real entries
-        for g, r0, k0 in ((c.part(0, nd), 0, 0), (c.part(nd, len(chunks)), single, off2)):
-            g.rows_into(g.read_into(read[k0:]), write[r0:], pos[r0:])
-        host["cu_q"][:], host["cu_k"][:] = cu_q, cu_k
-        last = host["last"]
-        last[:] = 0
-        last[:nd] = np.arange(nd)
-        last[nd:len(chunks)] = np.cumsum(lens)[nd:] - 1 + pad1
-        real = host["row_valid"]
-        real[:] = 0
-        real[:nd] = 1
-        real[single:single + n - nd] = 1
-        for x, v in (extra or {}).items():
-            host[x][:] = v
-        up = send(buf, sizes, self.device)
-        out = {"write_index": up["write_index"], "read_index": up["read_index"], "positions": up["positions"],
-               "row_valid": up["row_valid"] != 0, "cu_q": up["cu_q"].to(torch.int32),
-               "cu_k": up["cu_k"].to(torch.int32), "last": up["last"], **{x: up[x] for x in extra or {}}}
-        return out
-
-    def plan_decode_steps(self, chunks: Sequence[Chunk], rows: int, keys: int, steps: int, *,
-                          extra: dict[str, np.ndarray] | None = None) -> list[dict[str, torch.Tensor]]:
-        """A paged varlen decode step (one token per chunk, reserved ``steps - 1`` positions past it) and its
-        ``steps - 1`` sub-steps, planned with one upload (``kv_host.plan_decode_steps``): one dict of device
-        tensors per sub-step; each sequence's keys end at ``k_end`` (``StepLayout.k_end``)."""
-        if any(c.num_tokens != 1 for c in chunks):
-            raise ValueError(f"a decode plan takes one token per sequence, got {[c.num_tokens for c in chunks]}")
-        c = self._chunks([SeqChunk(c.seq_id, c.start, steps) for c in chunks])
-        return plan_decode_steps(c, steps, rows, keys, self.trash_slot, self.device, extra)
-
-    def plan_batched(self, chunks: Sequence[Chunk], rows: int, keys: int, mask_dtype: torch.dtype, *,
-                     extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
-        """A decode step as a batch: one row per sequence (its one new token), each row reading its own
-        context padded to ``keys`` slots, so attention runs per sequence (no cross-sequence mask over the
-        packed context; grouped-query attention without repeating keys). Padding rows and keys read and write
-        the trash slot; a padding row attends to its key 0 only. Returns device tensors: write_index [rows],
-        read_index [rows, keys], positions [rows], mask [rows, 1, 1, keys], row_valid [rows], and ``extra``."""
-        n = len(chunks)
-        if n > rows or any(c.num_tokens != 1 for c in chunks):
-            raise ValueError(f"rows={rows}: a batched decode step takes one token of each of at most {rows} "
-                             f"sequences, got {[c.num_tokens for c in chunks]}")
-        ends = [c.start + 1 for c in chunks]
-        if ends and max(ends) > keys:
-            raise ValueError(f"keys={keys}: a sequence of this step has {max(ends)} context slots")
-        read = np.full((rows, keys), self.trash_slot, dtype=np.int64)
-        write = np.full(rows, self.trash_slot, dtype=np.int64)
-        pos = np.zeros(rows, dtype=np.int64)
-        lens = np.ones(rows, dtype=np.int64)
-        for i, c in enumerate(chunks):
-            slots = self.slots(c.seq_id, 0, c.start + 1)
-            read[i, : slots.size] = slots
-            write[i], pos[i], lens[i] = slots[-1], c.start, c.start + 1
-        host = {"write_index": write, "read_index": read.reshape(-1), "positions": pos, "lens": lens, **(extra or {})}
-        up = upload(host, self.device)
-        allowed = torch.arange(keys, device=self.device)[None, :] < up["lens"][:, None]
-        return {"write_index": up["write_index"], "read_index": up["read_index"].view(rows, keys),
-                "positions": up["positions"], "mask": _additive(allowed, mask_dtype)[:, None, None, :],
-                "row_valid": torch.arange(rows, device=self.device) < n, **{k: up[k] for k in extra or {}}}
+    def plan_decode_graph(self, chunks: "Sequence[Chunk] | HostChunks", rows: int, steps: int,
+                          token_ids: np.ndarray) -> list[dict[str, torch.Tensor]]:
+        """The static inputs of a whole-step decode graph (one token per chunk, reserved ``steps - 1`` positions
+        past it: a multi-step request's sub-steps) for each of its ``steps`` sub-steps, planned with one upload
+        (``kv_host.plan_decode_steps``): token_ids, positions, write_index, row_valid [rows]; cu_k [rows + 1],
+        k_end [rows] int32; read_index [used slots] (each sequence's context slots, then one trash key per
+        padding row: a prefix of the graph's slot vector)."""
+        if isinstance(chunks, HostChunks):
+            c = chunks
+        else:
+            if any(x.num_tokens != 1 for x in chunks):
+                raise ValueError(f"a decode plan takes one token per sequence, got {[x.num_tokens for x in chunks]}")
+            c = self._chunks([SeqChunk(x.seq_id, x.start, steps) for x in chunks])
+        used = int(c.ends.sum()) + rows - int(c.lens.size)
+        ids = np.zeros(rows, dtype=np.int64)
+        ids[:token_ids.size] = token_ids
+        return plan_decode_steps(c, steps, rows, used, self.trash_slot, self.device, {"token_ids": ids})
 
     def _chunks(self, chunks: Sequence[Chunk]) -> HostChunks:
         """The step's chunks as host arrays, each chunk's context slots looked up once (``slots``' check)."""
@@ -483,49 +352,23 @@ class PagedKVCache:
             reads.append(a[:e] if a is not None and a.size >= e else self.slots(c.seq_id, 0, e))
         return HostChunks(starts, lens, ends, reads)
 
-    def _host_plan(self, chunks: Sequence[Chunk], *, mask: bool = True,
-                   gathered: "HostChunks | None" = None) -> dict[str, np.ndarray]:
-        """Host index vectors of a step: write [N], read [K], q_pos [N], last [S], lens / ends [S]; with ``mask``
-        q_seq [N] and k_seq / k_pos [K] too (the masked backend's). ``gathered``: the chunks' ``_chunks``."""
-        c = self._chunks(chunks) if gathered is None else gathered
-        n, k = int(c.lens.sum()), int(c.ends.sum())
-        read = c.read_into(np.empty(k, dtype=np.int64))
-        write, q_pos = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-        c.rows_into(read, write, q_pos)
-        v = {"write": write, "read": read, "q_pos": q_pos, "last": np.cumsum(c.lens) - 1, "lens": c.lens,
-             "ends": c.ends}
-        if mask:
-            seq = np.arange(c.lens.size, dtype=np.int64)
-            k_off = np.cumsum(c.ends) - c.ends
-            k_seq = np.repeat(seq, c.ends)
-            v.update(q_seq=np.repeat(seq, c.lens), k_seq=k_seq, k_pos=np.arange(k, dtype=np.int64) - k_off[k_seq])
-        return v
-
     def update(self, a: torch.Tensor, b: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' seam: a [1, H_a, N, D_a], b [1, H_b, N, D_b] new tokens -> the packed contexts
-        [1, H_a, K, D_a], [1, H_b, K, D_b] (this step's tokens included); a paged layout: the whole cache
-        tensors [1, H_a, C + 1, D_a], [1, H_b, C + 1, D_b] (views, trash slot last)."""
-        lay = self.layout
-        if lay is None:
-            raise RuntimeError("PagedKVCache.update outside a planned step")
+        """transformers' seam: a [1, H_a, R, D_a], b [1, H_b, R, D_b] the step's rows, written at their slots
+        (``write_index``) -> the cache tensors [1, H_a, C + 1, D_a], [1, H_b, C + 1, D_b] (views, trash slot
+        last), or with ``gather`` set the contexts it names [1, H, K, D] (a layer that transforms its cache)."""
+        if self.write_index is None:
+            raise RuntimeError("PagedKVCache.update outside a step")
         store = self._store.get(layer_idx)
         if store is None:
             store = tuple(torch.zeros(self.capacity_tokens + 1, x.shape[1], x.shape[3], dtype=x.dtype,
                                       device=self.device) for x in (a, b))  # + the trash slot
             self._store[layer_idx] = store
-        if lay.paged:  # the decode kernel reads each sequence's slots in place: the cache itself goes back
-            for x, buf in zip((a, b), store):
-                buf.index_copy_(0, lay.write_index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
-            return store[0][None].transpose(1, 2), store[1][None].transpose(1, 2)
-        out = []
-        ri = lay.read_index
-        rows = (1, *ri.shape) if ri.dim() == 1 else tuple(ri.shape)  # packed [1, K] or batched [B, K]
-        for x, buf in zip((a, b), store):
-            # [B, H, n, D] new tokens -> [B * n, H, D] in packed (batched: row) order
-            buf.index_copy_(0, lay.write_index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
-            out.append(buf.index_select(0, ri.reshape(-1)).view(*rows, *buf.shape[1:]).transpose(1, 2))
-        return out[0], out[1]
+        for x, buf in zip((a, b), store):  # [1, H, R, D] rows -> [R, H, D] at their slots
+            buf.index_copy_(0, self.write_index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
+        if self.gather is not None:
+            return tuple(buf.index_select(0, self.gather)[None].transpose(1, 2) for buf in store)
+        return store[0][None].transpose(1, 2), store[1][None].transpose(1, 2)
 
     # transformers asks a cache for the mask geometry when no 4D mask is given (the plain causal case above:
     # one sequence from position 0, so the keys are exactly this step's queries)
@@ -549,29 +392,6 @@ def kv_blocks_for_memory(budget_bytes: int, bytes_per_token: int, block_size: in
     return max(0, int(budget_bytes) // (int(bytes_per_token) * int(block_size)))
 
 
-def varlen_offsets(lens: np.ndarray, ends: np.ndarray, rows: int, keys: int,
-                   last_rows: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sequence offsets of a padded varlen step with a static sequence count (a captured shape).
-
-    lens / ends: [S] new tokens / context length of each real sequence (packed order); rows / keys: the padded
-    query rows and gathered keys. Returns (cu_q, cu_k) int64 host arrays:
-      1. the real sequences first, in packed order;
-      2. decode (``last_rows`` None, one token per sequence): each padding row is a sequence of its own with one
-         padding key (the trash slot): S' = rows, so the kernel's one-query-per-sequence shape holds;
-      3. prefill (``last_rows`` = the padded sampled rows): one padding sequence takes every padding row and NO
-         key (its queries come out zero at no attention cost; the padding keys past ``cu_k[-1]`` are never
-         read), then empty sequences up to S' = last_rows + 1."""
-    n = int(lens.sum())
-    if last_rows is None:
-        q = np.concatenate([lens, np.ones(rows - n, dtype=np.int64)])
-        kk = np.concatenate([ends, np.ones(rows - n, dtype=np.int64)])
-    else:
-        fill = last_rows - lens.size
-        q = np.concatenate([lens, [rows - n], np.zeros(fill, dtype=np.int64)])
-        kk = np.concatenate([ends, [0], np.zeros(fill, dtype=np.int64)])
-    return np.concatenate([[0], np.cumsum(q)]), np.concatenate([[0], np.cumsum(kk)])
-
-
 def _allowed(q_seq: torch.Tensor, q_pos: torch.Tensor, k_seq: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """[N, K] bool: query (sequence, position) sees key (sequence, position) of its own sequence, not later."""
     return (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
@@ -587,5 +407,5 @@ def _mask(q_seq, q_pos, k_seq, k_pos, dtype: torch.dtype) -> torch.Tensor:
     return _additive(_allowed(q_seq, q_pos, k_seq, k_pos), dtype)[None, None]
 
 
-__all__ = ["PagedKVCache", "StepLayout", "SeqChunk", "Chunk", "KVBudgetError", "varlen_offsets", "kv_blocks_for_memory",
+__all__ = ["PagedKVCache", "StepRows", "SeqChunk", "Chunk", "KVBudgetError", "kv_blocks_for_memory",
            "leading_single_rows"]

@@ -244,6 +244,10 @@ class ExpertShardActor:
             self.gc.freeze()
         return info
 
+    def prepare_steps(self) -> dict[str, Any]:
+        """``ShardCore.prepare_steps``: the step lattice captured before the deployment serves."""
+        return self.core.prepare_steps()
+
     # ---------------------------------------------------------------- diagnostics
     def status(self) -> dict[str, Any]:
         st = self.core.status()

@@ -51,6 +51,12 @@ class RayTransport(StepTransport):
     def load_model(self, ranks: Sequence[int], **options: Any) -> list[dict[str, Any]]:
         return ray.get([self.shards[r].load_model.remote(**options) for r in ranks]) if ranks else []
 
+    def prepare_steps(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        return ray.get([self.shards[r].prepare_steps.remote() for r in ranks]) if ranks else []
+
+    def status_of(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        return ray.get([self.shards[r].status.remote() for r in ranks]) if ranks else []
+
     def next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
         if self.generation is None:
             self.refresh_generation()

@@ -73,6 +73,7 @@ class ShardCore:
         self.registry = GenerationRegistry(record_leases=False)
         self.selector = make_selector(cfg.replica_policy)
         self.paths: DataPaths | None = None
+        self.decode_cap: int | None = None  # the decode bucket's largest capacity, once the lattice sets it
         self.faults = ShardFaults()
         self.store = ExpertStore(rank, self.device, self.dtype, staging_slots=cfg.staging_slots)
         self._gens: dict[int, _Generation] = {}
@@ -111,8 +112,11 @@ class ShardCore:
     # ================================================================ control path
     def set_exchange(self, exchange: Exchange) -> None:
         """Pick the data paths of this deployment (``DataPaths.pick``: every rank picks alike)."""
-        self.paths = DataPaths.pick(self.cfg, exchange, self.selector, dtype=self.dtype, device=self.device)
+        self.paths = DataPaths.pick(self.cfg, exchange, self.selector, dtype=self.dtype, device=self.device,
+                                    decode_cap=self.decode_cap)
         self.decode_keys.forget()
+        if self.generator is not None and self.generator.graph_runner.lattice is not None:
+            self.generator.configure(self.generator.graph_runner.lattice, self.paths)
 
     # ---------------------------------------------------------------- weights (expert_store.py)
     def load_experts(self, keys: Sequence[Key]) -> dict[Key, str]:
@@ -201,7 +205,9 @@ class ShardCore:
                 self.registry.mark_draining(generation)
 
     def release_graphs(self, generation: int) -> int:
-        """Free captured decode graphs keyed to ``generation``; returns how many were freed."""
+        """Free the captured steps keyed to ``generation``; returns how many were freed."""
+        if self.generator is not None:
+            self.generator.graph_runner.release(generation)
         return self.pipeline.graphs.release(generation)
 
     def inject_fault(self, kind: ShardFault | str, count: int = 1, generation: int | None = None) -> None:
@@ -259,9 +265,12 @@ class ShardCore:
                 "slot_buffers": self.store.slab_info(),  # per layer: capacity, used, free rows
                 "slot_buffer_grows": self.store.grows,
                 "counters": {**self.counters, **self.executor.counters, **self.pipeline.counters, **self.faults.fired,
-                             **({} if self.generator is None else self.generator.counters)},
+                             **({} if self.generator is None else {**self.generator.counters,
+                                                                   **self.generator.graph_runner.counters})},
                 "graphs": len(self.pipeline.graphs),
                 "capture_error": self.pipeline.capture_error,
+                # the step lattice, the path each step kind takes, what each generation's capture took
+                "steps": None if self.generator is None else self.generator.status(),
                 "fused_kernels": None if self.generator is None else self.generator.fused_kernels(),
                 # the KV block pool: free / held / cached blocks and cached blocks evicted (``model/prefix_cache``)
                 "kv_blocks": None if self.generator is None else {**self.generator.host.kv.pool.counts(),
@@ -371,15 +380,21 @@ class ShardCore:
     # ================================================================ serving generation
     def load_model(self, *, kv_tokens: int | None, block_size: int = 16, random_model: dict | None = None,
                    fused_kernels: bool = True, attention: str = "auto",
-                   memory_fraction: float | None = None, prefix_caching: bool = True) -> dict[str, Any]:
+                   memory_fraction: float | None = None, prefix_caching: bool = True,
+                   rank_running: int | None = None, step_tokens: int | None = None) -> dict[str, Any]:
         """Host the model's non-expert modules from the checkpoint (or seeded random ones of the transformers
         config dict ``random_model``); routed experts stay this shard's slots. ``fused_kernels``: the model's
         RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``).
         ``attention``: an ``AttentionBackend`` value. ``kv_tokens`` None: the cache is sized from the memory
         ``memory_fraction`` of the GPU leaves after the weights (``GenerationExecutor.load``). ``prefix_caching``:
-        KV blocks of identical prompt prefixes shared (``shard/prefix.py``). Returns the model's limits."""
+        KV blocks of identical prompt prefixes shared (``shard/prefix.py``). ``rank_running`` / ``step_tokens``:
+        the deployment's step lattice (``shard/lattice.py``: sequences per rank, prompt tokens per step; the
+        decode bucket follows the running sequences unless the config names its capacity), captured by
+        ``prepare_steps``. Returns the model's limits and how each step kind runs here."""
         from ray_moe.shard.generation import GenerationExecutor
+        from ray_moe.shard.lattice import StepLattice
 
+        lattice = None if rank_running is None or step_tokens is None else StepLattice.build(rank_running, step_tokens)
         with self._step_lock:
             if self.generator is None:
                 cfg = self.cfg
@@ -389,7 +404,30 @@ class ShardCore:
                     dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels,
                     attention=_backend(attention), pipeline=self.pipeline, prefix_caching=prefix_caching,
                     **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
+            if lattice is not None:
+                if self.cfg.decode_token_capacity is None and self.decode_cap != lattice.rank_running:
+                    self.decode_cap = lattice.rank_running
+                    if self.paths is not None:
+                        self.set_exchange(self.paths.exchange)  # (the decode bucket re-sized to the lattice)
+                if self.paths is not None:
+                    self.generator.configure(lattice, self.paths)
             return self.generator.info()
+
+    def prepare_steps(self) -> dict[str, Any]:
+        """Capture the step lattice of the active generation before the deployment serves (every rank of the
+        group at once: the warm-ups of an expert-parallel group's decode sizes exchange). Returns what it took
+        and how each step kind runs here."""
+        if self.generator is None or self.paths is None:
+            raise RuntimeError(f"rank {self.rank}: no model loaded (load_model)")
+        return self._gen_thread.submit(self._prepare_steps).result()
+
+    def _prepare_steps(self) -> dict[str, Any]:
+        with self._step_lock:
+            active = self.registry.active()
+            with self._pinned(active, f"prepare-{active}") as (status, view, paths):
+                report = (self.generator.capture(view, paths, at_start=True)
+                          if paths.capture and self.generator.graph_runner.lattice is not None else {})
+            return {"rank": self.rank, "capture": report, **self.generator.status()}
 
     def _generation_step(self, req: StepRequest, t0: float) -> StepResult:
         """One generation step (token ids in, sampled token ids out), its turn come (``step``)."""

@@ -1,6 +1,6 @@
-"""Launched generation steps of one rank, not completed yet: ``PendingStep`` (one step; a captured step of a
+"""Launched generation steps of one rank, not completed yet: ``PendingStep`` (one step; a graph step of a
 group of one completes behind the next step's launch), ``MultiPending`` (the sub-steps of a multi-step decode
-request) and ``_GraphPending`` (the device-side outputs of a captured-shape step). Pure: no Ray."""
+request) and ``GraphPending`` (the device-side outputs of a graph step). Pure: no Ray."""
 
 from __future__ import annotations
 
@@ -18,14 +18,13 @@ from ray_moe.shard.records import GenerationOutput, StepRequest, StepResult, Wor
 
 
 @dataclass(eq=False)
-class _GraphPending:
-    """A captured-shape step whose graph and sampling were queued on the device: ``finish`` waits for them.
+class GraphPending:
+    """A graph step whose replay and sampling were queued on the device: ``finish`` waits for them.
     want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled);
     host_picked / host_summary: their copies queued to (pinned) host memory right behind the step, so reading
     them never waits for steps launched after this one. ``done``: an event recorded after those copies.
-    logprobs: the raw logprobs of the ``want`` items that asked, on the device (None: none asked). counts: (the
-    sequence ids of the items marked ``expert_stats``, their [S, layers, experts] int32 expert counts queued
-    to (pinned) host memory behind the step), None when no item is marked."""
+    logprobs: the raw logprobs of the ``want`` items that asked, on the device (None: none asked). (Items that
+    asked for their expert statistics run eagerly: a graph step has none.)"""
 
     ctx: MoEStep
     want: tuple[WorkItem, ...]
@@ -35,7 +34,6 @@ class _GraphPending:
     host_picked: torch.Tensor | None = None
     done: Any = None
     logprobs: LogprobsPending | None = None
-    counts: tuple[tuple[str, ...], torch.Tensor] | None = None
     substeps: Any = None  # a multi-step request's first sub-step: the later ones' ``SubstepRun``
 
     def finish(self, stats: bool = True) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs],
@@ -54,8 +52,7 @@ class _GraphPending:
             torch.cuda.current_stream(self.device).synchronize()
         stats, overflow = ((), False) if not stats else self.ctx.finish(
             None if self.host_summary is None else self.host_summary.numpy())
-        counts = None if self.counts is None else dict(zip(self.counts[0], self.counts[1].numpy()))
-        return tokens, stats, overflow, lps, counts
+        return tokens, stats, overflow, lps, None
 
 
 class PendingStep:
@@ -64,7 +61,7 @@ class PendingStep:
 
     def __init__(self, executor: Any, req: StepRequest, generation: int,
                  items: tuple[WorkItem, ...], t0: float, path: str | None, reason: str | None, *,
-                 graph: _GraphPending | None = None,
+                 graph: GraphPending | None = None,
                  result: tuple[dict[str, int], tuple, dict[str, TokenLogprobs], dict | None] | None = None,
                  decision: Any = None, prefix: tuple[dict[str, int], int] = ({}, 0), shift: int = 0) -> None:
         self.executor, self.req, self.generation, self.items = executor, req, generation, items
@@ -81,11 +78,10 @@ class PendingStep:
         # of which inside graph replays (input copies and the graph launch, which blocks while the device's
         # queue is full: waiting, not work)
         self.replay_s = executor.pipeline.replay_s - executor.replay_mark
-        self.event = None
-        if executor._start is not None:  # on CUDA: the step's device span, [start, event]
+        self.start, self.event = executor.take_start(), None
+        if self.start is not None:  # on CUDA: the step's device span, [start, event]
             self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
-        self.start, executor._start = executor._start, None
 
     @property
     def ready(self) -> bool:
@@ -98,7 +94,7 @@ class PendingStep:
 
     def abandon(self) -> None:
         """A step that will not be completed: later steps no longer read its tokens."""
-        self.executor._picks.pop(self.req.step_id, None)
+        self.executor.batcher.drop_picks(self.req.step_id)
 
     def complete(self, stats: bool = True) -> StepResult:
         """The step's result. ``stats`` False (a captured step): its layer statistics are not read; the step
@@ -111,7 +107,7 @@ class PendingStep:
             try:
                 tokens, stats_, _, lps, counts = g.finish(stats)  # a group of one: nothing overflows
             finally:
-                ex._picks.pop(self.req.step_id, None)
+                ex.batcher.drop_picks(self.req.step_id)
             ex.finished(self.items, tokens, self.shift, remember=self.remember)
             self.result, self.graph = (tokens, stats_, lps, counts), None
             if not stats:
@@ -187,4 +183,4 @@ class MultiPending:
                           host_cpu_s=sum(r.host_cpu_s for r in results))
 
 
-__all__ = ["PendingStep", "MultiPending"]
+__all__ = ["PendingStep", "MultiPending", "GraphPending"]

@@ -57,6 +57,11 @@ if TYPE_CHECKING:
 from ray_moe.core.wire import as_tensor, tensor_to_wire
 
 
+# the decode bucket of a deployment that serves no generation (expert-only steps, ``rt.forward``) unless the config
+# names one: generation steps size it to the running sequences of a rank (``ShardCore.load_model``)
+EXPERT_DECODE_CAP = 32
+
+
 @dataclass(frozen=True)
 class DataPaths:
     """The components a shard picked when its exchange was set (one per phase, never per step).
@@ -72,16 +77,19 @@ class DataPaths:
 
     @classmethod
     def pick(cls, cfg: "RuntimeConfig", exchange: Exchange, selector: Any, *, dtype: torch.dtype,
-             device: torch.device) -> "DataPaths":
+             device: torch.device, decode_cap: int | None = None) -> "DataPaths":
         """The paths of a deployment (every rank picks alike: they speak one protocol). A group of one has
-        nothing to exchange (local); otherwise the direct or engine normal path and the bucket decode path."""
+        nothing to exchange (local); otherwise the direct or engine normal path and the bucket decode path.
+        ``decode_cap``: the decode bucket's largest token capacity (None: ``cfg.decode_token_capacity``, or
+        ``EXPERT_DECODE_CAP`` when that is None too: generation steps size it to the running sequences)."""
         runner = make_runner(cfg.runner)
+        cap = decode_cap or cfg.decode_token_capacity or EXPERT_DECODE_CAP
         capture = device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
         bucket = None
         if exchange.size == 1 and cfg.dispatch_path is DispatchPath.AUTO:
             normal = LocalDispatcher(exchange, selector, validate=True)
             if cfg.decode_buckets:
-                bucket = LocalDispatcher(exchange, selector, validate=False, token_cap=cfg.decode_token_capacity,
+                bucket = LocalDispatcher(exchange, selector, validate=False, token_cap=cap,
                                          top_k=cfg.top_k, hidden_size=cfg.hidden_size)
         else:
             if cfg.resolved_dispatch_path is DispatchPath.DIRECT:
@@ -89,7 +97,7 @@ class DataPaths:
             else:
                 normal = EngineDispatcher(exchange, selector, payload_format=cfg.payload_format, compute_dtype=dtype)
             if cfg.decode_buckets:
-                bucket = BucketDispatcher(exchange, selector, token_cap=cfg.decode_token_capacity, top_k=cfg.top_k,
+                bucket = BucketDispatcher(exchange, selector, token_cap=cap, top_k=cfg.top_k,
                                           hidden_size=cfg.hidden_size, slot_cap=cfg.decode_slot_capacity)
         return cls(exchange, normal, bucket, runner, capture)
 
@@ -154,8 +162,13 @@ class StepPipeline:
         self.graphs = StepGraphs()
         self.capture_errors: dict[str, str] = {}
         self.counters: dict[str, int] = {}
-        self._pool: Any = None  # one graph memory pool for every captured step of this shard (made at first capture)
+        self.pool: Any = None  # one graph memory pool for every captured step of this shard (made at first capture)
         self.replay_s = 0.0  # host seconds inside graph replays (input copies + the launch), since the start
+
+    def note_replay(self, seconds: float) -> None:
+        """A captured step was replayed (its input copies and launch took ``seconds`` on the host)."""
+        self.count("graph_replays")
+        self.replay_s += seconds
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -197,13 +210,14 @@ class StepPipeline:
             try:
                 # records only (no collective runs while capturing), into the shard's one graph memory pool
                 # (a new one once every graph holding the last one is released: a freed pool is not reused)
-                pool = self._pool if len(self.graphs) else None
-                self._pool = step.capture(body, pool) or pool
+                pool = self.pool if len(self.graphs) else None
+                self.pool = step.capture(body, pool) or pool
             except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
                 self.capture_errors[unit] = capture_failure(exc)
             else:
                 self.graphs.put(generation, key, step)
                 self.count("graphs_captured")
+                self.count("graphs_captured_serving")  # (on demand: an expert-only step's first of its shape)
         return out, False
 
     # 3. ------------------------------------------------------------ the overflow agreement

@@ -33,7 +33,7 @@ def runs_on_arrays(items: tuple[WorkItem, ...]) -> bool:
 @dataclass(eq=False)
 class SubstepRun:
     """What the sub-steps after the first replay: ``staged`` [steps] (the plan's per-sub-step device inputs;
-    entry 0 was sub-step 0's), ``launch(staged, specs, greedy) -> _GraphPending`` (the graph step's replay,
+    entry 0 was sub-step 0's), ``launch(staged, specs, greedy) -> GraphPending`` (the graph step's replay,
     sampling (``greedy``: every row plain greedy, one argmax) and host copies over these inputs), the sampled
     items (sub-step 0's, in ``picked`` order) and their specs."""
 
@@ -56,7 +56,7 @@ class SubstepRun:
         """Launch sub-step ``j`` (>= 1) of ``req`` on executor ``ex`` behind ``parts`` (sub-steps 0 .. j - 1):
         sub-step j - 1's samples fill this one's input tokens on the device. Returns a ``PendingStep`` over the
         first sub-step's items, their sample positions j on; the ``last`` sub-step's samples are the ones a
-        step launched behind this request reads on the device (``_picks``). Counts the tokens fed on the device
+        step launched behind this request reads on the device (``StepBatcher.keep_picks``). Counts the tokens fed on the device
         (as a deferred decode item's are)."""
         t0 = ex.begin_step()
         staged = self.staged[j]
@@ -68,7 +68,7 @@ class SubstepRun:
         graph = self.launch(staged, self.specs_at(j), self.greedy)
         sub, first = req.revised(step_id=f"{req.step_id}/{j}"), parts[0]
         if last:
-            ex.keep_picks(sub.step_id, graph, j)
+            ex.batcher.keep_picks(sub.step_id, graph.picked, graph.want, j)
         return PendingStep(ex, sub, first.generation, first.items, t0, first.path, first.reason, graph=graph,
                            decision=first.decision, shift=j)
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ray_moe.core.types import AttentionBackend
 from ray_moe.model.kv import KVBudgetError, PagedKVCache, SeqChunk
 from ray_moe.model.sampling import SampleSpec, SamplingParams, sample
 from ray_moe.driver.scheduler import Scheduler, SeqState
@@ -20,20 +21,27 @@ def test_paged_cache_reserves_blocks_and_lays_out_a_packed_step():
     kv.reserve("b", 3)   # block 2
     kv.reserve("a", 8)   # still 2 blocks: idempotent growth
     assert kv.held("a") == 2 and kv.held("b") == 1 and kv.free_blocks == 3
-    lay = kv.plan([SeqChunk("a", 5, 1), SeqChunk("b", 0, 3)], torch.float32)
-    assert lay.write_index.tolist() == [5, 8, 9, 10]
-    assert lay.read_index.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10]
-    assert lay.positions.tolist() == [5, 0, 1, 2]
-    assert lay.last.tolist() == [0, 3]
-    allowed = (lay.mask[0, 0] == 0)
+    rows, plan = kv.plan_step([SeqChunk("a", 5, 1), SeqChunk("b", 0, 3)], np.arange(4), AttentionBackend.MASKED)
+    assert rows.write_index.tolist() == [5, 8, 9, 10]
+    assert plan.gather.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10]
+    assert rows.positions.tolist() == [5, 0, 1, 2]
+    assert rows.last.tolist() == [0, 3]
+    allowed = (plan.mask[0, 0] == 0)
     # the decode token of "a" sees a's six positions only; b's tokens see b's causal prefix
     assert allowed[0].tolist() == [True] * 6 + [False] * 3
     assert allowed[3].tolist() == [False] * 6 + [True] * 3
     assert allowed[1].tolist() == [False] * 6 + [True, False, False]
-    # update writes the new tokens at their slots and returns the packed contexts
+    # update writes the new tokens at their slots and hands back the cache itself (the trash slot last); with
+    # ``gather`` (a layer that transforms its cache) the packed contexts
     a = torch.arange(4 * 2 * 3, dtype=torch.float32).view(1, 2, 4, 3)
+    kv.write_index = rows.write_index
+    k, v = kv.update(a, a + 100, layer_idx=0)
+    assert k.shape == (1, 2, 6 * 4 + 1, 3) and torch.equal(k[0, :, 8:11], a[0, :, 1:])
+    assert torch.equal(v[0, :, 5], a[0, :, 0] + 100)
+    kv.gather = plan.gather
     k, v = kv.update(a, a + 100, layer_idx=0)
     assert k.shape == (1, 2, 9, 3) and torch.equal(k[0, :, 6:], a[0, :, 1:]) and torch.equal(v[0, :, 5], a[0, :, 0] + 100)
+    kv.write_index = kv.gather = None
     kv.free("a")
     assert kv.free_blocks == 5
     with pytest.raises(KVBudgetError, match="need 7 cache blocks"):
@@ -101,24 +109,6 @@ def test_scheduler_serves_every_request_exactly_its_tokens(lens, new, budget):
             got[ev.request_id] += 1
     assert got == {r: new for r in rids}
     assert all(v == 0 for v in s._used.values())
-
-
-def test_batched_decode_plan_gives_each_sequence_its_own_padded_context():
-    kv = PagedKVCache(8, 4)
-    kv.reserve("a", 6)
-    kv.reserve("b", 2)
-    t = kv.plan_batched([SeqChunk("a", 5, 1), SeqChunk("b", 1, 1)], rows=4, keys=8, mask_dtype=torch.float32,
-                        extra={"token_ids": np.asarray([7, 9, 0, 0])})
-    trash = kv.trash_slot
-    assert t["read_index"].shape == (4, 8) and t["mask"].shape == (4, 1, 1, 8)
-    assert t["read_index"][0].tolist() == [*kv.slots("a", 0, 6).tolist(), trash, trash]
-    assert t["read_index"][1].tolist() == [*kv.slots("b", 0, 2).tolist(), *[trash] * 6]
-    assert t["write_index"].tolist() == [int(kv.slots("a", 5, 6)[0]), int(kv.slots("b", 1, 2)[0]), trash, trash]
-    assert t["positions"].tolist() == [5, 1, 0, 0] and t["row_valid"].tolist() == [True, True, False, False]
-    seen = (t["mask"][:, 0, 0] == 0).sum(1).tolist()
-    assert seen == [6, 2, 1, 1] and t["token_ids"].tolist() == [7, 9, 0, 0]
-    with pytest.raises(ValueError, match="keys=4"):
-        kv.plan_batched([SeqChunk("a", 5, 1)], rows=4, keys=4, mask_dtype=torch.float32)
 
 
 def test_lookahead_plan_defers_decode_tokens_and_stops_at_the_last_one():

@@ -27,17 +27,16 @@ def test_out_of_memory_step_is_contained_and_every_request_completes(tmp_path):
     transport = LocalTransport(dep)
     loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=64)
     host = dep.cores[0].generator.host
-    real = host.forward
+    real = host.forward_rows
     fired: list[int] = []
 
-    def forward(chunks, token_ids, executor):  # the first step with more than 20 new tokens runs out of memory
-        n = sum(c.num_tokens for c in chunks)
-        if n > 20 and not fired:
-            fired.append(n)
+    def forward_rows(rows, attention, executor, gather=None):  # the first step of > 20 rows runs out of memory
+        if rows.n > 20 and not fired:
+            fired.append(rows.n)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(chunks, token_ids, executor)
+        return real(rows, attention, executor, gather)
 
-    host.forward = forward
+    host.forward_rows = forward_rows
     prompts = _prompts(0, (9, 14, 5, 11))
     try:
         handles = [loop.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]

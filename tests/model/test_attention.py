@@ -1,8 +1,11 @@
-"""The varlen attention backend (model/attention.py) against the masked reference path, on CPU.
+"""The attention backends (model/attention.py) over the paged cache (model/kv.py), on CPU.
 
-The FlashAttention kernel needs CUDA; here the backend's planning (per-sequence offsets, padded static shapes,
-padding sequences, MLA's narrower value heads) runs with ``sequence_reference`` as its kernel and must give the
-masked SDPA path's logits. The GPU test (tests/model/test_attention_gpu.py) runs the real kernel.
+The FlashAttention kernel needs CUDA; here the varlen backend's plans (per-sequence offsets, the leading one-row
+group in a call of its own, MLA's narrower value heads) run with ``sequence_reference`` as their kernel and must
+give the masked SDPA path's logits. A step padded to more rows (what a captured step runs) gives every real row
+the same logits, and a hole of a piecewise graph (``model/piecewise.py``: attention with each step's own plan
+into a static output) the same as attention inline. The GPU test (tests/model/test_attention_gpu.py) runs the
+real kernel.
 """
 
 from __future__ import annotations
@@ -12,14 +15,13 @@ import types
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from ray_moe.core.errors import ConfigError
 from ray_moe.core.types import AttentionBackend
-from ray_moe.model.attention import check_flash, sequence_reference, varlen_attention
+from ray_moe.model.attention import InlineAttention, check_flash, sequence_reference, step_attention
 from ray_moe.model.host import ModelHost
-from ray_moe.model.kv import SeqChunk, leading_single_rows, varlen_offsets
+from ray_moe.model.kv import SeqChunk, leading_single_rows
+from ray_moe.model.piecewise import Hole, OutputArena
 from ray_moe.model.source import HFWeightSource
 from ray_moe_dev.testing.local_executor import LocalExecutor
 
@@ -51,62 +53,50 @@ def test_sequence_reference_is_per_sequence_bottom_right_causal():
         oq, ok = oq + a, ok + b
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 6)), min_size=1, max_size=6), st.booleans(),
-       st.integers(0, 5), st.integers(0, 7))
-def test_varlen_offsets_cover_every_row_and_key(seqs, decode, extra_rows, extra_keys):
-    """Real sequences first with their own lengths; padding rows and keys all land in padding sequences; the
-    sequence count is static (rows for decode, last_rows + 1 for prefill)."""
-    if decode:
-        lens = np.ones(len(seqs), dtype=np.int64)
-        ends = np.asarray([s + 1 for s, _ in seqs], dtype=np.int64)
-    else:
-        lens = np.asarray([n for _, n in seqs], dtype=np.int64)
-        ends = np.asarray([s + n for s, n in seqs], dtype=np.int64)
-    rows = int(lens.sum()) + extra_rows
-    keys = int(ends.sum()) + (extra_rows if decode else 0) + extra_keys
-    last_rows = None if decode else len(seqs) + extra_rows % 3
-    cu_q, cu_k = varlen_offsets(lens, ends, rows, keys, last_rows)
-    assert cu_q[0] == cu_k[0] == 0 and np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_k) >= 0)
-    np.testing.assert_array_equal(np.diff(cu_q)[: len(seqs)], lens)
-    np.testing.assert_array_equal(np.diff(cu_k)[: len(seqs)], ends)
-    assert len(cu_q) == len(cu_k) == (rows + 1 if decode else last_rows + 2)
-    assert cu_q[-1] == rows and cu_k[-1] <= keys
-    if decode:  # one query per sequence, each with a key
-        assert np.all(np.diff(cu_q) == 1) and np.all(np.diff(cu_k) >= 1)
-    else:  # the padding rows are one sequence with no key: no attention work for padding
-        assert cu_k[-1] == ends.sum() and np.all(np.diff(cu_k)[len(seqs):] == 0)
+def _hosts(folder: str, calls: list | None = None, paged: bool = False):
+    """(masked, varlen) hosts of one checkpoint; ``calls``: the query rows of each varlen kernel call;
+    ``paged``: the varlen host reads one-row sequences in place (the per-sequence reference kernel)."""
+    from ray_moe.model.paged_decode import paged_decode_reference
 
-
-def _hosts(folder: str, calls: list | None = None):
     def kernel(*a):
         if calls is not None:
             calls.append(int(a[0].shape[0]))
         return sequence_reference(*a)
 
     masked = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=512)
-    varlen = ModelHost.from_checkpoint(folder, attention=AttentionBackend.VARLEN, varlen_kernel=kernel, kv_tokens=512)
+    varlen = ModelHost.from_checkpoint(folder, attention=AttentionBackend.VARLEN, varlen_kernel=kernel, kv_tokens=512,
+                                       decode_kernel=paged_decode_reference if paged else None)
     return masked, varlen
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_varlen_host_equals_masked_host_over_mixed_steps(hf_checkpoint, family):
+def _executor(folder):
+    return types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
+
+
+STEPS = [
+    [SeqChunk("a", 0, 5), SeqChunk("b", 0, 9)],
+    [SeqChunk("a", 5, 1), SeqChunk("b", 9, 4), SeqChunk("c", 0, 7)],  # a decode row first, a chunk, a new prompt
+    [SeqChunk("a", 6, 1), SeqChunk("b", 13, 1), SeqChunk("c", 7, 1)],  # a decode step
+]
+
+
+@pytest.mark.parametrize("family,paged", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True),
+                                          ("deepseek_v3", True)])
+def test_varlen_host_equals_masked_host_over_mixed_steps(hf_checkpoint, family, paged):
     """Prefill of two sequences, then a mixed step (a decode token, a chunk continuing a context, a new
-    sequence), then a decode step: every step's logits equal the masked path's (fp32, CPU)."""
+    sequence), then a decode step: every step's logits equal the masked path's (fp32, CPU). In place (``paged``):
+    the one-row sequences read their slots through the decode kernel, the others gather; MLA's latent cache
+    (DeepSeek) is always gathered."""
     _, folder = hf_checkpoint(family)
     calls: list[int] = []
-    masked, varlen = _hosts(folder, calls)
+    masked, varlen = _hosts(folder, calls, paged)
     assert varlen.attention is AttentionBackend.VARLEN and masked.attention is AttentionBackend.MASKED
-    assert varlen.model.config._attn_implementation == "ray_moe_varlen"
-    ex = types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
+    assert varlen.model.config._attn_implementation == masked.model.config._attn_implementation == "ray_moe"
+    assert varlen.paged_decode is (paged and family != "deepseek_v3"), varlen.decode_reason
+    ex = _executor(folder)
     g = torch.Generator().manual_seed(0)
     vocab = masked.vocab_size
-    steps = [
-        [SeqChunk("a", 0, 5), SeqChunk("b", 0, 9)],
-        [SeqChunk("a", 5, 1), SeqChunk("b", 9, 4), SeqChunk("c", 0, 7)],
-        [SeqChunk("a", 6, 1), SeqChunk("b", 13, 1), SeqChunk("c", 7, 1)],
-    ]
-    for chunks in steps:
+    for chunks in STEPS:
         ids = torch.randint(0, vocab, (sum(c.num_tokens for c in chunks),), generator=g)
         outs = []
         for host in (masked, varlen):
@@ -116,87 +106,50 @@ def test_varlen_host_equals_masked_host_over_mixed_steps(hf_checkpoint, family):
         assert outs[0].shape == (len(chunks), vocab)
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
     # the varlen kernel ran in every attention layer of every step, on the step's query rows: a step whose
-    # one-row sequences lead (the mixed step: "a"'s decode token) runs them as a call of their own
+    # one-row sequences lead (the mixed step: "a"'s decode token) runs them as a call of their own, or in place
     layers = varlen.config.num_hidden_layers
     want = []
-    for chunks in steps:
+    for chunks in STEPS:
         nd, n = leading_single_rows(chunks), sum(c.num_tokens for c in chunks)
-        want += ([nd, n - nd] if 0 < nd < len(chunks) else [n]) * layers
-    assert calls == want and want[layers:layers + 2] == [1, 11]
+        if varlen.paged_decode:
+            want += ([] if nd == len(chunks) else [n - nd]) * layers
+        else:
+            want += ([nd, n - nd] if 0 < nd < len(chunks) else [n]) * layers
+    assert calls == want
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_padded_varlen_plan_equals_masked_plan(hf_checkpoint, decode):
-    """The static shapes of a captured step: padding rows, keys and sequences change no real row's logits."""
+@pytest.mark.parametrize("backend,paged", [("masked", False), ("varlen", False), ("varlen", True)])
+def test_padding_rows_and_holes_change_no_real_row(hf_checkpoint, backend, paged):
+    """The rows of a captured step: a mixed step padded to 24 rows (padding rows write the trash slot, route
+    nowhere, sit past every real row) gives each sequence's logits of the unpadded step; and the same step with
+    its attention run as holes (each layer's attention into a static output from the step's own plan, what a
+    piecewise graph replays) gives them too."""
     _, folder = hf_checkpoint("qwen3_moe")
-    masked, varlen = _hosts(folder)
-    ex = types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
+    masked, varlen = _hosts(folder, paged=paged)
+    host = masked if backend == "masked" else varlen
+    ex = _executor(folder)
     g = torch.Generator().manual_seed(1)
-    pre = [SeqChunk("a", 0, 6), SeqChunk("b", 0, 3)]
-    ids = torch.randint(0, masked.vocab_size, (9,), generator=g)
-    for host in (masked, varlen):
-        for c in pre:
-            host.kv.reserve(c.seq_id, c.start + c.num_tokens + 4)
-        host.forward(pre, ids, ex)
-    if decode:
-        chunks, rows, last_rows = [SeqChunk("a", 6, 1), SeqChunk("b", 3, 1)], 8, None
-    else:
-        chunks, rows, last_rows = [SeqChunk("a", 6, 3), SeqChunk("b", 3, 2)], 16, 4
-    n = sum(c.num_tokens for c in chunks)
-    tok = np.zeros(rows, dtype=np.int64)
-    tok[:n] = torch.randint(0, masked.vocab_size, (n,), generator=g).numpy()
-    context = sum(c.start + c.num_tokens for c in chunks)
-    keys = 64
-    outs = []
-    for host in (masked, varlen):
-        inp = host.kv.plan_padded(chunks, rows, keys, host.dtype, last_rows=last_rows, varlen=host.varlen,
-                                  extra={"token_ids": tok})
-        assert ("mask" in inp) is (not host.varlen) and ("cu_q" in inp) is host.varlen
-        from ray_moe.model.kv import StepLayout
-        lay = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], inp.get("mask"), inp.get("last"),
-                         inp.get("cu_q"), inp.get("cu_k"), rows if last_rows else 1, keys)
-        outs.append(host.forward_layout(lay, inp["token_ids"], ex))
-    real = len(chunks) if last_rows else n
-    assert context < keys
-    torch.testing.assert_close(outs[1][:real], outs[0][:real], atol=2e-5, rtol=1e-4)
+    pre, chunks = STEPS[0], STEPS[1]
+    for c in pre + chunks:
+        host.kv.reserve(c.seq_id, c.start + c.num_tokens)
+    host.forward(pre, torch.randint(0, host.vocab_size, (14,), generator=g), ex)
+    ids = torch.randint(0, host.vocab_size, (12,), generator=g)
+    want = host.forward(chunks, ids, ex)  # [3, V]
+    rows, plan = host.plan(chunks, ids, rows=24, last_rows=8)
+    assert rows.rows == 24 and rows.n == 12 and rows.row_valid.sum() == 12
+    assert (rows.write_index[12:] == host.kv.trash_slot).all() and rows.last.tolist()[3:] == [0] * 5
+    padded = host.forward_rows(rows, InlineAttention(plan, host.kernels), ex)
+    torch.testing.assert_close(padded[:3], want, atol=2e-5, rtol=1e-4)
+    # holes: the attention calls recorded (weights of the forward), replayed into the arena with the plan
+    arena = OutputArena(64, host.config.num_attention_heads, host.config.head_dim, host.dtype, host.device)
 
+    def holes(module, query, key, value, scaling):
+        out = arena.view(int(query.shape[2]), int(query.shape[1]), int(value.shape[-1]))
+        Hole(module, query, key, value, scaling, out).run(plan, host.kernels)
+        return out.clone()  # (every layer shares the arena: a piece reads it before the next hole writes)
 
-@pytest.mark.parametrize("single", [2, 4])
-def test_split_padded_plan_equals_masked_plan(hf_checkpoint, single):
-    """A captured mixed step's two groups (``single_rows``): the decode rows first, padded with one-row
-    sequences, then the chunks padded to the step's rows; every real row's logits equal the masked path's
-    unpadded step, the padding sequences attend nothing real, and the kernel runs twice per layer."""
-    _, folder = hf_checkpoint("qwen3_moe")
-    calls: list[int] = []
-    masked, varlen = _hosts(folder, calls)
-    ex = types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
-    g = torch.Generator().manual_seed(2)
-    pre = [SeqChunk("a", 0, 6), SeqChunk("b", 0, 3)]
-    ids = torch.randint(0, masked.vocab_size, (9,), generator=g)
-    for host in (masked, varlen):
-        for c in pre + [SeqChunk("c", 0, 5)]:
-            host.kv.reserve(c.seq_id, c.start + c.num_tokens + 4)
-        host.forward(pre, ids, ex)
-    chunks = [SeqChunk("a", 6, 1), SeqChunk("b", 3, 1), SeqChunk("c", 0, 5)]  # two decode rows, a new prompt
-    new = torch.randint(0, masked.vocab_size, (7,), generator=g)
-    want = masked.forward(chunks, new, ex)  # [3, V] at each sequence's last row
-    rows, keys, last_rows = single + 8, 64, single + 2
-    tok = np.zeros(rows, dtype=np.int64)
-    tok[:2], tok[single:single + 5] = new[:2].numpy(), new[2:].numpy()
-    inp = varlen.kv.plan_padded(chunks, rows, keys, varlen.dtype, last_rows=last_rows, varlen=True,
-                                single_rows=single, extra={"token_ids": tok})
-    assert inp["cu_q"].tolist()[:single + 1] == list(range(single + 1))
-    assert inp["row_valid"].tolist() == [True, True] + [False] * (single - 2) + [True] * 5 + [False] * 3
-    assert inp["last"].tolist()[:3] == [0, 1, single + 4]
-    from ray_moe.model.kv import StepLayout
-    lay = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, inp["last"], inp["cu_q"],
-                     inp["cu_k"], 8, keys, single)
-    calls.clear()
-    got = varlen.forward_layout(lay, inp["token_ids"], ex)
-    torch.testing.assert_close(got[:3], want, atol=2e-5, rtol=1e-4)
-    assert calls == [single, 8] * varlen.config.num_hidden_layers
-    with pytest.raises(ValueError, match="single_rows=1"):
-        varlen.kv.plan_padded(chunks, rows, keys, varlen.dtype, last_rows=last_rows, varlen=True, single_rows=1)
+    holed = host.forward_rows(rows, holes, ex)
+    torch.testing.assert_close(holed[:3], want, atol=2e-5, rtol=1e-4)
 
 
 def test_backend_choice_and_refusals(hf_checkpoint):
@@ -207,5 +160,8 @@ def test_backend_choice_and_refusals(hf_checkpoint):
         ModelHost.from_checkpoint(folder, attention=AttentionBackend.VARLEN, kv_tokens=64)
     assert "float16 / bfloat16" in check_flash(torch.device("cuda"), torch.float32, 4, 2, 8)
     assert "outside FlashAttention-2" in check_flash(torch.device("cuda"), torch.bfloat16, 4, 3, 8)
-    with pytest.raises(RuntimeError, match="without a VarlenPlan"):
-        varlen_attention(None, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), None)
+    with pytest.raises(RuntimeError, match="without a step's attention"):
+        step_attention(None, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), None)
+    with pytest.raises(ValueError, match="rows=4"):
+        auto.kv.reserve("x", 6)
+        auto.plan([SeqChunk("x", 0, 6)], np.zeros(6, dtype=np.int64), rows=4)

@@ -11,7 +11,8 @@ import torch
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.attention import check_flash, flash_varlen, sequence_reference
 from ray_moe.model.host import ModelHost
-from ray_moe.model.kv import SeqChunk, StepLayout
+from ray_moe.model.attention import InlineAttention
+from ray_moe.model.kv import SeqChunk
 from ray_moe.model.source import HFWeightSource
 from ray_moe_dev.testing.local_executor import LocalExecutor
 
@@ -42,8 +43,9 @@ def test_flash_varlen_equals_the_per_sequence_reference(heads, kv_heads, dim):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_varlen_host_equals_masked_host_in_bf16(hf_checkpoint, family):
     """The real kernel inside transformers' own modules (GQA; MLA's narrower values) over a mixed step, and a
-    padded decode step (the static shapes a captured step runs; the captured path itself runs in the shard's
-    GPU tests and the benchmarks): equal to the masked SDPA path within bf16 error."""
+    padded decode step (the rows a captured step runs; the captured paths themselves run in
+    tests/model/test_piecewise_gpu.py and the shard's GPU tests): equal to the masked SDPA path within bf16
+    error."""
     _, folder = hf_checkpoint(family)
     masked = ModelHost.from_checkpoint(folder, device=DEV, dtype=torch.bfloat16, kv_tokens=1024,
                                        attention=AttentionBackend.MASKED)
@@ -61,17 +63,10 @@ def test_varlen_host_equals_masked_host_in_bf16(hf_checkpoint, family):
                 host.kv.reserve(c.seq_id, c.start + c.num_tokens + 8)
             outs.append(host.forward(chunks, ids, ex))
         torch.testing.assert_close(outs[1], outs[0], atol=0.1, rtol=0.05)
-    # a padded decode step: padding rows as their own sequences, each with one trash key
+    # a padded step (the rows a captured step runs): padding rows past the real ones change no real row
     chunks = [SeqChunk("a", 31, 1), SeqChunk("b", 29, 1), SeqChunk("c", 17, 1)]
-    rows, keys = 8, 128
-    tok = np.zeros(rows, dtype=np.int64)
-    tok[:3] = [5, 6, 7]
-    inp = varlen.kv.plan_padded(chunks, rows, keys, varlen.dtype, varlen=True, extra={"token_ids": tok})
-
-    def body(x):
-        lay = StepLayout(x["write_index"], x["read_index"], x["positions"], None, None, x["cu_q"], x["cu_k"], 1, keys)
-        return varlen.forward_layout(lay, x["token_ids"], ex)
-
-    eager = body(inp)
+    rows, plan = varlen.plan(chunks, np.asarray([5, 6, 7]), rows=8, last_rows=4)
+    got = varlen.forward_rows(rows, InlineAttention(plan, varlen.kernels, varlen.latent_cache), ex,
+                              gather=plan.gather if varlen.latent_cache else None)
     want = masked.forward(chunks, torch.tensor([5, 6, 7]), ex)
-    torch.testing.assert_close(eager[:3], want, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(got[:3], want, atol=0.1, rtol=0.05)

@@ -1,6 +1,7 @@
-"""A step's host index vectors (``model/kv_host.py`` through ``PagedKVCache``): every entry equals the slot lookup
-it stands for, one chunk at a time, for mixed chunks, padded varlen plans and the split (one-row group) plan;
-the records' direct constructors equal ``dataclasses.replace``; the chained block hashes equal ``block_hash``'s."""
+"""A step's plan (``PagedKVCache.plan_step`` / ``plan_decode_graph``, host vectors of ``model/kv_host.py``): every
+entry equals the slot lookup it stands for, one chunk at a time, padded rows after the real ones, for each backend
+and the in-place one-row group; the records' direct constructors equal ``dataclasses.replace``; the chained block
+hashes equal ``block_hash``'s."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,40 +30,35 @@ def _cache(chunks: list[SeqChunk]) -> PagedKVCache:
 CHUNKS = [SeqChunk("a", 9, 1), SeqChunk("b", 3, 1), SeqChunk("c", 0, 7), SeqChunk("d", 5, 0), SeqChunk("e", 6, 5)]
 
 
-def test_host_plan_vectors_are_the_chunks_slots_in_packed_order():
-    kv = _cache(CHUNKS)
-    v = kv._host_plan(CHUNKS)
-    assert v["read"].tolist() == [s for c in CHUNKS for s in kv.slots(c.seq_id, 0, c.start + c.num_tokens).tolist()]
-    assert v["write"].tolist() == [s for c in CHUNKS for s in kv.slots(c.seq_id, c.start, c.start + c.num_tokens).tolist()]
-    assert v["q_pos"].tolist() == [p for c in CHUNKS for p in range(c.start, c.start + c.num_tokens)]
-    assert v["k_pos"].tolist() == [p for c in CHUNKS for p in range(c.start + c.num_tokens)]
-    assert v["q_seq"].tolist() == [i for i, c in enumerate(CHUNKS) for _ in range(c.num_tokens)]
-    assert v["last"].tolist() == (np.cumsum([c.num_tokens for c in CHUNKS]) - 1).tolist()
-    assert kv._host_plan([])["read"].size == 0
+@pytest.mark.parametrize("backend,paged", [("masked", False), ("varlen", False), ("varlen", True)])
+def test_a_step_plan_is_the_chunks_slots_in_packed_order(backend, paged):
+    """``plan_step``: every row's write slot and position equal the slot lookups of its chunk, padding rows
+    after the real ones write the trash slot at position 0, ``last`` is each chunk's last row; the attention
+    plan gathers every context in packed order, or (``paged``) reads the leading one-row sequences' slots in
+    place and gathers the others', with offsets into each."""
+    from ray_moe.core.types import AttentionBackend
 
-
-def test_padded_and_split_varlen_plans_place_each_group_past_its_padding():
-    kv = _cache(CHUNKS)
+    kv = _cache(CHUNKS[:3] + CHUNKS[4:])
+    chunks = [c for c in CHUNKS if c.num_tokens]  # a (1), b (1), c (7), e (5)
+    reads = [kv.slots(c.seq_id, 0, c.start + c.num_tokens).tolist() for c in chunks]
+    writes = [kv.slots(c.seq_id, c.start, c.start + c.num_tokens).tolist() for c in chunks]
+    ids = np.arange(14, dtype=np.int64) + 7
+    rows, plan = kv.plan_step(chunks, ids, AttentionBackend(backend), paged=paged, rows=20, last_rows=6)
     trash = kv.trash_slot
-    reads = [kv.slots(c.seq_id, 0, c.start + c.num_tokens).tolist() for c in CHUNKS]
-    writes = [kv.slots(c.seq_id, c.start, c.start + c.num_tokens).tolist() for c in CHUNKS]
-    tok = np.arange(32, dtype=np.int64)
-    p = kv.plan_padded(CHUNKS, 32, 64, torch.float32, last_rows=8, varlen=True, extra={"token_ids": tok})
-    assert p["read_index"].tolist() == sum(reads, []) + [trash] * (64 - 37)
-    assert p["write_index"].tolist() == sum(writes, []) + [trash] * (32 - 14)
-    assert p["token_ids"].tolist() == tok.tolist() and int(p["row_valid"].sum()) == 14
-    # two one-row sequences first (padded to 4 rows), the other chunks after; group 1 read in place
-    for paged_keys in (0, 16):
-        s = kv.plan_padded(CHUNKS, 4 + 16, 64, torch.float32, last_rows=4 + 8, varlen=True, single_rows=4,
-                           paged_keys=paged_keys, extra={"token_ids": tok[:20]})
-        g1 = reads[0] + reads[1]
-        off2 = paged_keys or len(g1) + 2
-        read = s["read_index"].tolist()
-        assert read[:len(g1)] == g1 and set(read[len(g1):off2]) == {trash}
-        assert read[off2:off2 + 37 - len(g1)] == sum(reads[2:], [])
-        assert s["write_index"].tolist()[:4] == writes[0] + writes[1] + [trash] * 2
-        assert s["write_index"].tolist()[4:16] == sum(writes[2:], []) and s["positions"].tolist()[:2] == [9, 3]
-        assert s["last"].tolist()[:5] == [0, 1, 2 + 2 + 6, 2 + 2 + 6, 2 + 2 + 11]
+    assert rows.write_index.tolist() == sum(writes, []) + [trash] * 6
+    assert rows.positions.tolist() == [p for c in chunks for p in range(c.start, c.start + c.num_tokens)] + [0] * 6
+    assert rows.token_ids.tolist() == ids.tolist() + [0] * 6 and rows.row_valid.tolist() == [True] * 14 + [False] * 6
+    assert rows.last.tolist() == [0, 1, 8, 13, 0, 0] and plan.rows == 14
+    if backend == "masked":
+        assert plan.gather.tolist() == sum(reads, []) and plan.mask.shape == (1, 1, 14, len(sum(reads, [])))
+        return
+    assert plan.cu_q.tolist() == [0, 1, 2, 9, 14] and plan.max_q == 7 and plan.single_rows == 2
+    if paged:
+        assert plan.slots.tolist() == reads[0] + reads[1] and plan.gather.tolist() == reads[2] + reads[3]
+        assert plan.cu_k.tolist() == [0, 10, 14, 0, 7, 18]
+    else:
+        assert plan.slots is None and plan.gather.tolist() == sum(reads, [])
+        assert plan.cu_k.tolist() == [0, 10, 14, 21, 32]
 
 
 @settings(max_examples=40, deadline=None)
@@ -82,7 +77,10 @@ def test_a_decode_plan_of_several_sub_steps_reads_each_sub_steps_context(starts,
     rows = len(chunks) + pad_rows
     keys = sum(c.start + steps for c in chunks) + pad_rows + 3
     ids = np.arange(rows, dtype=np.int64) + 100
-    plans = kv.plan_decode_steps(chunks, rows, keys, steps, extra={"token_ids": ids})
+    from ray_moe.model.kv_host import plan_decode_steps
+
+    hc = kv._chunks([SeqChunk(x.seq_id, x.start, steps) for x in chunks])
+    plans = plan_decode_steps(hc, steps, rows, keys, kv.trash_slot, kv.device, {"token_ids": ids})
     assert len(plans) == steps
     trash = kv.trash_slot
     for j, p in enumerate(plans):
@@ -98,7 +96,11 @@ def test_a_decode_plan_of_several_sub_steps_reads_each_sub_steps_context(starts,
         for i in range(len(chunks), rows):
             assert read[cu[i]:end[i]] == [trash] and p["write_index"][i] == trash and p["positions"][i] == 0
     with pytest.raises(ValueError, match=f"steps={steps}"):  # the keys cannot hold every sub-step's context
-        kv.plan_decode_steps(chunks, len(chunks), sum(c.start + steps for c in chunks) - 1, steps)
+        plan_decode_steps(hc, steps, len(chunks), sum(x.start + steps for x in chunks) - 1, kv.trash_slot, kv.device)
+    # the decode graph's plan: the same, over exactly the slots it uses (a prefix of the graph's slot vector)
+    graph = kv.plan_decode_graph(chunks, rows, steps, ids[:len(chunks)])
+    assert graph[0]["read_index"].numel() == sum(x.start + steps for x in chunks) + pad_rows
+    assert graph[0]["token_ids"].tolist() == ids[:len(chunks)].tolist() + [0] * pad_rows
 
 
 def test_direct_constructors_equal_dataclasses_replace():

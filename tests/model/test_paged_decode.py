@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.attention import sequence_reference
 from ray_moe.model.host import ModelHost
-from ray_moe.model.kv import SeqChunk, StepLayout
+from ray_moe.model.kv import SeqChunk
 from ray_moe.model.paged_decode import BLOCK_N, MAX_SPLITS, check_paged, decode_splits, paged_decode_reference
 from ray_moe.model.source import HFWeightSource
 from ray_moe_dev.testing.local_executor import LocalExecutor
@@ -102,11 +102,18 @@ def _hosts(folder, calls):
     return masked, paged
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_decode_steps_read_the_cache_in_place(hf_checkpoint, family):
-    """Prefill, a mixed step (gathered: one-row group + chunks), an eager decode step and a padded decode step
-    (the captured shape: padding rows one trash key each): every step's logits equal the masked path's, and
-    the decode steps ran the decode kernel once per layer on the cache itself (no gathered context)."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_decode_rows_read_the_cache_in_place(hf_checkpoint, family):
+    """Prefill, a mixed step (its leading one-row sequence read in place, the chunks over their gathered
+    contexts), a decode step (every row in place) and a decode graph's rows (padded to 8: padding rows one
+    trash key each, the slot vector a prefix of a longer one, the static context bound): every step's logits
+    equal the masked path's, and each layer ran the decode kernel on the one-row rows only."""
+    import numpy as np
+
+    from ray_moe.core.types import AttentionBackend as B
+    from ray_moe.model.attention import AttentionPlan, InlineAttention
+    from ray_moe.model.kv import StepRows
+
     _, folder = hf_checkpoint(family)
     calls: list = []
     masked, paged = _hosts(folder, calls)
@@ -117,87 +124,37 @@ def test_decode_steps_read_the_cache_in_place(hf_checkpoint, family):
     steps = [[SeqChunk("a", 0, 5), SeqChunk("b", 0, 9)],
              [SeqChunk("a", 5, 1), SeqChunk("b", 9, 4), SeqChunk("c", 0, 7)],
              [SeqChunk("a", 6, 1), SeqChunk("b", 13, 1), SeqChunk("c", 7, 1)]]
-    for chunks in steps:
+    want_calls = [[("varlen", 14)], [("decode", 1), ("varlen", 11)], [("decode", 3)]]
+    for chunks, want in zip(steps, want_calls):
         ids = torch.randint(0, masked.vocab_size, (sum(c.num_tokens for c in chunks),), generator=g)
         outs = []
         for host in (masked, paged):
             for c in chunks:
                 host.kv.reserve(c.seq_id, c.start + c.num_tokens + 4)
+            calls.clear()
             outs.append(host.forward(chunks, ids, ex))
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
-    assert calls[-layers:] == [("decode", 3)] * layers
-    assert ("decode", 1) not in calls[: 2 * layers]  # the mixed step's one-row group attends gathered keys
-    # the captured decode shape: 8 rows (5 padding sequences of one trash key), a long slot vector
+        assert calls == want * layers
+    # a decode graph's rows: 8 rows (5 padding sequences), the slots copied into a longer static vector
     chunks = [SeqChunk("a", 7, 1), SeqChunk("b", 14, 1), SeqChunk("c", 8, 1)]
-    rows, keys = 8, 1024
-    tok = np.zeros(rows, dtype=np.int64)
-    tok[:3] = [5, 6, 7]
-    inp = paged.kv.plan_padded(chunks, rows, keys, paged.dtype, varlen=True, extra={"token_ids": tok})
-    lay = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, None, inp["cu_q"], inp["cu_k"],
-                     1, keys, paged=True)
+    inp = paged.kv.plan_decode_graph(chunks, 8, 1, np.asarray([5, 6, 7]))[0]
+    static = torch.full((1024,), paged.kv.trash_slot, dtype=torch.int64)
+    static[: inp["read_index"].numel()] = inp["read_index"]
+    plan = AttentionPlan(8, B.VARLEN, cu_k=inp["cu_k"], max_k=4096, single_rows=8, slots=static, k_end=inp["k_end"])
     calls.clear()
-    got = paged.forward_layout(lay, inp["token_ids"], ex)
+    got = paged.forward_rows(StepRows.of(inp, 8), InlineAttention(plan, paged.kernels), ex)
     want = masked.forward(chunks, torch.tensor([5, 6, 7]), ex)
     torch.testing.assert_close(got[:3], want, atol=2e-5, rtol=1e-4)
-    assert calls == [("decode", rows)] * layers
+    assert calls == [("decode", 8)] * layers
 
 
-def test_a_paged_plan_needs_the_kernel(hf_checkpoint):
+def test_a_latent_cache_is_never_read_in_place(hf_checkpoint):
+    """DeepSeek's MLA expands the latent it caches before attending: its host gathers every context (no decode
+    kernel, said why), and a caller's varlen kernel keeps the gathered path too."""
+    _, folder = hf_checkpoint("deepseek_v3")
+    masked, paged = _hosts(folder, [])
+    assert paged.latent_cache and not paged.paged_decode and "latent cache" in paged.decode_reason
     _, folder = hf_checkpoint("qwen3_moe")
     host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.VARLEN, varlen_kernel=sequence_reference,
                                      kv_tokens=64)
     assert not host.paged_decode and "caller's varlen kernel" in host.decode_reason
-    host.kv.reserve("a", 2)
-    lay = host.kv.plan([SeqChunk("a", 0, 1)], host.dtype, varlen=True, paged=True)
-    assert lay.paged
-    ex = types.SimpleNamespace(layer_entry=None)
-    with pytest.raises(ValueError, match="no in-place decode kernel"):
-        host.forward_layout(lay, torch.tensor([1]), ex)
-    # a step with a chunk of several tokens is never paged
-    assert not host.kv.plan([SeqChunk("a", 0, 2)], host.dtype, varlen=True, paged=True).paged
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_a_captured_mixed_step_reads_its_decode_rows_in_place(hf_checkpoint, family):
-    """The captured mixed shape (``plan_padded`` with ``single_rows`` and ``paged_keys``): two decode rows (two
-    padding rows of one trash key each) read the cache in place, two chunks (one continuing its context, one
-    fresh) attend their contexts gathered out of the cache; the sampled rows' logits equal the masked path's
-    eager step, and every layer ran the decode kernel on the one-row group and FlashAttention's stand-in on
-    the chunks' rows only."""
-    _, folder = hf_checkpoint(family)
-    calls: list = []
-    masked, paged = _hosts(folder, calls)
-    ex = types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
-    g = torch.Generator().manual_seed(1)
-    layers = paged.config.num_hidden_layers
-    first = [SeqChunk("a", 0, 6), SeqChunk("b", 0, 3), SeqChunk("c", 0, 5)]
-    mixed = [SeqChunk("a", 6, 1), SeqChunk("b", 3, 1), SeqChunk("c", 5, 4), SeqChunk("d", 0, 7)]
-    ids0 = torch.randint(0, masked.vocab_size, (14,), generator=g)
-    ids1 = torch.randint(0, masked.vocab_size, (13,), generator=g)
-    for host in (masked, paged):
-        for c in first + mixed:
-            host.kv.reserve(c.seq_id, c.start + c.num_tokens + 2)
-        host.forward(first, ids0, ex)
-    want = masked.forward(mixed, ids1, ex)  # [4, V]: a, b, c's last row, d's last row (``last`` order too)
-    single, rows, keys, paged_keys, last_rows = 4, 4 + 16, 64, 1024, 4 + 4
-    tok = np.zeros(rows, dtype=np.int64)
-    tok[:2] = ids1[:2].numpy()
-    tok[single:single + 11] = ids1[2:].numpy()
-    inp = paged.kv.plan_padded(mixed, rows, keys, paged.dtype, last_rows=last_rows, varlen=True, single_rows=single,
-                               paged_keys=paged_keys, extra={"token_ids": tok})
-    # group 1: single sequences; group 2: its chunks, one padding sequence, empty ones up to last_rows + 1
-    assert inp["read_index"].shape == (paged_keys + keys,) and inp["cu_k"].shape == ((single + 1) + (last_rows - single + 2),)
-    with pytest.raises(ValueError, match="paged_keys=2"):  # the group's 2 slots + 2 padding keys do not fit 2
-        paged.kv.plan_padded(mixed, rows, keys, paged.dtype, last_rows=last_rows, varlen=True, single_rows=single,
-                             paged_keys=2, extra={"token_ids": tok})
-    lay = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, inp["last"], inp["cu_q"],
-                     inp["cu_k"], rows - single, keys, single, paged=True, paged_keys=paged_keys)
-    calls.clear()
-    got = paged.forward_layout(lay, inp["token_ids"], ex)
-    torch.testing.assert_close(got[:4], want, atol=2e-5, rtol=1e-4)
-    assert calls == [("decode", single), ("varlen", rows - single)] * layers
-    # a paged mixed layout without its slot count is refused before the model runs
-    bad = StepLayout(inp["write_index"], inp["read_index"], inp["positions"], None, inp["last"], inp["cu_q"],
-                     inp["cu_k"], rows - single, keys, single, paged=True)
-    with pytest.raises(ValueError, match="without paged_keys"):
-        paged.forward_layout(bad, inp["token_ids"], ex)

@@ -127,6 +127,13 @@ class LocalTransport(StepTransport):
     def load_model(self, ranks: Sequence[int], **options: Any) -> list[dict[str, Any]]:
         return [self.dep.cores[r].load_model(**options) for r in ranks]
 
+    def status_of(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        return [self.dep.cores[r].status() for r in ranks]
+
+    def prepare_steps(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        futures = [self._pool.submit(self.dep.cores[r].prepare_steps) for r in ranks]  # (at once: SPMD)
+        return [f.result(timeout=self.dep.timeout_s * 10) for f in futures]
+
     def next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
         gen = self.dep.generation if pinned is None else pinned
         return self.members(), gen, f"gen{next(self._ids)}"

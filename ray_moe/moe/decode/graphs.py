@@ -150,12 +150,41 @@ def bucket_key_digest(snapshots: tuple[PlacementSnapshot, ...], *, hidden_size: 
     return digest64(tuple(keys))
 
 
-class CapturedStep:
-    """One decode step captured as a CUDA graph: stable input buffers, the graph, its outputs, and the step
-    context whose device-side statistics the graph overwrites on every replay."""
+def weak(t: Any) -> Any:
+    """A tensor over ``t``'s memory that does not own it (the allocator may hand that memory to a later
+    capture of the same pool); other values as they are; tuples and lists element-wise. For a captured step's
+    outputs that are consumed on the stream before any other graph replays."""
+    if isinstance(t, (tuple, list)):
+        return type(t)(weak(x) for x in t)
+    if not isinstance(t, torch.Tensor):
+        return t
+    st = t.untyped_storage()
+    storage = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
 
-    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
+
+def copy_inputs(inputs: dict[str, torch.Tensor], staged: dict[str, torch.Tensor]) -> None:
+    """A step's tensors into a captured step's static inputs of the same names: equal shapes, or a shorter 1-D
+    tensor into the prefix of its input (a slot vector whose tail no kernel reads)."""
+    for name, t in staged.items():
+        dst = inputs[name]
+        if t.shape == dst.shape:
+            dst.copy_(t)
+        elif t.dim() == 1 and dst.dim() == 1 and t.shape[0] <= dst.shape[0]:
+            dst[: t.shape[0]].copy_(t)
+        else:
+            raise ValueError(f"{name}: a step's {tuple(t.shape)} does not fit the captured {tuple(dst.shape)}")
+
+
+class CapturedStep:
+    """One step captured as a CUDA graph: stable input buffers, the graph, its outputs, and the step context
+    whose device-side statistics the graph overwrites on every replay. ``weak_outputs``: the outputs do not
+    hold their memory (every replay's outputs are consumed on the stream before any other graph of the pool
+    replays: the generation steps sample right behind their replay), so the pool's memory is shared."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor], weak_outputs: bool = False) -> None:
         self.inputs = inputs
+        self.weak_outputs = weak_outputs
         self.graph: Any = None
         self.output: Any = None
         self.context: Any = None
@@ -170,13 +199,14 @@ class CapturedStep:
         # thread_local: control-path threads of the actor (digests, weight copies) may touch CUDA meanwhile
         with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             self.output, self.context = body(self.inputs)
+        if self.weak_outputs:
+            self.output = weak(self.output)
         self.graph = g
         return g.pool()
 
     def replay(self, staged: dict[str, torch.Tensor]) -> tuple[Any, Any]:
-        """``staged``: this step's inputs, already padded to the bucket (same shapes as the stable ones)."""
-        for name, t in staged.items():
-            self.inputs[name].copy_(t)
+        """``staged``: this step's inputs, padded to the captured shapes (a shorter 1-D one fills a prefix)."""
+        copy_inputs(self.inputs, staged)
         self.graph.replay()
         return self.output, self.context
 
@@ -206,14 +236,6 @@ class StepGraphs:
     def put(self, generation: int, key: Any, step: CapturedStep) -> None:
         self._graphs[(generation, key)] = step
 
-    def covering(self, generation: int, key: tuple, slot: int) -> tuple | None:
-        """The captured key of ``generation`` equal to ``key`` but at position ``slot``, where its value is the
-        smallest one >= key's: an upper bound baked into a graph (a kernel's grid bound), so a step of ``key``
-        runs in that graph unchanged. None: no such graph."""
-        fits = [k for g, k in self._graphs if g == generation and isinstance(k, tuple) and len(k) == len(key)
-                and k[slot] >= key[slot] and k[:slot] == key[:slot] and k[slot + 1:] == key[slot + 1:]]
-        return min(fits, key=lambda k: k[slot]) if fits else None
-
     def count(self, generation: int, kind: Any) -> int:
         """Captured steps of ``generation`` whose key starts with ``kind``."""
         return sum(1 for g, k in self._graphs if g == generation and isinstance(k, tuple) and k and k[0] == kind)
@@ -228,5 +250,5 @@ class StepGraphs:
         return len(self._graphs)
 
 
-__all__ = ["DecodeRecord", "DecodeDecision", "decide", "decode_round", "agree_overflow", "generation_digest",
+__all__ = ["weak", "copy_inputs", "DecodeRecord", "DecodeDecision", "decide", "decode_round", "agree_overflow", "generation_digest",
            "bucket_key_digest", "CapturedStep", "StepGraphs", "DECODE_FIELDS", "KEY_FIELD", "DECODE_TAG"]

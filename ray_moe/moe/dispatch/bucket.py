@@ -77,12 +77,19 @@ def worst_case_slot_capacity(token_cap: int, group_size: int) -> int:
 
 
 def token_buckets(token_cap: int) -> tuple[int, ...]:
-    """The decode token capacities a deployment keeps buckets for: powers of two below ``token_cap``, then
-    ``token_cap`` (a step takes the smallest bucket its largest rank fits)."""
-    caps, c = [], 1
+    """The decode token capacities a deployment keeps buckets (and captured decode graphs) for, up to
+    ``token_cap``: powers of two to 8, steps of 8 to 64, steps of 32 to 256, then steps of 64, and ``token_cap``
+    itself (a step takes the smallest bucket its largest rank fits).
+
+    Why this spacing: a decode step reads the weights of every expert its routes touch. Below ~64 rows per rank
+    (top-8 of 128 experts) the experts touched grow with the rows, so a padding row costs weight reads and the
+    sizes are fine; from 64 rows on nearly every expert is read whatever the rows, a padding row costs one row of
+    dense work, and coarse sizes keep the graph count (start time, memory) low: 17 sizes up to 256."""
+    caps: list[int] = []
+    c = 1
     while c < token_cap:
         caps.append(c)
-        c *= 2
+        c = c * 2 if c < 8 else c + (8 if c < 64 else 32 if c < 256 else 64)
     return (*caps, int(token_cap))
 
 

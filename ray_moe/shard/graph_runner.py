@@ -1,0 +1,315 @@
+# ======================================================================================================
+#  HOW A GENERATION STEP RUNS ON ONE SHARD (SGLang's CudaGraphRunner; pure: no Ray)
+#
+#   start: the deployment's StepLattice (shard/lattice.py) ──> capture, for the active generation:
+#     1. every decode size: a warm-up step over the trash slot, then ONE whole-step CUDA graph (attention read
+#        in place, every MoE layer, the LM head); its slot vector is one buffer every decode graph shares
+#     2. every token size (a group of one): a warm-up, then a PIECEWISE graph (model/piecewise.py): the pieces
+#        between the attention calls, attention run between them with each step's own plan
+#   each step: choose ──> DECODE_GRAPH (a decode-only step the agreed bucket holds)
+#                     ──> PIECEWISE    (any other step of a group of one within the token sizes)
+#                     ──> EAGER        (the reason named and counted: beyond the lattice, expert statistics,
+#                                       an expert-parallel mixed step, graphs off)
+#   never a capture on the request path, except the lattice of a generation published later (counted apart)
+# ======================================================================================================
+"""The captured step shapes of one shard: ``StepGraphRunner`` (capture at start, choose per step, replay)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ray_moe.core.types import AttentionBackend
+from ray_moe.model.attention import AttentionPlan, InlineAttention
+from ray_moe.model.host import ModelHost
+from ray_moe.model.kv import StepRows
+from ray_moe.model.kv_host import HostChunks
+from ray_moe.model.piecewise import OutputArena, PiecewiseGraph
+from ray_moe.moe.decode.graphs import CapturedStep, capture_failure
+from ray_moe.moe.dispatch.bucket import token_buckets
+from ray_moe.shard.lattice import StepLattice
+
+
+class RunKind(str, Enum):
+    """How one step runs on a rank."""
+
+    DECODE_GRAPH = "decode-graph"  # a whole-step CUDA graph of a decode size (attention inside)
+    PIECEWISE = "piecewise-graph"  # the pieces of a token size's graph, attention between them
+    EAGER = "eager"  # every kernel launched from Python (CPU; whatever no captured size holds)
+
+
+@dataclass(frozen=True)
+class RunChoice:
+    """A step's way to run: ``rows`` its padded rows (EAGER: the real ones); ``reason``: why EAGER."""
+
+    kind: RunKind
+    rows: int
+    reason: str | None = None
+
+
+class CudaGraphs:
+    """The capture backend: real CUDA graphs (tests on CPU pass an emulation with the same two methods)."""
+
+    def full(self, inputs: dict[str, torch.Tensor]) -> CapturedStep:
+        return CapturedStep(inputs, weak_outputs=True)
+
+    def piecewise(self, inputs: dict[str, torch.Tensor]) -> PiecewiseGraph:
+        return PiecewiseGraph(inputs)
+
+
+@dataclass
+class CaptureReport:
+    """What one generation's capture took: graphs by kind, seconds, and the device memory it kept (the graph
+    pool, the shared slot vector and attention-output arena: reserved bytes after over before, CUDA)."""
+
+    generation: int
+    at_start: bool
+    decode_graphs: int = 0
+    piecewise_graphs: int = 0
+    seconds: float = 0.0
+    reserved_bytes: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+# a step's MoE context for captured rows: (row_valid [R] bool, the dispatcher, the step's tag) -> MoEStep
+ContextFactory = Callable[[torch.Tensor, Any, str], Any]
+
+
+class StepGraphRunner:
+    """The lattice of one shard's generation steps and their captured graphs (one pool, one store with the
+    shard's other captured steps: ``pipeline.graphs``). ``configure`` once the deployment's sizes are known;
+    ``capture`` a generation's lattice; ``choose`` per step; ``decode`` / ``piecewise`` replay."""
+
+    def __init__(self, host: ModelHost, pipeline: Any) -> None:
+        self.host, self.pipeline = host, pipeline
+        self.backend: Any = CudaGraphs()
+        self.lattice: StepLattice | None = None
+        self.counters: dict[str, int] = {}
+        # why no graph of a kind is captured here (None: it is): set by ``configure``
+        self.decode_off: str | None = "no lattice configured"
+        self.tokens_off: str | None = "no lattice configured"
+        self.reports: dict[int, CaptureReport] = {}
+        self.slots: torch.Tensor | None = None  # the decode graphs' shared slot vector
+        self.arena: OutputArena | None = None  # the holes' shared attention output
+        self.max_k = 1  # the decode graphs' context bound (the decode kernel's split count is a static shape)
+        self.decode_sizes: tuple[int, ...] = ()  # the lattice's, up to the decode bucket's capacity
+
+    # ------------------------------------------------------------------ configuration
+    def configure(self, lattice: StepLattice, *, capture: bool, one_rank: bool, local: bool, why_not: str,
+                  decode_cap: int) -> None:
+        """The deployment's lattice, and which kinds this shard can capture: ``capture`` (CUDA graphs on, a
+        capturable exchange; else ``why_not``), ``one_rank`` / ``local`` (a group of one on the local path:
+        piecewise steps; an expert-parallel group exchanges counts on the host in those); ``decode_cap``: the
+        decode bucket's capacity (its sizes stop there: a named ``decode_token_capacity`` below the running
+        sequences sends larger decode steps to the other paths)."""
+        host = self.host
+        self.lattice = lattice
+        self.decode_sizes = token_buckets(min(lattice.rank_running, int(decode_cap)))
+        off = None if capture else why_not
+        if off is None and host.latent_cache:
+            off = "the model's attention expands a latent cache (MLA): its steps gather their contexts eagerly"
+        self.decode_off = off or (None if host.paged_decode else
+                                  f"decode attention gathers its contexts ({host.decode_reason})")
+        self.tokens_off = off or (None if one_rank and local else
+                                  "an expert-parallel group's prefill and mixed steps agree their counts on the host")
+        self.max_k = int(getattr(host.config, "max_position_embeddings", 1 << 15))
+
+    def paths(self) -> dict[str, str]:
+        """The path each step kind takes here, in words (``status``)."""
+        lat = self.lattice
+        out = {}
+        if lat is None:
+            return {"decode": "eager (no lattice)", "prefill_mixed": "eager (no lattice)"}
+        sizes = self.decode_sizes
+        dec = (f"decode graph, {len(sizes)} sizes {sizes[0]}..{sizes[-1]}" if self.decode_off is None else None)
+        tok = (f"piecewise graph, {len(lat.token_sizes)} sizes {lat.token_sizes[0]}..{lat.max_tokens}"
+               if self.tokens_off is None else None)
+        out["decode"] = dec or (tok and f"{tok} ({self.decode_off})") or f"eager ({self.decode_off})"
+        out["prefill_mixed"] = tok or f"eager ({self.tokens_off})"
+        if dec and sizes[-1] < lat.rank_running:
+            out["decode"] += (f"; {sizes[-1] + 1}..{lat.rank_running} sequences (decode_token_capacity={sizes[-1]}): "
+                              + (tok or f"eager ({self.tokens_off})"))
+        out["beyond_lattice"] = "eager"
+        return out
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ------------------------------------------------------------------ capture
+    def captured(self, generation: int) -> bool:
+        return generation in self.reports
+
+    def capture(self, generation: int, paths: Any, make_ctx: ContextFactory, *, at_start: bool) -> CaptureReport:
+        """Every lattice size of ``generation`` (decode sizes, then token sizes), each a warm-up step then a
+        capture; the graphs go into the shard's store under ``generation`` (released at its retirement). A
+        failed capture of a kind leaves that kind eager, its reason in the report (and the step path)."""
+        rep = CaptureReport(generation, at_start)
+        self.reports[generation] = rep
+        lat = self.lattice
+        if lat is None or (self.decode_off and self.tokens_off):
+            return rep
+        dev = self.host.device
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        self._buffers()
+        key = "graphs_captured_start" if at_start else "graphs_captured_serving"
+        if self.decode_off is None:
+            for rows in self.decode_sizes:
+                try:
+                    self._capture_decode(generation, rows, paths, make_ctx)
+                except Exception as exc:  # noqa: BLE001 - decode steps then take the other paths; say why
+                    rep.errors["decode"] = capture_failure(exc)
+                    self.decode_off = f"decode capture failed: {rep.errors['decode']}"
+                    break
+                rep.decode_graphs += 1
+                self.count(key)
+        if self.tokens_off is None:
+            for rows in lat.token_sizes:
+                try:
+                    self._capture_tokens(generation, rows, paths, make_ctx)
+                except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why
+                    rep.errors["tokens"] = capture_failure(exc)
+                    self.tokens_off = f"piecewise capture failed: {rep.errors['tokens']}"
+                    break
+                rep.piecewise_graphs += 1
+                self.count(key)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            rep.reserved_bytes = torch.cuda.memory_reserved(dev) - before
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _buffers(self) -> None:
+        """The buffers every captured step shares, allocated once before the first capture (addresses are
+        captured): the decode graphs' slot vector and the holes' attention-output arena."""
+        lat, host = self.lattice, self.host
+        if self.decode_off is None and self.slots is None:
+            top = self.decode_sizes[-1]
+            n = min(top * self.max_k, 4 * host.kv.capacity_tokens) + top
+            self.slots = torch.full((n,), host.kv.trash_slot, dtype=torch.int64, device=host.device)
+        if self.tokens_off is None and self.arena is None:
+            c = host.config
+            heads = int(c.num_attention_heads)
+            dv = int(getattr(c, "v_head_dim", None) or getattr(c, "head_dim", None) or c.hidden_size // heads)
+            self.arena = OutputArena(lat.max_tokens, heads, dv, host.dtype, host.device)
+
+    def _trash_chunks(self, lens: list[int]) -> HostChunks:
+        """Warm-up chunks from position 0 whose every context slot is the trash slot (no sequence's KV)."""
+        trash = self.host.kv.trash_slot
+        arr = np.asarray(lens, dtype=np.int64)
+        return HostChunks(np.zeros_like(arr), arr, arr.copy(), [np.full(n, trash, dtype=np.int64) for n in lens])
+
+    def decode_body(self, rows: int, dispatcher: Any, make_ctx: ContextFactory, tag: str) -> Callable:
+        """The whole-step decode graph's body over its static inputs: attention in place through the shared
+        slot vector, with the static context bound (the decode kernel's split count)."""
+        host = self.host
+
+        def body(inp: dict[str, torch.Tensor]):
+            ctx = make_ctx(inp["row_valid"], dispatcher, tag)
+            plan = AttentionPlan(rows, AttentionBackend.VARLEN, cu_k=inp["cu_k"], max_k=self.max_k,
+                                 single_rows=rows, slots=inp["read_index"], k_end=inp["k_end"])
+            logits = host.forward_rows(StepRows.of(inp, rows), InlineAttention(plan, host.kernels), ctx)
+            return (logits, ctx.device_summary()), ctx
+        return body
+
+    def piecewise_body(self, rows: int, dispatcher: Any, make_ctx: ContextFactory, tag: str) -> Callable:
+        """The piecewise graph's body: the model over the static rows, attention through the capture's cutter
+        (or, eagerly, any ``StepAttention``)."""
+        host = self.host
+
+        def body(inp: dict[str, torch.Tensor], attention: Any):
+            ctx = make_ctx(inp["row_valid"], dispatcher, tag)
+            logits = host.forward_rows(StepRows.of(inp, rows), attention, ctx)
+            return (logits, ctx.device_summary()), ctx
+        return body
+
+    def _capture_decode(self, generation: int, rows: int, paths: Any, make_ctx: ContextFactory) -> None:
+        host = self.host
+        staged = host.kv.plan_decode_graph(self._trash_chunks([1] * rows), rows, 1, np.zeros(rows, dtype=np.int64))[0]
+        body = self.decode_body(rows, paths.bucket.for_tokens(rows), make_ctx, f"warm-decode-{rows}")
+        body(staged)  # 1. the warm-up (kernels compiled and tuned for this size outside the capture)
+        inputs = {k: v.clone() for k, v in staged.items() if k != "read_index"}
+        inputs["read_index"] = self.slots
+        step = self.backend.full(inputs)
+        self.pipeline.pool = step.capture(body, self.pipeline.pool) or self.pipeline.pool  # 2. the capture
+        self.pipeline.graphs.put(generation, ("decode", rows), step)
+
+    def _capture_tokens(self, generation: int, rows: int, paths: Any, make_ctx: ContextFactory) -> None:
+        host, lat = self.host, self.lattice
+        # one sequence of ``rows`` tokens over the trash slot: the pieces do not depend on the step's sequences
+        step_rows, plan = host.kv.plan_step(self._trash_chunks([rows]), np.zeros(rows, dtype=np.int64),
+                                            host.attention, rows=rows, last_rows=lat.sampled_rows(rows),
+                                            mask_dtype=host.dtype)
+        body = self.piecewise_body(rows, paths.bucket, make_ctx, f"warm-tokens-{rows}")
+        body(step_rows.tensors(), InlineAttention(plan, host.kernels))  # 1. the warm-up
+        graph = self.backend.piecewise({k: v.clone() for k, v in step_rows.tensors().items()})
+        self.pipeline.pool = graph.capture(body, self.pipeline.pool, self.arena) or self.pipeline.pool  # 2.
+        self.pipeline.graphs.put(generation, ("tokens", rows), graph)
+
+    # ------------------------------------------------------------------ each step
+    def choose(self, generation: int, *, decode_only: bool, bucket_rows: int | None, rows: int, sequences: int,
+               marked: bool, eager_status: bool, slot_keys: int = 0) -> RunChoice:
+        """How a step runs: ``decode_only`` (one-row sequences only), ``bucket_rows`` (the agreed decode bucket,
+        None: not on the bucket path), ``rows`` / ``sequences`` (real), ``marked`` (expert statistics asked: the
+        routes leave the step), ``eager_status`` (a refused step: its first dispatch raises the refusal),
+        ``slot_keys`` (a decode graph's slot vector length)."""
+        lat = self.lattice
+        have = generation in self.reports
+        if marked:
+            return self._eager(rows, "expert statistics (routes read out of the step)")
+        if eager_status:
+            return self._eager(rows, "a refused step")
+        if lat is None or not have:
+            return self._eager(rows, self.decode_off or self.tokens_off or "no graphs for the generation")
+        if (decode_only and bucket_rows is not None and self.decode_off is None
+                and self.pipeline.graphs.get(generation, ("decode", bucket_rows)) is not None
+                and slot_keys <= self.slots.numel()):
+            return RunChoice(RunKind.DECODE_GRAPH, bucket_rows)
+        if self.tokens_off is not None:
+            return self._eager(rows, self.tokens_off if not decode_only else (self.decode_off or self.tokens_off))
+        size = lat.token_rows(rows)
+        if size is None or sequences > lat.sampled_rows(size):
+            return self._eager(rows, f"beyond the lattice ({rows} rows, {sequences} sequences; the largest size "
+                                     f"{lat.max_tokens} rows)")
+        if self.pipeline.graphs.get(generation, ("tokens", size)) is None:
+            return self._eager(rows, "no graphs for the generation")
+        return RunChoice(RunKind.PIECEWISE, size)
+
+    def _eager(self, rows: int, reason: str) -> RunChoice:
+        self.count("eager_steps")
+        return RunChoice(RunKind.EAGER, rows, reason)
+
+    def decode(self, generation: int, rows: int, staged: dict[str, torch.Tensor]) -> Any:
+        """Replay the decode graph of ``rows``: ((logits [rows, V], summary), ctx)."""
+        self.count("decode_graph_steps")
+        return self._replay(lambda: self.pipeline.graphs.get(generation, ("decode", rows)).replay(staged))
+
+    def piecewise(self, generation: int, rows: int, staged: dict[str, torch.Tensor], plan: AttentionPlan) -> Any:
+        """Replay the piecewise graph of ``rows`` with the step's attention plan: ((logits [L, V], summary), ctx)."""
+        self.count("piecewise_steps")
+        graph = self.pipeline.graphs.get(generation, ("tokens", rows))
+        return self._replay(lambda: graph.replay(staged, plan, self.host.kernels))
+
+    def _replay(self, fn: Callable[[], Any]) -> Any:
+        t = time.perf_counter()
+        out = fn()
+        self.pipeline.note_replay(time.perf_counter() - t)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """The lattice, the path each step kind takes, and what each generation's capture took."""
+        return {"lattice": None if self.lattice is None else self.lattice.describe(), "paths": self.paths(),
+                "captures": {g: vars(r) for g, r in self.reports.items()},
+                "shared_bytes": (0 if self.slots is None else self.slots.numel() * 8)
+                + (0 if self.arena is None else self.arena.nbytes)}
+
+    def release(self, generation: int) -> None:
+        self.reports.pop(generation, None)
+
+
+__all__ = ["StepGraphRunner", "RunKind", "RunChoice", "CaptureReport", "CudaGraphs", "ContextFactory"]
