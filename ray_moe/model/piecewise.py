@@ -105,13 +105,19 @@ class PiecewiseGraph:
         self.holes: list[Hole] = []
         self.output: Any = None
 
-    def capture(self, body: Callable[[dict[str, torch.Tensor], Any], Any], pool: Any, arena: OutputArena) -> Any:
+    def capture(self, body: Callable[[dict[str, torch.Tensor], Any], Any], pool: Any, arena: OutputArena,
+                stream: Any = None) -> Any:
         """``body(inputs, attention) -> outputs``, recorded (nothing executes) after the caller ran the same
         size eagerly (the warm-up). ``pool``: the graph memory pool shared with every other captured step (None:
-        a new one). Returns the pool the pieces used."""
+        a new one); ``stream``: the side stream captures run on (None: torch's default capture stream, the one
+        ``torch.cuda.graph`` uses, so library workspaces bound to it are shared). Returns the pool."""
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         cut = _Cutter(self, pool, arena)
-        side = torch.cuda.Stream()
+        side = stream
+        if side is None:
+            if torch.cuda.graph.default_capture_stream is None:
+                torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+            side = torch.cuda.graph.default_capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             cut.begin()

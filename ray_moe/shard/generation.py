@@ -320,8 +320,7 @@ class GenerationExecutor:
             slots = sum(it.start + ahead for it in items) + (paths.bucket.token_cap if bucket else 0)
             choice = self.graph_runner.choose(
                 view.generation, decode_only=decode_only, bucket_rows=paths.bucket.token_cap if bucket else None,
-                rows=batch.rows, sequences=len(items), marked=batch.marked,
-                eager_status=status != ControlStatus.OK or not paths.capture
+                rows=batch.rows, sequences=len(items), eager_status=status != ControlStatus.OK or not paths.capture
                 or (decision is not None and paths.exchange.size > 1 and not decision.replay), slot_keys=slots)
             if choice.kind is RunKind.DECODE_GRAPH:
                 return self._decode_graph(req, batch, view, choice.rows, ahead)
@@ -334,7 +333,7 @@ class GenerationExecutor:
         """A decode size's whole-step graph; with ``ahead`` > 1 the plan covers every sub-step (``SubstepRun``)."""
         plans = self.host.kv.plan_decode_graph(batch.items, rows, ahead, packed_ids(batch.items))
         fill_rows(plans[0]["token_ids"], batch.items, batch.fills)
-        launch = self._sampler(batch.items, lambda inp: self.graph_runner.decode(view.generation, rows, inp))
+        launch = self._sampler(batch.items, view, lambda inp: self.graph_runner.decode(view.generation, rows, inp))
         specs = [it.sample for it in sampled_items(batch.items)]
         out = launch(plans[0], specs)
         if len(plans) > 1:
@@ -347,23 +346,31 @@ class GenerationExecutor:
                                          last_rows=self.graph_runner.lattice.sampled_rows(rows))
         staged = step_rows.tensors()
         fill_rows(staged["token_ids"], batch.items, batch.fills)
-        launch = self._sampler(batch.items, lambda inp: self.graph_runner.piecewise(view.generation, rows, inp, plan))
+        launch = self._sampler(batch.items, view,
+                               lambda inp: self.graph_runner.piecewise(view.generation, rows, inp, plan))
         return launch(staged, [it.sample for it in sampled_items(batch.items)])
 
-    def _sampler(self, items: tuple[WorkItem, ...], run):
+    def _sampler(self, items: tuple[WorkItem, ...], view: GenerationView, run):
         """``launch(inputs, specs, greedy=False) -> GraphPending``: ``run(inputs)`` (a replay: ((logits, device
-        summary), MoEStep)), then sampling on the device and the outputs' host copies queued right behind."""
+        summary, routes), MoEStep)), then sampling on the device and the outputs' host copies queued right behind
+        (the marked items' expert counts, reduced from the routes on the device, too)."""
         want_rows = [i for i, it in enumerate(items) if it.sample is not None]
         want = tuple(items[i] for i in want_rows)
         contexts = self.batcher.contexts(list(want))
         dev = self.host.device
+        marked, segments = marked_rows(items)
 
         def launch(inputs: dict[str, torch.Tensor], specs: list, greedy: bool = False) -> GraphPending:
-            (logits, summary), ctx = run(inputs)
-            host_summary = None
+            (logits, summary, routes), ctx = run(inputs)
+            host_summary = counts = None
             if summary is not None:  # queued behind the step: read with the sampled tokens, one wait for both
                 host_summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=dev.type == "cuda")
                 host_summary.copy_(summary, non_blocking=True)
+            if marked:  # reduced on the device behind the step; read with the sampled tokens
+                self.count("expert_stats_steps")
+                dev_counts = expert_counts(routes, segments, view.snapshots[0].num_experts)
+                counts = (marked, torch.empty(dev_counts.shape, dtype=dev_counts.dtype, pin_memory=dev.type == "cuda"))
+                counts[1].copy_(dev_counts, non_blocking=True)
             picked = lps = None
             if want:
                 scores = logits[: len(want_rows)] if want_rows[-1] == len(want_rows) - 1 else logits.index_select(
@@ -377,7 +384,7 @@ class GenerationExecutor:
                     host_picked.copy_(picked, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
-            return GraphPending(ctx, want, picked, host_summary, dev, host_picked, done, lps)
+            return GraphPending(ctx, want, picked, host_summary, dev, host_picked, done, lps, counts)
         return launch
 
     def _eager(self, req, batch: StepBatch, view, paths, status, want_prefill, want_decode, bucket, reason, tag):

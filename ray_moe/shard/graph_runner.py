@@ -31,6 +31,7 @@ from ray_moe.model.kv import StepRows
 from ray_moe.model.kv_host import HostChunks
 from ray_moe.model.piecewise import OutputArena, PiecewiseGraph
 from ray_moe.moe.decode.graphs import CapturedStep, capture_failure
+from ray_moe.moe.layer import RouteRecorder
 from ray_moe.moe.dispatch.bucket import token_buckets
 from ray_moe.shard.lattice import StepLattice
 
@@ -65,7 +66,8 @@ class CudaGraphs:
 @dataclass
 class CaptureReport:
     """What one generation's capture took: graphs by kind, seconds, and the device memory it kept (the graph
-    pool, the shared slot vector and attention-output arena: reserved bytes after over before, CUDA)."""
+    pool, the shared slot vector and attention-output arena: the allocator's reserved bytes after over before,
+    the KV cache's tensors (allocated by the first warm-up) left out; CUDA)."""
 
     generation: int
     at_start: bool
@@ -155,7 +157,8 @@ class StepGraphRunner:
             return rep
         dev = self.host.device
         t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        # (the KV cache's tensors are allocated at the first warm-up's layers: not the graphs' memory)
+        before = torch.cuda.memory_reserved(dev) - self.host.kv.allocated_bytes() if dev.type == "cuda" else 0
         self._buffers()
         key = "graphs_captured_start" if at_start else "graphs_captured_serving"
         if self.decode_off is None:
@@ -178,9 +181,10 @@ class StepGraphRunner:
                     break
                 rep.piecewise_graphs += 1
                 self.count(key)
-        if dev.type == "cuda":
+        if dev.type == "cuda":  # (the warm-ups' eager activations go back to the device; the graphs keep theirs)
             torch.cuda.synchronize(dev)
-            rep.reserved_bytes = torch.cuda.memory_reserved(dev) - before
+            torch.cuda.empty_cache()
+            rep.reserved_bytes = torch.cuda.memory_reserved(dev) - self.host.kv.allocated_bytes() - before
         rep.seconds = time.perf_counter() - t0
         return rep
 
@@ -206,15 +210,18 @@ class StepGraphRunner:
 
     def decode_body(self, rows: int, dispatcher: Any, make_ctx: ContextFactory, tag: str) -> Callable:
         """The whole-step decode graph's body over its static inputs: attention in place through the shared
-        slot vector, with the static context bound (the decode kernel's split count)."""
+        slot vector, with the static context bound (the decode kernel's split count). Every body records each
+        MoE layer's routes [layers, rows, k] (a copy per layer): a step with items that asked for their expert
+        statistics replays the same graph. Returns ((logits, device summary, routes), the step's MoEStep)."""
         host = self.host
 
         def body(inp: dict[str, torch.Tensor]):
             ctx = make_ctx(inp["row_valid"], dispatcher, tag)
+            rec = RouteRecorder(ctx, len(ctx.view.snapshots), inp["row_valid"])
             plan = AttentionPlan(rows, AttentionBackend.VARLEN, cu_k=inp["cu_k"], max_k=self.max_k,
                                  single_rows=rows, slots=inp["read_index"], k_end=inp["k_end"])
-            logits = host.forward_rows(StepRows.of(inp, rows), InlineAttention(plan, host.kernels), ctx)
-            return (logits, ctx.device_summary()), ctx
+            logits = host.forward_rows(StepRows.of(inp, rows), InlineAttention(plan, host.kernels), rec)
+            return (logits, ctx.device_summary(), rec.ids), ctx
         return body
 
     def piecewise_body(self, rows: int, dispatcher: Any, make_ctx: ContextFactory, tag: str) -> Callable:
@@ -224,8 +231,9 @@ class StepGraphRunner:
 
         def body(inp: dict[str, torch.Tensor], attention: Any):
             ctx = make_ctx(inp["row_valid"], dispatcher, tag)
-            logits = host.forward_rows(StepRows.of(inp, rows), attention, ctx)
-            return (logits, ctx.device_summary()), ctx
+            rec = RouteRecorder(ctx, len(ctx.view.snapshots), inp["row_valid"])
+            logits = host.forward_rows(StepRows.of(inp, rows), attention, rec)
+            return (logits, ctx.device_summary(), rec.ids), ctx
         return body
 
     def _capture_decode(self, generation: int, rows: int, paths: Any, make_ctx: ContextFactory) -> None:
@@ -253,15 +261,13 @@ class StepGraphRunner:
 
     # ------------------------------------------------------------------ each step
     def choose(self, generation: int, *, decode_only: bool, bucket_rows: int | None, rows: int, sequences: int,
-               marked: bool, eager_status: bool, slot_keys: int = 0) -> RunChoice:
+               eager_status: bool, slot_keys: int = 0) -> RunChoice:
         """How a step runs: ``decode_only`` (one-row sequences only), ``bucket_rows`` (the agreed decode bucket,
-        None: not on the bucket path), ``rows`` / ``sequences`` (real), ``marked`` (expert statistics asked: the
-        routes leave the step), ``eager_status`` (a refused step: its first dispatch raises the refusal),
-        ``slot_keys`` (a decode graph's slot vector length)."""
+        None: not on the bucket path), ``rows`` / ``sequences`` (real), ``eager_status`` (a refused or faulted
+        step, graphs off for it: its first dispatch raises the refusal), ``slot_keys`` (a decode graph's slot
+        vector length)."""
         lat = self.lattice
         have = generation in self.reports
-        if marked:
-            return self._eager(rows, "expert statistics (routes read out of the step)")
         if eager_status:
             return self._eager(rows, "a refused step")
         if lat is None or not have:
@@ -285,12 +291,13 @@ class StepGraphRunner:
         return RunChoice(RunKind.EAGER, rows, reason)
 
     def decode(self, generation: int, rows: int, staged: dict[str, torch.Tensor]) -> Any:
-        """Replay the decode graph of ``rows``: ((logits [rows, V], summary), ctx)."""
+        """Replay the decode graph of ``rows``: ((logits [rows, V], summary, routes), ctx)."""
         self.count("decode_graph_steps")
         return self._replay(lambda: self.pipeline.graphs.get(generation, ("decode", rows)).replay(staged))
 
     def piecewise(self, generation: int, rows: int, staged: dict[str, torch.Tensor], plan: AttentionPlan) -> Any:
-        """Replay the piecewise graph of ``rows`` with the step's attention plan: ((logits [L, V], summary), ctx)."""
+        """Replay the piecewise graph of ``rows`` with the step's attention plan: ((logits [L, V], summary, routes),
+        ctx)."""
         self.count("piecewise_steps")
         graph = self.pipeline.graphs.get(generation, ("tokens", rows))
         return self._replay(lambda: graph.replay(staged, plan, self.host.kernels))

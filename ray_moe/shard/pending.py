@@ -23,8 +23,9 @@ class GraphPending:
     want: the sampled items in ``picked`` order; picked: [S] int64 on the device (None: nothing sampled);
     host_picked / host_summary: their copies queued to (pinned) host memory right behind the step, so reading
     them never waits for steps launched after this one. ``done``: an event recorded after those copies.
-    logprobs: the raw logprobs of the ``want`` items that asked, on the device (None: none asked). (Items that
-    asked for their expert statistics run eagerly: a graph step has none.)"""
+    logprobs: the raw logprobs of the ``want`` items that asked, on the device (None: none asked). counts: (the
+    sequence ids of the items marked ``expert_stats``, their [S, layers, experts] int32 expert counts queued
+    to (pinned) host memory behind the step), None when no item is marked."""
 
     ctx: MoEStep
     want: tuple[WorkItem, ...]
@@ -34,6 +35,7 @@ class GraphPending:
     host_picked: torch.Tensor | None = None
     done: Any = None
     logprobs: LogprobsPending | None = None
+    counts: tuple[tuple[str, ...], torch.Tensor] | None = None
     substeps: Any = None  # a multi-step request's first sub-step: the later ones' ``SubstepRun``
 
     def finish(self, stats: bool = True) -> tuple[dict[str, int], tuple, bool, dict[str, TokenLogprobs],
@@ -52,7 +54,8 @@ class GraphPending:
             torch.cuda.current_stream(self.device).synchronize()
         stats, overflow = ((), False) if not stats else self.ctx.finish(
             None if self.host_summary is None else self.host_summary.numpy())
-        return tokens, stats, overflow, lps, None
+        counts = None if self.counts is None else dict(zip(self.counts[0], self.counts[1].numpy()))
+        return tokens, stats, overflow, lps, counts
 
 
 class PendingStep:

@@ -60,10 +60,6 @@ class StepBatch:
     def decode_rows(self) -> int:
         return sum(it.decode for it in self.items)
 
-    @property
-    def marked(self) -> bool:
-        return any(it.expert_stats for it in self.items)
-
 
 class StepBatcher:
     """The rank's per-sequence state between steps over its KV cache, and the batch stage (module banner).
