@@ -2,6 +2,7 @@
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
 # time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|layer|generate|serving-ray|serving-vllm|serving-tf|profile|rebalance
+# (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
 LOG=${LOG:-/dev/stdout}
@@ -17,16 +18,34 @@ for what in "$@"; do
     skinny)   run 120 python3 -m ray_moe_bench.skinny ;;
     layer)    run 250 python3 -m ray_moe_bench.moe_layer --layers 4 --iters 30 ;;
     generate) run 330 python3 -m ray_moe_bench.generate --layers 8 --prefill 4096 --batches 1 32 128 --new-tokens 17 --reps 3 ;;
-    # the serving comparison (session 14): the whole 48-layer Qwen3-30B-A3B shape, each system in its own process,
-    # one after the other in one lease; vLLM needs ../shared/tools/device-vllm's install (PYTHONPATH as it prints)
-    serving-vllm|serving-ray|serving-tf)
-      sys=${what#serving-}; sys=${sys/ray/ray_moe}; sys=${sys/tf/transformers}
-      extra=(); [ "$sys" = transformers ] && extra=(--no-warmup)  # its warm pass costs as much as the timed one
-      [ "$sys" = vllm ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')  # (no FlashInfer there)
-      for w in mixed decode-heavy; do
-        run 330 python3 -m ray_moe_bench.serving --config-only --layers 48 --workload "$w" --systems "$sys" \
-          "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys/$w"  # (one file name per run: a folder per workload)
-      done ;;
+    # the serving comparison: the whole 48-layer Qwen3-30B-A3B shape (--config-only), each system in its own process
+    # with its own defaults; one process per system and mode: one start, every workload's disjoint warm-up, then
+    # each workload's timed pass (--workloads). Offline: mixed, decode-heavy, chat, long (mixed first: its prompts
+    # are those of sessions 14-17, none shifted); online in-process: chat at $ONLINE_RATE req/s (Poisson arrivals;
+    # 1,000 requests: ~125 s of arrivals at 8). Each workload's JSON in its own folder:
+    # $RAY_MOE_RESULTS_DIR/<system>/<workload>[-online]/. Starts on the H200: ray-moe ~30-60 s, vLLM ~90-110 s; each
+    # half has its own box (the driver's --timeout 30 s under it, so a late worker's finished passes are still
+    # written); one call of serving-ray or serving-vllm stays under 600 s. vLLM needs ../shared/tools/device-vllm's
+    # install (PYTHONPATH as it prints); --vllm-args FLASH_ATTN: no FlashInfer there
+    serving-ray|serving-vllm|serving-ray-offline|serving-ray-online|serving-vllm-offline|serving-vllm-online)
+      sys=${what#serving-}; half=${sys#*-}; sys=${sys%%-*}; [ "$half" = "$sys" ] && half=both
+      sys=${sys/ray/ray_moe}
+      extra=(); [ "$sys" = vllm ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')
+      common=(--config-only --layers 48 --systems "$sys" "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys")
+      [ "$sys" = vllm ] && box=(300 270) || box=(320 290)
+      if [ "$half" != online ]; then
+        run "${box[0]}" python3 -m ray_moe_bench.serving "${common[@]}" --workloads mixed decode-heavy chat long \
+          --timeout "${box[1]}"
+      fi
+      if [ "$half" != offline ]; then
+        run 270 python3 -m ray_moe_bench.serving "${common[@]}" --workloads chat --online-inprocess \
+          --rate "${ONLINE_RATE:-8}" --timeout 240
+      fi ;;
+    # transformers' continuous batching: the one-length workloads only (generate_batch takes one max_new_tokens
+    # per call), its timed passes alone (its warm pass costs as much as the timed one), one model build for both
+    serving-tf)
+      run 330 python3 -m ray_moe_bench.serving --config-only --layers 48 --systems transformers --no-warmup \
+        --workloads mixed decode-heavy --timeout 310 --out "$RAY_MOE_RESULTS_DIR/transformers" ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
     rebalance) run 200 python3 -m ray_moe_bench.rebalance_memory --layers 48 --stall-dump 150 ;;
   esac

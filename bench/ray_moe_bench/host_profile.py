@@ -8,9 +8,9 @@ One rank in process (``InProcessDeployment`` + ``LocalTransport`` + ``Generation
 ``generate.QUICK`` (2 layers, hidden 64, 8 experts, float32) so the model's compute is small, and the serving
 benchmark's mixed workload (256 requests, lognormal prompt lengths of mean 480 clipped to [16, 1536], greedy,
 ``--new-tokens`` each, EOS ignored), 16k step tokens, 4 decode sub-steps: the step shapes of an H200 serving run.
-The shard takes the path it takes on an H200: static-shape steps (``core.paths.capture``; a 'capture' keeps the
-body and a 'replay' copies the staged inputs into the captured buffers and runs it eagerly, as the tests'
-``EagerCapture``), the varlen attention backend with the in-place decode path (their per-sequence references
+The shard takes the path it takes on an H200: the step lattice captured at start (``ray_moe_dev.testing.graphs``:
+a 'capture' keeps the body and a 'replay' copies the staged inputs into the captured buffers and runs it eagerly,
+a piecewise one with its attention holes), the varlen attention backend with the in-place decode path (their per-sequence references
 stand in for FlashAttention and the Triton kernel). Prefix caching on (hashes computed, no hits).
 
 Measured (MEASURED, on the shard's generation thread): the self time of each phase (a wrapped function; time in a
@@ -55,7 +55,7 @@ NOT_HOST = ("forward", "attention_reference")  # the device's work on an H200 (p
 TOP_ROWS = 30
 # the model's forward (the device's work on an H200): files, or file:function
 DEVICE_STANDIN = ("torch/", "transformers/", "attention.py", "paged_decode.py", "ray_moe/moe/", "kv.py:update",
-                  "host.py:forward_layout", "seam.py")
+                  "host.py:forward_rows", "seam.py")
 
 
 class PhaseClock:
@@ -125,50 +125,46 @@ def step_kind(phase: str, *args: Any) -> str | None:
 
 def instrument(clock: PhaseClock, standins: bool = True) -> None:
     """Wrap the phases of a generation step (see the module docstring); ``standins`` (a CPU run): install the
-    eager capture and the attention references as the H200's kernels (on CUDA the real ones run, and a real
-    graph replay is the phase ``replay_copy``)."""
+    eager captures (``ray_moe_dev.testing.graphs``: the graphs' bodies replayed eagerly over their static inputs)
+    and the attention references as the H200's kernels (on CUDA the real ones run, and a real graph replay is the
+    phase ``replay_copy``)."""
     import ray_moe.model.attention as attn
     import ray_moe.model.paged_decode as paged
     import ray_moe.shard.generation as gen
+    import ray_moe.shard.graph_runner as graph_runner
     import ray_moe.shard.pipeline as pipeline
     from ray_moe.model.host import ModelHost
     from ray_moe.model.kv import PagedKVCache
+    from ray_moe.model.piecewise import PiecewiseGraph
     from ray_moe.moe.decode.graphs import CapturedStep
-    from ray_moe.shard.pending import MultiPending, PendingStep, _GraphPending
+    from ray_moe.shard.pending import GraphPending, MultiPending, PendingStep
     from ray_moe.shard.prefix import ShardPrefixes
+    from ray_moe.shard.step_batch import StepBatcher
+    from ray_moe_dev.testing.graphs import EagerCapture, EagerGraphs, EagerPiecewise
 
-    class EagerCapture(CapturedStep):
-        """A 'captured' step without CUDA: replay copies the staged inputs into the captured buffers, runs the body."""
-
-        def capture(self, body: Callable, pool: Any = None) -> Any:
-            self.body = body
-            return pool
-
-        def replay(self, staged: dict[str, torch.Tensor]) -> Any:
-            for name, t in staged.items():
-                self.inputs[name].copy_(t)
-            return self.body(self.inputs)
-
-    # 1. the H200's path on a CPU: static shapes, varlen attention, in-place decode (references as kernels)
+    # 1. the H200's path on a CPU: the lattice captured (eagerly replayed), varlen attention, in-place decode
     if standins:
-        pipeline.CapturedStep = EagerCapture
+        pick = pipeline.DataPaths.pick.__func__
+        pipeline.DataPaths.pick = classmethod(lambda cls, *a, **k: dataclasses.replace(pick(cls, *a, **k), capture=True))
+        graph_runner.CudaGraphs = EagerGraphs
         attn.check_flash = lambda *a, **k: None
         paged.check_paged = lambda *a, **k: None
         attn.flash_varlen = attn.sequence_reference
         paged.paged_decode = paged.paged_decode_reference
     # 2. the phases
     ex = gen.GenerationExecutor
+    full, pieces = (EagerCapture, EagerPiecewise) if standins else (CapturedStep, PiecewiseGraph)
     for owner, name, phase in [
-            (ex, "_launch", "launch"), (ex, "_launch_one", "launch_one"), (ex, "_resolve", "resolve"),
-            (ex, "_keep_tokens", "keep_tokens"), (ex, "_graph_step", "graph_step"), (ex, "_forward", "forward_eager"),
-            (gen, "read_fills", "materialize"), (ex, "finished", "remember"),
+            (ex, "_launch", "launch"), (ex, "_launch_one", "launch_one"), (StepBatcher, "_resolve", "resolve"),
+            (StepBatcher, "_keep_tokens", "keep_tokens"), (ex, "_decode_graph", "graph_step"),
+            (ex, "_piecewise", "graph_step"), (ex, "_eager", "forward_eager"), (ex, "finished", "remember"),
             (ShardPrefixes, "trim", "prefix_trim"), (ShardPrefixes, "commit", "prefix_commit"),
-            (PagedKVCache, "plan_padded", "kv_plan"), (PagedKVCache, "plan", "kv_plan"),
-            (PagedKVCache, "plan_batched", "kv_plan"), (PagedKVCache, "plan_decode_steps", "kv_plan"), (pipeline.StepPipeline, "agree_decode", "agree_decode"),
-            (EagerCapture if standins else CapturedStep, "replay", "replay_copy"), (ModelHost, "forward_layout", "forward"),
+            (PagedKVCache, "plan_step", "kv_plan"), (PagedKVCache, "plan_decode_graph", "kv_plan"),
+            (pipeline.StepPipeline, "agree_decode", "agree_decode"),
+            (full, "replay", "replay_copy"), (pieces, "replay", "replay_copy"), (ModelHost, "forward_rows", "forward"),
             (gen, "sample_tensor", "sample"), (gen, "logprobs_tensor", "sample"),
             (PendingStep, "__init__", "pending_init"), (PendingStep, "complete", "complete"),
-            (MultiPending, "complete", "complete"), (_GraphPending, "finish", "complete_read"),
+            (MultiPending, "complete", "complete"), (GraphPending, "finish", "complete_read"),
             (attn, "sequence_reference", "attention_reference"),
             (paged, "paged_decode_reference", "attention_reference")]:
         clock.wrap(owner, name, phase)
@@ -268,15 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RuntimeConfig(num_ranks=1, num_experts=conf["num_experts"], hidden_size=conf["hidden_size"],
                         ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
                         slots_per_rank=conf["num_experts"], num_layers=layers, device=a.device,
-                        dtype="bfloat16" if cuda else "float32", seed=0, seeded_on_device=cuda,
-                        decode_token_capacity=min(len(prompts), 256), name="host-profile")
+                        dtype="bfloat16" if cuda else "float32", seed=0, seeded_on_device=cuda, name="host-profile")
     dep = InProcessDeployment(cfg, device=a.device, timeout_s=600)
     tr = LocalTransport(dep)
     kv_tokens = None if cuda else 16 * (sum(-(-(len(x) + a.new_tokens) // 16) for x in prompts) + 64)
     loop = GenerationLoop(tr, device=a.device, kv_tokens=kv_tokens, block_size=16, max_running=256, max_queued=4096,
                           random_model=conf, step_tokens=a.step_tokens, decode_steps=a.decode_steps)
     core = dep.cores[0]
-    core.paths = dataclasses.replace(core.paths, capture=True)
     params = SamplingParams(max_new_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
     gen_thread = core._gen_thread
     # on CUDA the forward is the host launching kernels (eager steps, captures): host work too

@@ -1,14 +1,15 @@
 """Where a serving step's time goes, in process (no Ray): per-step device time, the plan each step ran, and kernel tables from the shard's generation thread.
 
     python -m ray_moe_bench.step_profile --quick                             # CPU smoke (< 60 s): tiny model
-    python -m ray_moe_bench.step_profile --layers 48 --variants 48:0:0,48:4096:8
+    python -m ray_moe_bench.step_profile --layers 48 --variants 0:0,4096:8
     python -m ray_moe_bench.step_profile --workload decode-heavy --windows 10:14,40:44 --out bench/results
 
 One rank, ``InProcessDeployment`` + ``LocalTransport`` + ``GenerationLoop`` in this process (Qwen3-30B-A3B's
 shapes with random weights and ``--layers`` decoder layers on CUDA; the tiny Qwen3-MoE in float32 on CPU with
 ``--quick``), the serving benchmark's seeded workload, greedy, exactly ``new_tokens`` per request (EOS ignored).
-Each variant G:S:D (prefill graph limit : step tokens : decode steps; 0 = the product's default) runs one warm
-pass, then one measured pass of the whole workload at those settings (graphs released between variants).
+Each variant S:D (step tokens : decode steps; 0 = the product's default) captures its own step lattice (the token
+sizes follow the step tokens; the previous variant's graphs released), runs one warm pass, then one measured pass
+of the whole workload at those settings.
 Reported per variant (MEASURED): wall seconds, output tokens and tokens/s, engine steps, every step's device ms
 (the slowest rank's, ``loop.timings``), the loop's timing medians, the plan every step ran (decode items, prefill
 tokens, decode sub-steps, requests still waiting when it was launched), the graph counters' change, memory
@@ -45,12 +46,12 @@ TOP_ROWS = 80
 def parse_ints(text: str, n: int, flag: str) -> list[tuple[int, ...]]:
     """``a:b[:c],...`` -> [(a, b, ...)], ``n`` non-negative ints each; a bad item raises ValueError naming ``flag``."""
     out = [tuple(int(x) if x.isdigit() else -1 for x in part.split(":")) for part in text.split(",") if part.strip()]
-    bad = [t for t in out if len(t) != n or min(t) < 0 or (n == 3 and not (t[0] >= 1 and t[2] <= 64))
-           or (n == 2 and t[0] >= t[1])]
-    if bad or (n == 2 and any(a[1] > b[0] for a, b in zip(sorted(out), sorted(out)[1:]))):
-        raise ValueError(f"{flag}={text!r}: want " + ("G:S:D with G >= 1, S >= 0, 0 <= D <= 64" if n == 3 else
-                                                        "a:b with 0 <= a < b, windows not overlapping"))
-    return sorted(out) if n == 2 else out
+    windows = flag == "--windows"
+    bad = [t for t in out if len(t) != n or min(t) < 0 or (not windows and t[1] > 64) or (windows and t[0] >= t[1])]
+    if bad or (windows and any(a[1] > b[0] for a, b in zip(sorted(out), sorted(out)[1:]))):
+        raise ValueError(f"{flag}={text!r}: want " + ("a:b with 0 <= a < b, windows not overlapping" if windows else
+                                                        "S:D with S >= 0, 0 <= D <= 64"))
+    return sorted(out) if windows else out
 
 
 def profile_rows(prof: torch.profiler.profile) -> dict[str, Any]:
@@ -132,22 +133,27 @@ def run_pass(loop: Any, tr: Any, prompts: list[list[int]], params: Any,
     return outs, time.perf_counter() - t0, loop.steps - s0
 
 
-def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: Any, variant: tuple[int, int, int],
+def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: Any, variant: tuple[int, int],
                 windows: Sequence[tuple[int, int]], warmup: bool, device: str) -> dict[str, Any]:
-    graphs, st, ds = variant
-    gen, sched = dep.cores[0].generator, loop.scheduler
+    from ray_moe.shard.lattice import StepLattice
+
+    st, ds = variant
+    core = dep.cores[0]
+    gen, sched = core.generator, loop.scheduler
     st = st or DEFAULT_STEP_TOKENS["cuda" if device == "cuda" else "cpu"]
     ds = ds or (DEFAULT_DECODE_STEPS_CUDA if device == "cuda" else 1)
-    gen.max_prefill_graphs, sched.step_tokens, sched.decode_steps = graphs, st, ds
+    sched.step_tokens, sched.decode_steps = st, ds
     sched.configured = (st, sched.max_running)  # what a memory backoff recovers to
-    dep.cores[0].release_graphs(dep.generation)
+    core.release_graphs(dep.generation)  # this variant's own lattice (its token sizes follow the step tokens)
     if device == "cuda":
         torch.cuda.empty_cache()
+    gen.configure(StepLattice.build(loop.rank_running, st), core.paths)
+    capture = core.prepare_steps()["capture"]
 
     def counters_since(c0: dict[str, int]) -> dict[str, int]:
         return {k: v - c0.get(k, 0) for k, v in gen.pipeline.counters.items() if v != c0.get(k, 0)}
 
-    res: dict[str, Any] = {"prefill_graph_limit": graphs, "step_tokens": st, "decode_steps": ds, "warm": None}
+    res: dict[str, Any] = {"step_tokens": st, "decode_steps": ds, "capture": capture, "warm": None}
     if warmup:
         c0 = dict(gen.pipeline.counters)
         _, w, n = run_pass(loop, tr, prompts, params)
@@ -171,7 +177,7 @@ def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: 
                memory_events=list(loop.memory_events))
     if device == "cuda":
         res["memory_reserved_gb"] = torch.cuda.memory_reserved() / 1e9
-    print(f"variant G={graphs} S={st} D={ds}: warm {res['warm'] and round(res['warm']['wall_s'], 2)} s; measured "
+    print(f"variant S={st} D={ds}: warm {res['warm'] and round(res['warm']['wall_s'], 2)} s; measured "
           f"{wall:.2f} s, {steps} steps, {ntok / wall:.0f} tok/s, device sum {sum(dev) / 1e3:.2f} s; "
           f"counters {res['graph_counters']}; backoffs {res['backoffs']}", flush=True)
     hw, hm = res["host_work"], res["host_work_mixed_steps"] or {}
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="step_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, float32, 2 layers, 8 requests")
     add_workload_arguments(p)
-    p.add_argument("--variants", default="48:0:0", help="G:S:D,...: prefill graph limit, step tokens, decode steps")
+    p.add_argument("--variants", default="0:0", help="S:D,...: step tokens, decode steps (0: the product's default)")
     p.add_argument("--windows", default="", help="a:b,...: measured-pass step ranges to profile (default: none)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--cpu-draw", action="store_true", help="seeded experts drawn on the CPU (default on CUDA: on the GPU)")
@@ -218,11 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         a.prompt_mean = 24 if a.prompt_mean is None else a.prompt_mean
     try:
         work = workload_spec(a.workload, a.requests, a.new_tokens, a.prompt_mean, 0)
-        variants, windows = parse_ints(a.variants, 3, "--variants"), parse_ints(a.windows, 2, "--windows")
+        variants, windows = parse_ints(a.variants, 2, "--variants"), parse_ints(a.windows, 2, "--windows")
     except ValueError as exc:
         p.error(str(exc))
     if a.layers < 1 or not variants:
-        p.error(f"--layers={a.layers} (>= 1), --variants={a.variants!r} (at least one G:S:D)")
+        p.error(f"--layers={a.layers} (>= 1), --variants={a.variants!r} (at least one S:D)")
     device = "cpu" if a.quick or not torch.cuda.is_available() else "cuda"
     dtype = "bfloat16" if device == "cuda" else "float32"
     conf = dict(QUICK if a.quick else QWEN3_30B_A3B, num_hidden_layers=a.layers)

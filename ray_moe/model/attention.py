@@ -83,6 +83,8 @@ class AttentionPlan:
     slots:       [K1] int64 cache slots the one-row sequences read in place (the decode kernel), or None
     k_end:       [S] int32 (a decode step in place whose segments have room after them): sequence i's keys are
                  ``slots[cu_k[i]:k_end[i]]``; None: ``cu_k[i + 1]`` ends them
+    cu_q_rest:   [S - single_rows + 1] int32 the query offsets of the sequences after the one-row group, from 0
+                 (planned once, not per layer); None: ``cu_q[single_rows:] - single_rows``
     """
 
     rows: int
@@ -96,6 +98,7 @@ class AttentionPlan:
     single_rows: int = 0
     slots: torch.Tensor | None = None
     k_end: torch.Tensor | None = None
+    cu_q_rest: torch.Tensor | None = None
 
     @property
     def in_place(self) -> bool:
@@ -125,9 +128,10 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if plan.in_place:  # a decode step read in place
         return kernels.decode(qs, kc, vc, plan.slots, plan.cu_k, plan.max_k, scale, plan.k_end)[None]
     parts = []
+    rest = plan.cu_q_rest if plan.cu_q_rest is not None else plan.cu_q[s1:] - s1
     if plan.slots is not None:  # 1. the one-row group in place, 2. the others over their gathered contexts
         parts.append(kernels.decode(qs[:s1], kc, vc, plan.slots, plan.cu_k[:s1 + 1], plan.max_k, scale))
-        cu_q, cu_k, qs = plan.cu_q[s1:] - s1, plan.cu_k[s1 + 1:], qs[s1:]
+        cu_q, cu_k, qs = rest, plan.cu_k[s1 + 1:], qs[s1:]
         s1 = 0
     else:
         cu_q, cu_k = plan.cu_q, plan.cu_k
@@ -136,7 +140,7 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         vg = torch.nn.functional.pad(vg, (0, d - dv))
     if s1:  # the one-row sequences (one query each: the decode grid), then the others over the same keys
         parts.append(kernels.varlen(qs[:s1], kg, vg, cu_q[:s1 + 1], cu_k[:s1 + 1], 1, plan.max_k, scale))
-        parts.append(kernels.varlen(qs[s1:], kg, vg, cu_q[s1:] - s1, cu_k[s1:], plan.max_q, plan.max_k, scale))
+        parts.append(kernels.varlen(qs[s1:], kg, vg, rest, cu_k[s1:], plan.max_q, plan.max_k, scale))
     else:
         parts.append(kernels.varlen(qs, kg, vg, cu_q, cu_k, plan.max_q, plan.max_k, scale))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -284,7 +284,7 @@ class PagedKVCache:
         # 1. the rows (real, then padding) and every context's slots in packed order
         sizes = {"write_index": r, "positions": r, "token_ids": r, "last": nl, "read": k}
         if varlen:
-            sizes.update(cu_q=s + 1, cu_k=s + 1 + (1 if paged and nd < s else 0))
+            sizes.update(cu_q=s + 1, cu_k=s + 1 + (1 if paged and nd < s else 0), cu_q_rest=s - nd + 1)
         else:
             sizes.update(q_seq=n, k_seq=k, k_pos=k)
         buf, host = staging(sizes, self.device)
@@ -297,6 +297,7 @@ class PagedKVCache:
         # 2. the plan's vectors
         if varlen:
             host["cu_q"][:] = np.concatenate([[0], np.cumsum(c.lens)])
+            host["cu_q_rest"][:] = np.concatenate([[0], np.cumsum(c.lens[nd:])])
             if paged and nd < s:  # the one-row group's offsets into its slots, the others' into their gathered keys
                 host["cu_k"][:] = np.concatenate([[0], np.cumsum(c.ends[:nd]), [0], np.cumsum(c.ends[nd:])])
             else:
@@ -316,7 +317,7 @@ class PagedKVCache:
             plan = AttentionPlan(n, backend, gather=gather, cu_q=up["cu_q"].to(torch.int32),
                                  cu_k=up["cu_k"].to(torch.int32), max_q=int(c.lens.max(initial=1)),
                                  max_k=int(c.ends.max(initial=1)), single_rows=nd if (paged or nd < s) else 0,
-                                 slots=slots)
+                                 slots=slots, cu_q_rest=up["cu_q_rest"].to(torch.int32))
             return step, plan
         plain = s == 1 and int(c.starts[0]) == 0  # one sequence from its first position: SDPA's causal kernel
         mask = None if plain else _mask(up["q_seq"], up["positions"][:n], up["k_seq"], up["k_pos"], mask_dtype)

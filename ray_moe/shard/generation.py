@@ -326,7 +326,6 @@ class GenerationExecutor:
                 return self._decode_graph(req, batch, view, choice.rows, ahead)
             if choice.kind is RunKind.PIECEWISE:
                 return self._piecewise(req, batch, view, choice.rows)
-            self.count(f"eager_{'decode' if decode_only else 'steps'}")
         return self._eager(req, batch, view, paths, status, want_prefill, want_decode, bucket, reason, tag)
 
     def _decode_graph(self, req, batch: StepBatch, view, rows: int, ahead: int) -> GraphPending:

@@ -54,7 +54,10 @@ class RunChoice:
 
 
 class CudaGraphs:
-    """The capture backend: real CUDA graphs (tests on CPU pass an emulation with the same two methods)."""
+    """The capture backend: real CUDA graphs (tests on CPU pass an emulation with the same two methods).
+    ``warmup``: each size runs once eagerly before its capture (kernels compiled for its shapes outside it)."""
+
+    warmup = True
 
     def full(self, inputs: dict[str, torch.Tensor]) -> CapturedStep:
         return CapturedStep(inputs, weak_outputs=True)
@@ -240,7 +243,8 @@ class StepGraphRunner:
         host = self.host
         staged = host.kv.plan_decode_graph(self._trash_chunks([1] * rows), rows, 1, np.zeros(rows, dtype=np.int64))[0]
         body = self.decode_body(rows, paths.bucket.for_tokens(rows), make_ctx, f"warm-decode-{rows}")
-        body(staged)  # 1. the warm-up (kernels compiled and tuned for this size outside the capture)
+        if self.backend.warmup:
+            body(staged)  # 1. the warm-up (kernels compiled and tuned for this size outside the capture)
         inputs = {k: v.clone() for k, v in staged.items() if k != "read_index"}
         inputs["read_index"] = self.slots
         step = self.backend.full(inputs)
@@ -254,7 +258,8 @@ class StepGraphRunner:
                                             host.attention, rows=rows, last_rows=lat.sampled_rows(rows),
                                             mask_dtype=host.dtype)
         body = self.piecewise_body(rows, paths.bucket, make_ctx, f"warm-tokens-{rows}")
-        body(step_rows.tensors(), InlineAttention(plan, host.kernels))  # 1. the warm-up
+        if self.backend.warmup:
+            body(step_rows.tensors(), InlineAttention(plan, host.kernels))  # 1. the warm-up
         graph = self.backend.piecewise({k: v.clone() for k, v in step_rows.tensors().items()})
         self.pipeline.pool = graph.capture(body, self.pipeline.pool, self.arena) or self.pipeline.pool  # 2.
         self.pipeline.graphs.put(generation, ("tokens", rows), graph)

@@ -96,7 +96,7 @@ def test_penalties_equal_transformers_generate_with_the_same_processors(tmp_path
         assert b == model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
                                    do_sample=False)[0, len(p):].tolist()
     assert got != base  # the penalties changed what was generated
-    kept = {sid for c in dep.cores.values() for sid in c.generator.history}
+    kept = {sid for c in dep.cores.values() for sid in c.generator.batcher.history}
     assert kept <= {h.request_id for h in handles[:3]}  # only penalized sequences' tokens are kept
 
 

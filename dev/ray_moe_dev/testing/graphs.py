@@ -47,7 +47,10 @@ class EagerPiecewise(PiecewiseGraph):
 
 
 class EagerGraphs:
-    """The ``StepGraphRunner`` backend of the CPU tests (``graph_runner.CudaGraphs``' two methods)."""
+    """The ``StepGraphRunner`` backend of the CPU tests (``graph_runner.CudaGraphs``' two methods); no warm-up
+    (nothing is compiled for a shape here: every replay runs the body eagerly)."""
+
+    warmup = False
 
     def full(self, inputs: dict[str, torch.Tensor]) -> EagerCapture:
         return EagerCapture(inputs)

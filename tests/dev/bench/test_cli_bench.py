@@ -20,7 +20,8 @@ from ray_moe_bench import available
 
 REPO = Path(__file__).resolve().parents[3]
 EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "elastic", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate", "serving",
-            "overlap", "rebalance_memory", "runners", "skinny", "step_profile", "host_profile", "capture_keys", "graph_relaunch"}
+            "overlap", "rebalance_memory", "runners", "skinny", "step_profile", "host_profile", "graph_relaunch",
+            "start_profile"}
 
 
 def console_script() -> str:
