@@ -163,6 +163,8 @@ class StepGraphRunner:
         # (the KV cache's tensors are allocated at the first warm-up's layers: not the graphs' memory)
         before = torch.cuda.memory_reserved(dev) - self.host.kv.allocated_bytes() if dev.type == "cuda" else 0
         self._buffers()
+        if at_start:
+            self._warm_hole_kernels(rep)
         key = "graphs_captured_start" if at_start else "graphs_captured_serving"
         if self.decode_off is None:
             for rows in self.decode_sizes:
@@ -204,6 +206,34 @@ class StepGraphRunner:
             heads = int(c.num_attention_heads)
             dv = int(getattr(c, "v_head_dim", None) or getattr(c, "head_dim", None) or c.hidden_size // heads)
             self.arena = OutputArena(lat.max_tokens, heads, dv, host.dtype, host.device)
+
+    def _warm_hole_kernels(self, rep: CaptureReport) -> None:
+        """The in-place decode kernel at every split count it can take (1, 2, 4, 8, 16: a static shape of each
+        call, ``paged_decode.decode_splits``), launched once on one trash row: a piecewise step's holes call it
+        eagerly with their own decode rows, and a split count first met there would compile the kernel on the
+        request path (on the H200 a mixed step once took 484 ms instead of ~140 ms: the host compiling it while
+        the device waited). Nothing to do without the kernel (the masked backend, MLA, a CPU)."""
+        host = self.host
+        if self.tokens_off is not None or not host.paged_decode or host.device.type != "cuda":
+            return
+        from ray_moe.model.paged_decode import BLOCK_N, MAX_SPLITS
+
+        c = host.config
+        heads = int(c.num_attention_heads)
+        kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+        d = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+        dev, dt = host.device, host.dtype
+        q = torch.zeros(1, heads, d, dtype=dt, device=dev)
+        k, v = torch.zeros(1, kv_heads, d, dtype=dt, device=dev), torch.zeros(1, kv_heads, d, dtype=dt, device=dev)
+        slots = torch.zeros(1, dtype=torch.int64, device=dev)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        splits = 1
+        try:
+            while splits <= MAX_SPLITS:  # one row: the split count is the context bound's key blocks (2 x BLOCK_N)
+                host.kernels.decode(q, k, v, slots, cu, 2 * BLOCK_N * splits, d ** -0.5)
+                splits *= 2
+        except Exception as exc:  # noqa: BLE001 - the kernel then compiles where it is first met; say so
+            rep.errors["hole_kernels"] = capture_failure(exc)
 
     def _trash_chunks(self, lens: list[int]) -> HostChunks:
         """Warm-up chunks from position 0 whose every context slot is the trash slot (no sequence's KV)."""

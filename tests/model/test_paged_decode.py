@@ -158,3 +158,13 @@ def test_a_latent_cache_is_never_read_in_place(hf_checkpoint):
     host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.VARLEN, varlen_kernel=sequence_reference,
                                      kv_tokens=64)
     assert not host.paged_decode and "caller's varlen kernel" in host.decode_reason
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4, 8, 32])
+def test_one_row_at_each_power_of_two_context_bound_takes_each_split_count(kv_heads):
+    """What the lattice's start-time warm-up of the in-place kernel relies on (``StepGraphRunner``): one row with
+    a context bound of 2 x BLOCK_N x t keys takes exactly t splits, for every split count a step can take, so
+    warming those five calls compiles every variant a piecewise step's holes can meet."""
+    seen = {decode_splits(rows, kv_heads, k) for rows in (1, 3, 64, 256) for k in (1, 100, 1000, 5000, 40960)}
+    got = {decode_splits(1, kv_heads, 2 * BLOCK_N * t) for t in (1, 2, 4, 8, 16)}
+    assert got == {1, 2, 4, 8, 16} and seen <= got
