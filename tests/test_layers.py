@@ -1,12 +1,14 @@
 """The import-layering contract (ARCHITECTURE.md): packages by stage, imports only downward, no circles.
 
 Every import counts: module level, inside functions, and under ``TYPE_CHECKING``. The first violation fails
-with the importing file, its line and the rule it breaks.
+with the importing file, its line and the rule it breaks. ARCHITECTURE.md's layout names every product module
+(a module added without its line there fails).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,72 @@ def test_no_product_module_is_oversized(limit):
     big = {str(f.relative_to(ROOT)): n for f in PRODUCT.rglob("*.py")
            if (n := len(f.read_text(encoding="utf-8").splitlines())) > limit}
     assert not big, f"product modules over {limit} lines: {big}"
+
+
+# ------------------------------------------------------------------ ARCHITECTURE.md names every module
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+
+
+def layout_entries(text: str) -> dict[str, str]:
+    """{top-level entry (``core``, ``runtime.py``): its text} from ARCHITECTURE.md's layout block: the first code
+    block, where an entry starts two spaces in (``  core/`` or ``  runtime.py``) and runs over the lines indented
+    deeper."""
+    block = text.split("```", 2)[1]
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        m = re.match(r"  ([a-z_]+)(/|\.py)\s", line + " ")
+        if m:
+            current = m.group(1) if m.group(2) == "/" else m.group(1) + ".py"
+            entries[current] = line[len(m.group(0)) - 1:]
+        elif current is not None and line.startswith("   "):
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def unnamed_modules(root: Path = ROOT, doc: Path = ARCHITECTURE, product: str = "ray_moe") -> list[str]:
+    """The product modules the layout block does not name: ``<pkg>/<sub>/.../<mod>.py`` must have an entry for
+    ``<pkg>`` whose text names each sub-package (``sub/``) and the module (``mod``, as a word); a top-level
+    module (``runtime.py``) must have an entry of its own. ``__init__.py`` files are their package."""
+    entries = layout_entries(doc.read_text(encoding="utf-8"))
+    missing = []
+    for f in sorted((root / product).rglob("*.py")):
+        rel = f.relative_to(root / product)
+        if f.name == "__init__.py":
+            continue
+        if len(rel.parts) == 1:
+            if rel.name not in entries:
+                missing.append(str(rel))
+            continue
+        text = entries.get(rel.parts[0])
+        words = [f"{p}/" for p in rel.parts[1:-1]] + [rel.stem]
+        if text is None or not all(re.search(rf"(?<![\w/]){re.escape(w)}(?![\w])", text) for w in words):
+            missing.append(str(rel))
+    return missing
+
+
+def test_architecture_names_every_product_module():
+    missing = unnamed_modules()
+    assert not missing, ("ARCHITECTURE.md's layout does not name these modules (add each to its package's entry, "
+                         "with what it does): " + ", ".join(missing))
+    entries = layout_entries(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert set(entries) == {name for layer in LAYERS for name in layer} - {"runtime"} | {"runtime.py"}
+
+
+def test_the_architecture_check_fails_on_a_module_it_does_not_name(tmp_path):
+    pkg = tmp_path / "ray_moe"
+    (pkg / "shard").mkdir(parents=True)
+    (pkg / "moe" / "dispatch").mkdir(parents=True)
+    for f in ("shard/core.py", "shard/lattice.py", "moe/dispatch/engine.py", "moe/dispatch/plan.py", "runtime.py",
+              "shard/__init__.py"):
+        (pkg / f).write_text("")
+    doc = tmp_path / "ARCHITECTURE.md"
+    doc.write_text("x\n```\n  moe/        dispatch/ (engine, the reference)\n"
+                   "  shard/      one rank: core (pin, step),\n"
+                   "              lattice (shapes)\n  runtime.py  the facade\n```\n")
+    assert unnamed_modules(tmp_path, doc) == ["moe/dispatch/plan.py"]
+    (pkg / "apps").mkdir()
+    (pkg / "apps" / "vocab.py").write_text("")
+    (pkg / "ray").mkdir()
+    (pkg / "ray" / "fleet.py").write_text("")
+    assert unnamed_modules(tmp_path, doc) == ["apps/vocab.py", "moe/dispatch/plan.py", "ray/fleet.py"]

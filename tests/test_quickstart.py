@@ -1,7 +1,9 @@
-"""The README's serving quickstart, run as pasted (bash, a fresh local Ray instance, the openai client)."""
+"""The README's serving quickstart, run as pasted (bash, the server's private Ray instance, the openai client, the
+status command from another shell), and its tiny model's vocabulary is its tokenizer's."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,8 +26,10 @@ def quickstart_block() -> str:
 
 def test_the_block_is_complete():
     block = quickstart_block()
-    for needed in ("ray-moe serve", "completions.create", "chat.completions.create", "kill %1"):
+    for needed in ("ray-moe serve tiny-moe", "completions.create", "chat.completions.create", "ray-moe status",
+                   "kill %1"):
         assert needed in block, needed
+    assert "--address" not in block  # a private Ray instance is the default, nothing to say
 
 
 @pytest.mark.timeout(300)
@@ -41,11 +45,19 @@ def test_readme_quickstart_runs_as_pasted(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PORT": str(port), "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("RAY_ADDRESS", None)
+    env = {**os.environ, "PORT": str(port), "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "RAY_MOE_STATE_DIR": str(tmp_path / "state")}  # (the server's state file: not this user's ~/.ray-moe)
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE"):  # a shell as a user has it
+        env.pop(name, None)
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"completion: '.*' CompletionUsage\(completion_tokens=8, prompt_tokens=13, total_tokens=21", out), out[-3000:]
     assert re.search(r"chat: ['\"]", out), out[-3000:]  # (sampled at temperature 1: the text may hold a quote)
-    assert (tmp_path / "tiny-moe" / "config.json").exists()
+    assert "deployment 'serve': active generation" in out, out[-3000:]  # ray-moe status found it
+    assert "ray-moe serve: stopped" in out and not (tmp_path / "state" / "serve.json").exists()
+    # the model's vocabulary is its tokenizer's: every id it samples has a text
+    cfg = json.loads((tmp_path / "tiny-moe" / "config.json").read_text())
+    from transformers import AutoTokenizer
+
+    assert cfg["vocab_size"] == len(AutoTokenizer.from_pretrained(tmp_path / "tiny-moe", local_files_only=True))

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Any
 
 from ray_moe.apps.detokenize import IncrementalDetokenizer, StopMatcher
+from ray_moe.apps.vocab import token_bytes, token_text, top_logprobs_dict
 
 
 class FinishReason(str, Enum):
@@ -75,24 +76,22 @@ class Choice:
         return new
 
 
-def _token_text(tokenizer: Any, tok: int) -> str:
-    return f"token_id:{tok}" if tokenizer is None else tokenizer.decode([tok], skip_special_tokens=False)
-
-
 def completion_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[Any], offsets: list[int]) -> dict:
-    """The completions form: {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}."""
-    return {"tokens": [_token_text(tokenizer, t) for t in tokens],
+    """The completions form: {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}; a token's
+    text is its id decoded alone, ``token_id:<id>`` for an id the tokenizer lacks (or without a tokenizer), and
+    every top list keeps one entry per id (``vocab.top_logprobs_dict``: the chosen token under its own text)."""
+    return {"tokens": [token_text(tokenizer, t) for t in tokens],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{_token_text(tokenizer, i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
-                             for lp in logprobs],
+            "top_logprobs": [top_logprobs_dict(tokenizer, t, lp.top_ids, lp.top_logprobs)
+                             for t, lp in zip(tokens, logprobs)],
             "text_offset": list(offsets)}
 
 
 def chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[Any]) -> dict:
-    """The chat form: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    """The chat form: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]} (a list per
+    token: distinct ids stay distinct entries; an id the tokenizer lacks is ``token_id:<id>`` with no bytes)."""
     def entry(tok: int, value: float) -> dict:
-        text = _token_text(tokenizer, tok)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(tokenizer, tok), "logprob": value, "bytes": token_bytes(tokenizer, tok)}
 
     return {"content": [{**entry(t, lp.logprob),
                          "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}

@@ -1,20 +1,23 @@
 """The ray-moe command.
 
-    ray-moe demo                              serve a small MoE on a local Ray instance, checked
+    ray-moe serve MODEL [--data-parallel-size N] [--device cuda] [--port 8000]
+                                              OpenAI-compatible completions and chat (Ray Serve) over a
+                                              deployment, on a private Ray instance unless --address is given
+                                              (vllm serve's flags: apps/serve_flags.py)
     ray-moe status    [--name N] [--all]      generations, refcounts, placement, timeline of a deployment,
                                               the autopilot's last decisions, the operation in flight
-                                              (without --name: the one deployment running, else the list)
     ray-moe scale     --expert E --replicas R live replica scaling; prints the new generation
     ray-moe rebalance [--name N]              live EPLB rebalance from the load window
-    ray-moe serve --checkpoint DIR --ranks N  OpenAI-compatible completions and chat (Ray Serve) over a deployment
-                                              (joins this machine's cluster, else starts a local Ray instance)
+    ray-moe demo                              serve a small MoE on a local Ray instance, checked
     ray-moe drill rollback [--json]           promote a candidate under traffic, inject a fault, roll back
     ray-moe bench [NAME [args...]]            list the benchmarks, or run one (python -m ray_moe_bench.NAME)
 
-status, scale and rebalance join a running Ray cluster (--address, else RAY_ADDRESS, else the cluster
-`ray start` left on this machine) and find the deployment by its named coordinator. On a cluster with
-Ray token authentication, export RAY_AUTH_MODE=token first (`ray get-auth-token` on the head node prints
-the token; Ray reads it from RAY_AUTH_TOKEN or ~/.ray/auth_token).
+status, scale and rebalance reach the deployment a ray-moe serve on this machine runs (its state file in
+~/.ray-moe, or $RAY_MOE_STATE_DIR; --name, else the only one), never another cluster's; with --address
+HOST:PORT (or RAY_ADDRESS; 'auto': the cluster `ray start` runs here) the deployment on that cluster. Token
+authentication is turned on by itself when the deployment's Ray runs with it, or when this machine holds a
+token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN); a RAY_AUTH_MODE the shell sets is kept
+(`ray get-auth-token` on a head node prints its token). apps/connect.py says how.
 
 Errors print one line; output into a closed pipe (`ray-moe status | head`) ends quietly. Exit codes: 0 ok, 1 failure (no cluster, authentication refused, a failed
 operation), 2 bad input (an unknown deployment, expert, benchmark, ...).
@@ -31,50 +34,16 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
+from ray_moe.apps.connect import BadInput, connect_deployment
+from ray_moe.apps.serve_flags import DEFAULT_RANKS, add_serve_arguments, normalize_serve_args
 from ray_moe.apps.status_lines import autopilot_lines, operation_lines
 
 RETIRED_SHOWN = 3  # ray-moe status lists the last few RETIRED generations (--all: every generation)
 
 
-class BadInput(ValueError):
-    """A command-line value names nothing that exists (exit code 2)."""
-
-
-def deployments() -> list[str]:
-    """The ray-moe deployments running on the connected cluster, in this namespace (their named coordinators)."""
-    import ray
-
-    from ray_moe.ray.coordinator import coordinator_name
-
-    prefix, ns = coordinator_name(""), ray.get_runtime_context().namespace
-    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == ns and a["name"].startswith(prefix))
-
-
-def _running(names: list[str]) -> str:
-    return f"running: {', '.join(names)}" if names else "none runs on this cluster (start one: ray-moe serve ...)"
-
-
 def _connect(args: argparse.Namespace):
-    """The deployment ``--name`` names; without a name (``status``), the only one running (else BadInput listing
-    them). An unknown name is BadInput listing the deployments that exist."""
-    from ray_moe.ray.connection import join_cluster
-
-    join_cluster(args.address)  # one-line errors for a missing cluster or a refused token, fast
-    from ray_moe.runtime import Runtime
-
-    if args.name is None:
-        names = deployments()
-        if len(names) != 1:
-            raise BadInput(f"--name: {'several ray-moe deployments run, pick one' if names else 'no deployment to show'}"
-                           f" ({_running(names)})")
-        args.name = names[0]
-    try:
-        return Runtime.connect(args.name, address=args.address)
-    except ValueError as exc:
-        if "no running ray-moe deployment" not in str(exc):
-            raise
-        raise BadInput(f"{exc}; {_running(deployments())}") from None
+    """The deployment a status / scale / rebalance command means (``apps/connect.py``)."""
+    return connect_deployment(args)
 
 
 def shown_generations(gens: dict[int, str], *, show_all: bool = False,
@@ -248,35 +217,29 @@ def serve_config_fields(args: argparse.Namespace) -> dict:
     if getattr(args, "heal_retries", None) is not None:
         out["heal_retries"] = args.heal_retries
     lo, hi = getattr(args, "min_ranks", None), getattr(args, "max_ranks", None)
+    ranks = getattr(args, "ranks", None) or DEFAULT_RANKS
     if lo is not None or hi is not None:
-        lo, hi = lo or 1, hi or max(args.ranks, lo or 1)
+        lo, hi = lo or 1, hi or max(ranks, lo or 1)
         if lo > hi:
             raise BadInput(f"--min-ranks={lo} exceeds --max-ranks={hi}")
-        if not lo <= args.ranks <= hi:
-            raise BadInput(f"--ranks={args.ranks} is outside [--min-ranks={lo}, --max-ranks={hi}]")
+        if not lo <= ranks <= hi:
+            raise BadInput(f"--ranks={ranks} is outside [--min-ranks={lo}, --max-ranks={hi}]")
         out["scaling"] = ScalingPolicy(enabled=True, min_ranks=lo, max_ranks=hi)
     return out
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Join ``--address`` / ``RAY_ADDRESS``, else the cluster ``ray start`` left on this machine, else start a
-    local instance (``run_server`` does, and says where it is)."""
-    from ray_moe.apps.server import run_server
+    """A private local Ray instance unless ``--address`` / ``RAY_ADDRESS`` names a cluster (``run_server``
+    checks the options and the address first, joins or starts Ray, and says where it runs)."""
+    from ray_moe.apps.serve_run import preflight
     from ray_moe.core.env import read_env
-    from ray_moe.core.errors import ClusterAuthError, ClusterConnectionError
-    from ray_moe.ray.connection import join_cluster
 
-    address = args.address or read_env().ray_address
-    if address is not None and address != "local":
-        join_cluster(address)  # one-line errors for a missing cluster or a refused token
-    elif address is None:
-        try:
-            join_cluster(None)  # this machine's cluster, when one runs
-        except ClusterAuthError:
-            raise
-        except ClusterConnectionError:
-            pass  # none: run_server starts a local instance
-    return run_server(args, config_fields=serve_config_fields(args))
+    normalize_serve_args(args, BadInput)
+    preflight(args, read_env())  # a taken address, an impossible device: refused before the server's imports
+    fields = serve_config_fields(args)
+    from ray_moe.apps.server import run_server
+
+    return run_server(args, config_fields=fields)
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
@@ -345,103 +308,58 @@ def exit_code(exc: BaseException) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ray_moe.apps.demo import add_arguments as demo_args
 
-    p = argparse.ArgumentParser(prog="ray-moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="ray-moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--traceback", action="store_true", help="on an error, print the full traceback too")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="serve a small MoE on a local Ray instance and check it")
+    d = sub.add_parser("demo", allow_abbrev=False, help="serve a small MoE on a local Ray instance and check it")
     demo_args(d)
     d.set_defaults(fn=cmd_demo)
 
-    def conn(q: argparse.ArgumentParser, name: str | None = "default") -> None:
-        q.add_argument("--name", default=name, help="deployment name (its coordinator is named after it)" + (
-            "; default: the only deployment running" if name is None else f"; default {name!r}"))
+    def conn(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--name", default=None, help="deployment name (ray-moe serve --name); default: the only one "
+                                                    "running")
         q.add_argument("--address", default=None,
-                       help="Ray cluster address HOST:PORT (default: RAY_ADDRESS, else this machine's cluster)")
+                       help="a Ray cluster HOST:PORT, or 'auto' for the one `ray start` runs on this machine (default: "
+                            "RAY_ADDRESS, else the deployments ray-moe serve runs on this machine, by their state "
+                            "files)")
 
-    s = sub.add_parser("status", help="state of a running deployment")
-    conn(s, None)
+    s = sub.add_parser("status", allow_abbrev=False, help="state of a running deployment")
+    conn(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--tail", type=int, default=12, help="control events to show (default 12)")
     s.add_argument("--all", action="store_true",
                    help=f"list every generation (default: ACTIVE, DRAINING and the last {RETIRED_SHOWN} RETIRED)")
     s.set_defaults(fn=cmd_status)
 
-    sc = sub.add_parser("scale", help="set one logical expert's replica count, live")
+    sc = sub.add_parser("scale", allow_abbrev=False, help="set one logical expert's replica count, live")
     conn(sc)
     sc.add_argument("--expert", type=int, required=True, help="logical expert id")
     sc.add_argument("--replicas", type=int, required=True, help="copies it should have (at most one per rank)")
     sc.add_argument("--layer", type=int, default=None, help="MoE layer (default: every layer)")
     sc.set_defaults(fn=cmd_scale)
 
-    rb = sub.add_parser("rebalance", help="EPLB rebalance from the load window, live")
+    rb = sub.add_parser("rebalance", allow_abbrev=False, help="EPLB rebalance from the load window, live")
     conn(rb)
     rb.add_argument("--no-migration-aware", action="store_true",
                     help="solve EPLB from scratch instead of keeping slots that need not move")
     rb.set_defaults(fn=cmd_rebalance)
 
-    sv = sub.add_parser("serve", help="serve a checkpoint: OpenAI-compatible completions and chat over Ray Serve",
-                        description="Join Ray (--address, RAY_ADDRESS, else this machine's cluster) or start a local "
-                                    "instance, start a deployment from a Hugging Face folder and serve POST "
-                                    "/v1/completions, /v1/chat/completions, /tokenize, /detokenize, GET /v1/models "
-                                    "and GET /health until Ctrl-C. It refuses to start when a Serve instance already "
-                                    "on the cluster listens elsewhere than --host/--port.")
-    sv.add_argument("--checkpoint", required=True, help="Hugging Face model folder (config.json + safetensors)")
-    sv.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (one shard actor each)")
-    sv.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="default: bfloat16 on cuda, float32 on cpu")
-    sv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key-file", default=None, metavar="PATH",
-                    help="require 'Authorization: Bearer KEY', KEY read from this file (kept out of the command line "
-                         "and job logs); or set RAY_MOE_API_KEY")
-    sv.add_argument("--api-key", default=None, help="the key on the command line (visible in process lists and "
-                    "`ray job logs`: prefer --api-key-file or RAY_MOE_API_KEY)")
-    sv.add_argument("--name", default="serve", help="deployment name (ray-moe status/scale/rebalance --name)")
-    sv.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
-    sv.add_argument("--address", default=None, help="Ray address; 'local' starts a local instance "
-                    "(default: RAY_ADDRESS, else the cluster `ray start` left on this machine, else a local instance)")
-    sv.add_argument("--kv-tokens", type=int, default=None,
-                    help="KV cache tokens per rank (default: what --gpu-memory-utilization of each GPU leaves after "
-                         "the weights; 8192 on cpu)")
-    sv.add_argument("--gpu-memory-utilization", dest="memory_fraction", type=float, default=None,
-                    help="the share of each GPU the shard may take, weights + KV cache + step workspace (default 0.9)")
-    sv.add_argument("--attention", choices=["auto", "varlen", "masked"], default="auto",
-                    help="attention over the paged cache: FlashAttention varlen per sequence (cuda, bf16/fp16), or "
-                         "SDPA with a block mask (the reference); auto: varlen where its check passes")
-    sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    sv.add_argument("--step-tokens", type=int, default=None,
-                    help="prefill tokens per rank per step (default: 8192 on CUDA, as vllm serve; 2048 on CPU)")
-    sv.add_argument("--max-running", type=int, default=256, help="sequences in flight over every rank")
-    sv.add_argument("--decode-steps", type=int, default=None,
-                    help="multi-step decode: decode tokens per sequence per step when every sequence is decoding "
-                         "and none waits (1: one token per step; default 4 on cuda (offline rt.generate: 8), 1 on cpu)")
-    sv.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
-                    help="keep transformers' own RMSNorm and rotary embedding on cuda (default: the fused kernels, "
-                         "each taken only where it reproduces transformers' own)")
-    sv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                    help="compute every prompt's KV cache (default: full KV blocks of identical prompt prefixes are "
-                         "shared within a rank, and requests go to the rank that holds their prefix)")
-    sv.add_argument("--max-queued", type=int, default=1024,
-                    help="requests in flight before new ones get 503 (overload)")
-    sv.add_argument("--eplb", type=eplb_flag, default="auto", metavar="off|auto|periodic:N",
-                    help="automatic rebalance: auto (default) when an EPLB solve predicts a gain worth its copies, "
-                         "with hysteresis; periodic:N every N load steps; off only on `ray-moe rebalance`")
-    sv.add_argument("--heal-retries", type=bounded_int(0), default=2, metavar="N",
-                    help="self-healing ranks: a dead shard is replaced, up to N start attempts per lost rank "
-                         "(0: off, the deployment runs one rank short)")
-    sv.add_argument("--min-ranks", type=bounded_int(1), default=None, metavar="N",
-                    help="load-driven scaling: never fewer ranks (default 1; the replica floors and the ranks "
-                         "that hold every expert once are kept too); giving it or --max-ranks turns scaling on")
-    sv.add_argument("--max-ranks", type=bounded_int(1), default=None, metavar="N",
-                    help="load-driven scaling: never more ranks (default --ranks); a rank is added when the "
-                         "oldest waiting request waits past the target, one removed when idle")
+    sv = sub.add_parser("serve", help="serve a model: OpenAI-compatible completions and chat over Ray Serve",
+                        description="Serve a Hugging Face MoE folder (vllm serve's flags where ray-moe has the same "
+                                    "knob) on a private Ray instance, or on the cluster --address / RAY_ADDRESS names: "
+                                    "POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize, GET "
+                                    "/v1/models, /health and /metrics, until Ctrl-C or SIGTERM. It refuses an "
+                                    "address something already listens on, and a Serve instance on the cluster "
+                                    "that listens elsewhere than --host/--port, before any shard starts.",
+                        allow_abbrev=False)
+    add_serve_arguments(sv, bounded_int, eplb_flag)
     sv.set_defaults(fn=cmd_serve)
 
-    dr = sub.add_parser("drill", help="operational drills")
+    dr = sub.add_parser("drill", allow_abbrev=False, help="operational drills")
     drs = dr.add_subparsers(dest="drill", required=True)
-    rbk = drs.add_parser("rollback", help="promote a candidate under traffic, inject a fault, roll back")
+    rbk = drs.add_parser("rollback", allow_abbrev=False, help="promote a candidate under traffic, inject a fault, roll back")
     rbk.add_argument("--json", action="store_true", help="machine-readable output")
     rbk.add_argument("--fault-at", choices=["canary", "active"], default="active")
     rbk.add_argument("--ranks", type=int, default=4)
@@ -452,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "RAY_ADDRESS is set (default: RAY_ADDRESS, else a local instance)")
     rbk.set_defaults(fn=cmd_drill)
 
-    b = sub.add_parser("bench", help="list the benchmarks, or run one", usage="ray-moe bench [NAME [args ...]]",
+    b = sub.add_parser("bench", allow_abbrev=False, help="list the benchmarks, or run one", usage="ray-moe bench [NAME [args ...]]",
                        description="Without NAME, list the benchmarks; with NAME, run one (its options follow NAME).",
                        epilog=bench_listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("bench", nargs="?", metavar="NAME", help="benchmark to run")
@@ -494,3 +412,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+

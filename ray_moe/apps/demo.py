@@ -23,9 +23,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-import torch
-
 
 def _gamma(loads: list[int]) -> float:
     mean = sum(loads) / len(loads) if loads else 0
@@ -41,6 +38,7 @@ def load_shares(rows: list[int]) -> list[float]:
 
 def demo_model(folder: str, *, layers: int, experts: int, hidden: int, skew: float, seed: int) -> Any:
     """A tiny DeepSeek-V3-style model saved with ``save_pretrained``; returns it (eval mode, float32)."""
+    import torch
     import transformers
 
     torch.manual_seed(seed)
@@ -72,6 +70,7 @@ def demo_policy() -> Any:
 
 def run_demo(args: argparse.Namespace) -> int:
     import ray
+    import torch
     from tqdm import tqdm
 
     import ray_moe
@@ -252,6 +251,7 @@ def _plot(path: str, before: list[int], after: list[int], num_ranks: int) -> lis
     """The PNG of both windows' per-rank load as shares (``load_shares``); returns the plotted bars
     ([before, after], % per rank)."""
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -10,6 +10,10 @@ outside the vocabulary or a bias out of range is a 400 naming the field and the 
 OpenAI server has them; ``RayMoEOptions``): ``{"expert_stats": true}`` returns, per choice, the experts its
 tokens were routed to per MoE layer and the placement generations that served it; an unknown key in it is a
 400 naming it.
+
+Every refusal names the client's field: a validation error carries the field's JSON path (``messages[0].content``)
+and, where a check spans fields, ``FieldError`` says which one is at fault (``top_logprobs`` without
+``logprobs``; a content part of a type the served models cannot read: ``messages[0].content[1].type``).
 """
 
 # no ``from __future__ import annotations``: the models are rebuilt inside Serve's replica process
@@ -25,6 +29,38 @@ MAX_N = 16  # choices per prompt
 MAX_STOPS = 16  # stop strings per request
 MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's bound)
 CHAT_DEFAULT_MAX_TOKENS = 1024  # a chat request without max_tokens: this many, or what fits the context and KV budget
+
+
+class FieldError(ValueError):
+    """A refused value that names the client's field: ``param`` (the whole path), or ``suffix`` appended to the
+    path of the value being validated (``[1].type`` under ``messages[0].content``)."""
+
+    def __init__(self, message: str, *, param: str | None = None, suffix: str = "") -> None:
+        super().__init__(message)
+        self.param, self.suffix = param, suffix
+
+
+def field_path(loc: tuple | list) -> str | None:
+    """A pydantic location as the JSON path a client writes: ``("messages", 0, "content")`` ->
+    ``messages[0].content``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def validation_param(err: dict) -> tuple[str | None, str]:
+    """(the field at fault, the message without pydantic's ``Value error, ``) of one pydantic error."""
+    msg = str(err.get("msg", ""))
+    msg = msg.removeprefix("Value error, ")
+    cause = (err.get("ctx") or {}).get("error")
+    path = field_path(err.get("loc", ()))
+    if isinstance(cause, FieldError):
+        return (cause.param or ((path or "") + cause.suffix) or None), str(cause)
+    return path, msg
 
 
 class Role(str, Enum):
@@ -78,6 +114,25 @@ class ChatMessage(BaseModel):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        """A string, None or a list of text parts; another part type (``image_url``, ``input_audio``, ``file``)
+        is refused naming the part: the served models read text only."""
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise FieldError("must be a string or a list of content parts")
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise FieldError(f"content part type {kind!r} is not supported: the served model reads text only "
+                                 f"(send a string, or parts {{\"type\": \"text\", \"text\": ...}})",
+                                 suffix=f"[{i}].type")
+            if not isinstance(part.get("text"), str):
+                raise FieldError("a text part needs a string \"text\"", suffix=f"[{i}].text")
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -203,11 +258,11 @@ class ChatCompletionRequest(_Generation):
     @model_validator(mode="after")
     def _one_limit(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+            raise FieldError(f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
-                             f"disagree: send one")
+            raise FieldError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
+                             f"disagree: send one", param="max_completion_tokens")
         return self
 
     def limit(self) -> int | None:
@@ -234,7 +289,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt or messages")
+            raise FieldError("send exactly one of prompt or messages", param="prompt")
         return self
 
 
@@ -258,7 +313,10 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "FieldError",
     "RayMoEOptions",
     "Role",
     "TokenizeRequest",
+    "field_path",
+    "validation_param",
 ]

@@ -1,6 +1,6 @@
 """``ray-moe serve``: an OpenAI-compatible API (Ray Serve) over a ray-moe deployment.
 
-    ray-moe serve --checkpoint DIR --ranks 2 [--device cuda] [--host 127.0.0.1] [--port 8000] [--api-key-file F]
+    ray-moe serve MODEL [--data-parallel-size 2] [--device cuda] [--host 127.0.0.1] [--port 8000] [--api-key-file F]
 
     POST /v1/completions        {"model", "prompt": text | token ids | a list of either, "max_tokens", "temperature",
                                  "top_p", "seed", "n", "stop", "stop_token_ids", "echo", "stream", "stream_options",
@@ -25,12 +25,17 @@ use seeds ``seed + i``. Unknown fields are ignored and named in ``X-Ray-MoE-Igno
 added to the logits before sampling. Logprobs are the raw ones (log-softmax of the model's logits, before the
 bias, penalties and temperature; ``model.sampling``), for the generated tokens (not the prompt's, with ``echo``);
 a token's text is its id decoded alone (``token_id:<id>`` without a tokenizer), its ``text_offset`` where the
-completion's text stood when it arrived.
+completion's text stood when it arrived. Ids beyond the tokenizer's vocabulary (a padded ``lm_head``) are handled
+as vLLM handles them (``apps/vocab.py``): valid ids, empty text, ``token_id:<id>`` in logprobs, one entry per id.
+``--max-model-len``: a prompt plus its ``max_tokens`` beyond it is refused here, before it is submitted (the
+scheduler keeps the model's own positions as its limit); ``max_model_len`` in ``/v1/models`` and ``/tokenize``.
 
 The Serve replica attaches to the deployment by name (``Runtime.connect``) and owns its generation loop; the
-process that ran ``ray-moe serve`` owns the shard actors (Ctrl-C tears both down). Bad requests get 400 with
-the field named, a missing or wrong API key 401 (``Authorization: Bearer <key>``, the scheme in any case, the key
-compared in constant time), an overloaded loop 503 (``Retry-After``): nothing hangs.
+process that ran ``ray-moe serve`` owns the shard actors (``apps/serve_run.py``: its checks, its start, Ctrl-C or
+SIGTERM tear both down). Every refusal is OpenAI's error object (``apps/api_errors.py``) with the request's field
+in ``param``: bad requests 400, a missing or wrong API key 401 (``Authorization: Bearer <key>``, the scheme in any
+case, the key compared in constant time), an unknown model or route 404, a wrong method 405, an overloaded loop
+503 (``Retry-After``): nothing hangs.
 """
 
 # no ``from __future__ import annotations``: Serve pickles the endpoint class to its replica, and FastAPI must
@@ -40,7 +45,6 @@ import contextlib
 import hmac
 import json
 import os
-import signal
 import threading
 import time
 import uuid
@@ -50,6 +54,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
+from ray_moe.apps.api_errors import client_message, client_param, error_response, install_error_handlers
 from ray_moe.apps.choices import Choice, FinishReason, chat_logprobs, completion_logprobs, expert_stats_field
 from ray_moe.apps.metrics import CountRequests, RequestTimer, ServerMetrics
 from ray_moe.apps.openai_protocol import (
@@ -59,8 +64,11 @@ from ray_moe.apps.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    validation_param,
 )
-from ray_moe.core.errors import ConfigError, RayMoEError
+from ray_moe.apps.serve_run import read_api_key, serve_http_conflict, serve_main
+from ray_moe.apps.vocab import PaddedVocabTokenizer
+from ray_moe.core.errors import RayMoEError
 
 
 class Endpoint(str, Enum):
@@ -76,51 +84,11 @@ def bearer_ok(header: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
-def read_api_key(args: Any, env: Any) -> str | None:
-    """The API key: ``--api-key-file PATH`` (its first line, stripped), else ``--api-key``, else
-    ``RAY_MOE_API_KEY``; None: no key required."""
-    path = getattr(args, "api_key_file", None)
-    if path is not None and getattr(args, "api_key", None):
-        raise ConfigError("--api-key and --api-key-file: pass one of them")
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                key = fh.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"--api-key-file={path!r}: {exc.strerror or exc}") from None
-        if not key or any(ch.isspace() for ch in key):
-            raise ConfigError(f"--api-key-file={path!r}: the file must hold one key (no spaces), got "
-                              f"{'nothing' if not key else 'several words'}")
-        return key
-    return getattr(args, "api_key", None) or env.api_key
-
-
-def serve_http_conflict(host: str, port: int) -> str | None:
-    """Why the Serve instance already running on this cluster would not listen where ``--host``/``--port`` say
-    (Serve keeps one HTTP address per cluster and ignores a new one); None when none runs or it matches."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return None
-    have = client.http_config
-    if (str(have.host), int(have.port)) == (str(host), int(port)):
-        return None
-    return (f"a Ray Serve instance already runs on this cluster, listening on {have.host}:{have.port}; it would not "
-            f"honour --host {host} --port {port} (Serve keeps one HTTP address per cluster): stop it first "
-            f"(`serve shutdown`), or pass --host {have.host} --port {have.port}")
-
-
 class GenerationFailed(RayMoEError):
     """The generation loop reported an error for a request."""
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           headers: dict[str, str] | None = None):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+_error = error_response
 
 
 def _sse(obj: Any) -> str:
@@ -145,14 +113,16 @@ def _replica_metrics() -> ServerMetrics | None:
 
 
 def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenizer_folder: str | None,
-              serving: dict[str, Any]):
-    """The FastAPI app and the Serve deployment class bound to it."""
+              serving: dict[str, Any], max_model_len: int | None = None):
+    """The FastAPI app and the Serve deployment class bound to it. ``max_model_len``: prompt + max_tokens
+    beyond it (or the model's positions, when smaller) are refused before submitting."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from ray import serve
 
     app = FastAPI(title="ray-moe", docs_url=None, redoc_url=None)
     app.add_middleware(CountRequests, metrics=_replica_metrics)  # ray_moe_server_requests_total
+    install_error_handlers(app)  # unknown routes (404), wrong methods (405): OpenAI's error object too
     folder_name = os.path.basename(os.path.normpath(tokenizer_folder)) if tokenizer_folder else None
 
     @serve.deployment(max_ongoing_requests=2048)
@@ -168,13 +138,18 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             if tokenizer_folder is not None:
                 from transformers import AutoTokenizer
 
-                self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
+                self.tokenizer = PaddedVocabTokenizer(AutoTokenizer.from_pretrained(tokenizer_folder,
+                                                                                     local_files_only=True))
+            # the context a request must fit: the model's positions, or --max-model-len when smaller
+            self.context = min(self.engine.max_context, max_model_len or self.engine.max_context)
+            # the ids a request may hold: the model's vocabulary, or the tokenizer's when larger (vLLM's bound)
+            self.vocab = max(self.engine.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
 
         # ------------------------------------------------------------ request checks
         def _auth(self, request: Request):
             if api_key is None or bearer_ok(request.headers.get("authorization", ""), api_key):
                 return None
-            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", None, "authentication_error")
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", None, code="invalid_api_key")
 
         async def _parse(self, request: Request, cls: type):
             """(the validated body, None) or (None, the error response)."""
@@ -188,12 +163,11 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             try:
                 req = cls.model_validate(body)
             except ValidationError as exc:
-                err = exc.errors()[0]
-                field = ".".join(str(x) for x in err.get("loc", ())) or None
-                return None, _error(400, f"{field}: {err.get('msg')}", field)
+                field, msg = validation_param(exc.errors()[0])
+                return None, _error(400, f"{field or 'request'}: {msg}", field)
             if getattr(req, "model", None) not in (None, model_name):
                 return None, _error(404, f"model: {req.model!r} is not served here (serving {model_name!r})",
-                                    "model", "model_not_found")
+                                    "model", code="model_not_found")
             if hasattr(req, "stops") and req.stops() and self.tokenizer is None:
                 return None, _error(400, "stop: stop strings need a tokenizer in the checkpoint folder "
                                          "(use stop_token_ids)", "stop")
@@ -237,7 +211,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
 
         def _model_card(self) -> dict:
             return {"id": model_name, "object": "model", "owned_by": "ray-moe", "created": 0,
-                    "max_model_len": self.engine.max_context}
+                    "max_model_len": self.context}
 
         @app.get("/v1/models")
         async def models(self, request: Request) -> Any:
@@ -251,7 +225,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 return denied
             if model_id != model_name:
                 return _error(404, f"model: {model_id!r} is not served here (serving {model_name!r})", "model",
-                              "model_not_found")
+                              code="model_not_found")
             return self._model_card()
 
         @app.post("/tokenize")
@@ -268,7 +242,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 return _error(400, "prompt: tokenizing needs a tokenizer in the checkpoint folder", "prompt")
             else:
                 ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-            return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_context}
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.context}
 
         @app.post("/detokenize")
         async def detokenize(self, request: Request) -> Any:
@@ -277,9 +251,9 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 return err
             if self.tokenizer is None:
                 return _error(400, "tokens: detokenizing needs a tokenizer in the checkpoint folder", "tokens")
-            bad = [t for t in req.tokens if not 0 <= t < len(self.tokenizer)]
+            bad = [t for t in req.tokens if not 0 <= t < self.vocab]  # ids the tokenizer lacks decode to ''
             if bad:
-                return _error(400, f"tokens: {bad[0]} is outside the vocabulary [0, {len(self.tokenizer)})", "tokens")
+                return _error(400, f"tokens: {bad[0]} is outside the vocabulary [0, {self.vocab})", "tokens")
             return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)}
 
         @app.post("/v1/completions")
@@ -313,15 +287,27 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             if err is not None:
                 return err
             # without max_tokens: CHAT_DEFAULT_MAX_TOKENS, or what fits the context and one rank's KV budget
-            room = min(self.engine.max_context, self.engine.scheduler.kv_blocks * self.engine.scheduler.block_size)
+            room = min(self.context, self.engine.scheduler.kv_blocks * self.engine.scheduler.block_size)
             limit = req.limit() or max(1, min(CHAT_DEFAULT_MAX_TOKENS, room - len(ids)))
             choices = [self._choice(s, s, ids, limit, req) for s in range(req.n)]
             return await self._generate(Endpoint.CHAT, req, choices, "messages", arrived)
 
         # ------------------------------------------------------------ generation
         def _decode_prompt(self, ids: list[int], req: Any) -> str:
-            bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
-            return "" if bad else self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            return self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+
+        def _context_error(self, c: Choice, prompt_field: str, headers: dict[str, str]) -> Any:
+            """A choice whose prompt + max_tokens exceeds the context (``--max-model-len`` or the model's
+            positions): the 400, naming the prompt when it alone leaves no room, else ``max_tokens``."""
+            n, limit = len(c.prompt), self.context
+            if n + c.max_tokens <= limit:
+                return None
+            if n >= limit:
+                return _error(400, f"{prompt_field}: {n} tokens leave no room to generate within the context of "
+                                   f"{limit} tokens (max_model_len)", prompt_field, headers=headers)
+            return _error(400, f"max_tokens: {n} prompt tokens + max_tokens={c.max_tokens} = {n + c.max_tokens} "
+                               f"exceeds the context of {limit} tokens (max_model_len): at most {limit - n}",
+                          "max_tokens", headers=headers)
 
         def _choice(self, index: int, sample: int, ids: list[int], max_tokens: int, req: Any, echo: str = "") -> Choice:
             c = Choice(index, sample, ids, max_tokens, tokenizer=self.tokenizer, stops=req.stops(),
@@ -352,15 +338,21 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             headers = self._headers(req)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
+            chat = kind is Endpoint.CHAT
             for c in choices:
+                refused = self._context_error(c, prompt_field, headers)
+                if refused is not None:
+                    self._cancel(choices)
+                    return refused
                 try:
                     params = SamplingParams(**req.sampling(c.max_tokens, c.sample, tuple(req.stop_token_ids or ())))
                 except ValidationError as exc:
                     self._cancel(choices)
                     err = exc.errors()[0]
-                    field = ".".join(str(x) for x in err.get("loc", ())) or None
-                    return _error(400, f"{field or 'request'}: {err.get('msg')} (got {err.get('input')!r})", field,
-                                  headers=headers)
+                    engine_field, msg = validation_param(err)
+                    field = client_param(engine_field, chat=chat)
+                    return _error(400, f"{field or 'request'}: {client_message(msg)} (got {err.get('input')!r})",
+                                  field, headers=headers)
                 try:
                     c.handle = self.engine.submit(c.prompt, params, on_event=lambda item, i=c.index: (
                         loop.call_soon_threadsafe(events.put_nowait, (i, item))))
@@ -371,8 +363,16 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                                                            "code": None}})
                 except ValueError as exc:  # too long for the context or the KV budget, bad token ids
                     self._cancel(choices)
-                    param = "logit_bias" if str(exc).startswith("logit_bias") else prompt_field if "prompt" in str(exc) else None
-                    return _error(400, str(exc), param, headers=headers)
+                    msg = client_message(str(exc), prompt_field)
+                    sched = self.engine.scheduler
+                    if str(exc).startswith("logit_bias"):
+                        param = "logit_bias"
+                    elif "max_new_tokens" in str(exc):  # the prompt fits alone: it is max_tokens that does not
+                        alone = len(c.prompt) < min(self.context, sched.kv_blocks * sched.block_size)
+                        param = "max_tokens" if alone else prompt_field
+                    else:
+                        param = prompt_field if "prompt" in str(exc) else None
+                    return _error(400, msg, param, headers=headers)
                 except RayMoEError as exc:
                     self._cancel(choices)
                     return _error(503, str(exc), None, "server_error", headers=headers)
@@ -496,79 +496,12 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
 
 def run_server(args: Any, *, ready: threading.Event | None = None, stop: threading.Event | None = None,
                config_fields: dict | None = None) -> int:
-    """Start (or join) Ray, start the deployment from the checkpoint, run the Serve app until Ctrl-C / SIGTERM
-    (or ``stop``), then tear everything down. Bad options, and a Serve instance on the cluster that would not
-    listen at ``--host``/``--port``, raise ``ConfigError`` before any shard starts. ``config_fields``: more
+    """Check the options and the API address, start (or join) Ray, start the deployment from the checkpoint,
+    serve until Ctrl-C / SIGTERM (or ``stop``), then tear everything down (``apps/serve_run.py``). A bad option,
+    an address something already listens on, an impossible device, or a Serve instance on the cluster that would
+    not listen at ``--host``/``--port`` raise ``ConfigError`` before any shard starts. ``config_fields``: more
     RuntimeConfig fields (the CLI's elasticity flags: ``serve_config_fields``); else ``--eplb`` alone."""
-    import ray
-    from ray import serve
-
-    from ray_moe.core.env import read_env
-    from ray_moe.model.config import RuntimeConfig
-    from ray_moe.runtime import Runtime
-
-    decode_steps = getattr(args, "decode_steps", None)
-    if decode_steps is not None and not 1 <= decode_steps <= 64:  # before Ray or any shard starts
-        raise ValueError(f"--decode-steps={decode_steps}: must be in [1, 64]")
-    env = read_env()
-    api_key = read_api_key(args, env)
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    if config_fields is None:  # ray-moe serve --eplb
-        config_fields = {"eplb": args.eplb} if getattr(args, "eplb", None) is not None else {}
-    cfg = RuntimeConfig.from_pretrained(args.checkpoint, num_ranks=args.ranks, device=args.device, dtype=dtype,
-                                        name=args.name, **config_fields)
-    address = getattr(args, "address", None) or env.ray_address
-    started_ray = False
-    if not ray.is_initialized():
-        if address in (None, "local"):  # no cluster to join: a local instance, stopped with this process
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace=env.namespace)
-            started_ray = True
-        else:
-            ray.init(address=address, namespace=env.namespace, log_to_driver=False)
-    conflict = serve_http_conflict(args.host, args.port)
-    if conflict is not None:
-        if started_ray:
-            ray.shutdown()
-        raise ConfigError(conflict)
-    rt = Runtime.start(cfg)
-    model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    # the product's defaults (``driver/loop.py``): the same as ``Runtime.generate`` and the serving benchmark
-    serving = dict(kv_tokens=args.kv_tokens, block_size=args.block_size, step_tokens=args.step_tokens,
-                   max_running=args.max_running, max_queued=args.max_queued,
-                   decode_steps=decode_steps, fused_kernels=getattr(args, "fused_kernels", True),
-                   attention=getattr(args, "attention", "auto"), memory_fraction=getattr(args, "memory_fraction", None),
-                   prefix_caching=getattr(args, "prefix_caching", True))
-    app_name = f"ray-moe-{args.name}"
-    try:
-        # one proxy, on the head node, at --host only (never every node's interfaces)
-        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
-        server = build_app(model_name, cfg.name, api_key=api_key, tokenizer_folder=args.checkpoint if has_tok else None,
-                           serving=serving)
-        serve.run(server.bind(), name=app_name, route_prefix="/", blocking=False)
-        gcs = ray.get_runtime_context().gcs_address
-        print(f"ray-moe serve: {model_name!r} on http://{args.host}:{args.port}/v1 ({args.ranks} ranks, "
-              f"deployment {cfg.name!r}{', API key required' if api_key else ''}); Ctrl-C stops\n"
-              f"  Ray: {gcs} ({'a local instance started here: it stops with this process' if started_ray else 'joined'})\n"
-              f"  status from another shell: ray-moe status --name {cfg.name} --address {gcs}", flush=True)
-        if ready is not None:
-            ready.set()
-        done = stop or threading.Event()
-        if stop is None and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: done.set())
-        while not done.wait(0.5):
-            pass
-    finally:
-        try:
-            serve.delete(app_name)
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
-        rt.shutdown()
-        if stop is None and ray.is_initialized() and (started_ray or rt._owns_ray):
-            ray.shutdown()
-    print("ray-moe serve: stopped", flush=True)
-    return 0
+    return serve_main(args, build_app, ready=ready, stop=stop, config_fields=config_fields)
 
 
 __all__ = [

@@ -1,7 +1,8 @@
 """Shared fixtures of the app tests. ``serve_port``: one HTTP port for every ``ray-moe serve`` the app tests start:
 Serve keeps one HTTP address per Ray cluster (the tests share one), and ``run_server`` refuses a --host/--port the
 running Serve instance would not honour. ``serve_running``: runs ``run_server(args)`` on a thread until the API
-answers ``/health`` (the replica started its generation loop), yields the base URL, then stops it."""
+answers ``/health`` (the replica started its generation loop), yields the base URL, then stops it. Every server
+these tests start records itself in a temporary state directory (``RAY_MOE_STATE_DIR``), never ``~/.ray-moe``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,21 @@ import threading
 from typing import Any, Callable, ContextManager, Iterator
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def state_dir(tmp_path_factory) -> Iterator[str]:
+    """``RAY_MOE_STATE_DIR`` for the session: where ``ray-moe serve`` records the deployments it runs."""
+    import os
+
+    folder = str(tmp_path_factory.mktemp("ray-moe-state"))
+    before = os.environ.get("RAY_MOE_STATE_DIR")
+    os.environ["RAY_MOE_STATE_DIR"] = folder
+    yield folder
+    if before is None:
+        os.environ.pop("RAY_MOE_STATE_DIR", None)
+    else:
+        os.environ["RAY_MOE_STATE_DIR"] = before
 
 
 @pytest.fixture(scope="session")

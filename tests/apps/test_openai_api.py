@@ -187,6 +187,15 @@ def test_chat_completions_with_the_openai_client(server):
     assert _post(base, "/detokenize", {"tokens": [10 ** 6]}).status_code == 400
     r = _post(base, "/v1/chat/completions", {"model": NAME, "messages": messages, "top_logprobs": 2})
     assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "top_logprobs"
+    image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    r = _post(base, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": image}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages[0].content[1].type", err
+    assert "'image_url' is not supported" in err["message"] and "text only" in err["message"]
+    r = _post(base, "/v1/chat/completions", {"model": NAME, "messages": messages, "max_tokens": 4096})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "max_new_tokens" not in r.json()["error"]["message"]
 
 
 def _ref_logprobs(model, ids, gen):
@@ -209,7 +218,7 @@ def test_logprobs_through_the_openai_client_equal_the_models_log_softmax(server)
     assert gen == ref.argmax(-1).tolist() and len(gen) == 6 and ch.finish_reason == "length"
     lp = ch.logprobs
     assert max(abs(a - float(ref[i, t])) for i, (a, t) in enumerate(zip(lp.token_logprobs, gen))) < 1e-4
-    assert all(1 <= len(d) <= 3 for d in lp.top_logprobs)  # (two ids may decode to one text)
+    assert all(len(d) == 3 for d in lp.top_logprobs)  # one entry per id (ids that spell alike stay apart)
     assert all(max(d.values()) == pytest.approx(a, abs=1e-6) for d, a in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.tokens == [tok.decode([t]) for t in gen] and lp.text_offset == sorted(lp.text_offset)
     streamed = [c.choices[0].logprobs for c in client.completions.create(

@@ -1,7 +1,9 @@
 """The request bodies (``ray_moe.apps.openai_protocol``) and the server's pure helpers, without Ray: unknown
 fields ignored and named, the sampler fields checked and carried into ``SamplingParams`` (``logit_bias`` checked
 by name), the logprobs forms, prompts in every shape,
-``Choice`` (stop strings and stop token ids on the text, finish reasons), the bearer check and the key file."""
+``Choice`` (stop strings and stop token ids on the text, finish reasons), the bearer check and the key file, ids
+beyond the tokenizer's vocabulary (empty text, ``token_id:<id>``, one top-list entry per id) and refusals naming
+the client's field (``param``)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,15 @@ from ray_moe.apps.openai_protocol import (  # noqa: E402
     CompletionRequest,
     TokenizeRequest,
 )
-from ray_moe.apps.server import Choice, FinishReason, bearer_ok, read_api_key  # noqa: E402
+from ray_moe.apps.server import (  # noqa: E402
+    Choice,
+    FinishReason,
+    bearer_ok,
+    chat_logprobs,
+    completion_logprobs,
+    read_api_key,
+)
+from ray_moe.model.sampling import TokenLogprobs  # noqa: E402
 from ray_moe.core.env import EnvSettings  # noqa: E402
 from ray_moe.core.errors import ConfigError  # noqa: E402
 
@@ -142,3 +152,62 @@ def test_bearer_scheme_any_case_and_the_key_file(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="one key"):
         read_api_key(ns(api_key=None, api_key_file=str(tmp_path / "empty")), env)
+
+
+def test_padded_vocabulary_ids_decode_to_empty_text_and_keep_their_own_keys(tmp_path):
+    """Ids the tokenizer lacks (a model vocabulary padded beyond it): dropped from every decode (streamed and
+    whole text alike), ``token_id:<id>`` in logprobs, and a top list keyed by text loses no id."""
+    from transformers import AutoTokenizer
+
+    from ray_moe.apps.detokenize import decode_completion
+    from ray_moe.apps.vocab import PaddedVocabTokenizer, token_text, top_logprobs_dict
+
+    save_byte_level_tokenizer(tmp_path)
+    raw = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    tok = PaddedVocabTokenizer(raw)
+    beyond = len(raw) + 3
+    ids = raw(" cat sat", add_special_tokens=False)["input_ids"]
+    mixed = [ids[0], beyond, *ids[1:], beyond + 1]
+    assert tok.decode(mixed) == raw.decode(ids) == " cat sat"
+    assert decode_completion(tok, [], mixed) == " cat sat"
+    c = Choice(0, 0, [], 50, tokenizer=tok, stops=(), stop_ids=(), skip_special_tokens=True)
+    assert "".join(c.on_token(t) for t in mixed) + c.on_end() == " cat sat"
+    assert token_text(tok, beyond) == f"token_id:{beyond}" and token_text(tok, ids[0]) == raw.decode([ids[0]])
+    # two lone bytes of one character spell alike ('\ufffd'), as every padded id would spell '': one key each
+    b1, b2 = raw.convert_tokens_to_ids(["Ã", "©"])
+    assert token_text(tok, b1) == token_text(tok, b2) == "\ufffd"
+    top = top_logprobs_dict(tok, b2, [b1, b2, beyond, ids[0]], [-0.1, -0.2, -0.3, -0.4])
+    assert top == {f"token_id:{b1}": -0.1, "\ufffd": -0.2, f"token_id:{beyond}": -0.3, raw.decode([ids[0]]): -0.4}
+    lp = [TokenLogprobs(-0.2, (b1, b2, beyond), (-0.1, -0.2, -0.3))]
+    out = completion_logprobs(tok, [b2], lp, [0])
+    assert out["tokens"] == ["\ufffd"] and out["top_logprobs"][0]["\ufffd"] == -0.2 and len(out["top_logprobs"][0]) == 3
+    chat = chat_logprobs(tok, [beyond], lp)["content"][0]
+    assert chat["token"] == f"token_id:{beyond}" and chat["bytes"] == []
+    assert [e["token"] for e in chat["top_logprobs"]] == ["\ufffd", "\ufffd", f"token_id:{beyond}"]
+
+
+def test_refusals_name_the_clients_field():
+    from ray_moe.apps.api_errors import client_message, client_param
+    from ray_moe.apps.openai_protocol import field_path, validation_param
+
+    assert field_path(("messages", 0, "content", 1, "type")) == "messages[0].content[1].type" and field_path(()) is None
+
+    def refused(model, body):
+        with pytest.raises(ValidationError) as info:
+            model.model_validate(body)
+        return validation_param(info.value.errors()[0])
+
+    msgs = [{"role": "user", "content": "x"}]
+    assert refused(ChatCompletionRequest, {"model": "m", "messages": msgs, "top_logprobs": 2}) == \
+        ("top_logprobs", "top_logprobs=2 needs logprobs=true")
+    param, msg = refused(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}]}]})
+    assert param == "messages[0].content[1].type" and "'input_audio' is not supported" in msg
+    assert refused(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": 3}]})[0] == \
+        "messages[0].content"
+    assert refused(ChatCompletionRequest, {"model": "m", "messages": msgs, "max_tokens": 3,
+                                           "max_completion_tokens": 4})[0] == "max_completion_tokens"
+    assert refused(CompletionRequest, {"model": "m", "prompt": "a", "temperature": 3})[0] == "temperature"
+    assert client_param("max_new_tokens") == "max_tokens" and client_param("logprobs", chat=True) == "top_logprobs"
+    assert client_message("prompt: 3 tokens + max_new_tokens=9 = 12 exceeds", "messages") == \
+        "messages: 3 tokens + max_tokens=9 = 12 exceeds"

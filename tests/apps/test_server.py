@@ -4,8 +4,11 @@ completions from text (BOS added as the tokenizer adds it) and token ids equal t
 streaming as server-sent events with the streamed text equal to the non-streamed text, bad requests (400 naming
 the field), unknown fields ignored (named in a header), chat without a template (400), a missing or wrong API key
 (401; the bearer scheme in any case), an unknown model, and a bounded load test (a few hundred concurrent
-requests: every one answered, none lost). The byte-level tokenizer, chat and the other fields:
-test_openai_api.py."""
+requests: every one answered, none lost). The tokenizer has fewer ids than the model's vocabulary (a padded
+vocabulary, as Qwen's): those ids decode to empty text, are ``token_id:<id>`` in logprobs, stay distinct in
+``top_logprobs`` and are accepted by ``/detokenize``; every refusal is OpenAI's error object with the client's field
+in ``param`` (``--max-model-len`` here: ``max_tokens``), unknown routes and wrong methods too. The byte-level
+tokenizer, chat and the other fields: test_openai_api.py."""
 
 from __future__ import annotations
 
@@ -26,15 +29,20 @@ from ray_moe_dev.testing.hf_models import save_sentencepiece_tokenizer, tiny_mod
 KEY = "test-key-123"
 
 
+TOKENIZER_IDS = 100  # the tokenizer's ids; the model's vocabulary is 128: ids 100-127 are a padded vocabulary
+MAX_MODEL_LEN = 100  # --max-model-len (the model has 128 positions)
+
+
 @pytest.fixture(scope="module")
 def server(ray_session, tmp_path_factory, serve_port, serve_running):
     model, folder = tiny_model("qwen3_moe", tmp_path_factory.mktemp("srv") / "tiny-qwen3")
-    save_sentencepiece_tokenizer(folder)
+    save_sentencepiece_tokenizer(folder, vocab_size=TOKENIZER_IDS)
     model.eval()
     port = serve_port
     args = argparse.Namespace(checkpoint=str(folder), ranks=2, device="cpu", dtype="float32", name="http-test",
                               host="127.0.0.1", port=port, api_key=KEY, model_name=None, kv_tokens=256,
-                              block_size=8, step_tokens=64, max_running=64, max_queued=128)
+                              block_size=8, step_tokens=64, max_running=64, max_queued=128,
+                              max_model_len=MAX_MODEL_LEN)
     with serve_running(args) as base:
         yield model, base, "tiny-qwen3", str(folder)
 
@@ -237,3 +245,71 @@ def test_a_few_hundred_concurrent_requests_are_all_answered(server):
             assert r.json()["choices"][0]["token_ids"] == _greedy(model, [1 + i % 50, 2, 3], 3)
         else:
             assert r.headers.get("retry-after") == "1"
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
+    return err
+
+
+def test_ids_beyond_the_tokenizer_decode_to_empty_text_and_stay_distinct(server):
+    """Padded vocabulary (ids 100-127 have no tokenizer entry), as vLLM handles it: valid ids, empty text,
+    ``token_id:<id>`` in logprobs; every top list keeps one entry per id, the chosen token among them."""
+    model, base, name, folder = server
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert len(tok) == TOKENIZER_IDS < model.config.vocab_size
+    ids = [1, 7, 8]  # <s> hello world
+    forced = httpx.post(f"{base}/v1/completions", headers=_auth(), timeout=60,
+                        json={"model": name, "prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2,
+                              "logit_bias": {"120": 100}}).json()["choices"][0]
+    assert forced["token_ids"] == [120] * 3 and forced["text"] == ""
+    assert forced["logprobs"]["tokens"] == ["token_id:120"] * 3
+    # greedy, 20 alternatives a token: a quarter of them are padded ids, all spelled '' by the tokenizer
+    body = {"model": name, "prompt": ids, "max_tokens": 12, "temperature": 0, "logprobs": 20, "ignore_eos": True}
+    out = httpx.post(f"{base}/v1/completions", headers=_auth(), json=body, timeout=60).json()["choices"][0]
+    lp = out["logprobs"]
+    assert out["token_ids"] == _greedy(model, ids, 12)
+    padded = 0
+    for tok_text, chosen, value, top in zip(lp["tokens"], out["token_ids"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 20  # no two ids merged under one text
+        assert top[tok_text] == pytest.approx(value) == pytest.approx(max(top.values()))  # the greedy token is there
+        assert (tok_text == f"token_id:{chosen}") == (chosen >= TOKENIZER_IDS)
+        padded += sum(k.startswith("token_id:") for k in top)
+    assert padded >= 12  # the collisions were there to merge
+    assert out["text"] == tok.decode([t for t in out["token_ids"] if t < TOKENIZER_IDS], skip_special_tokens=True)
+    # /detokenize takes every id a completion returns (the model's vocabulary), padded ones as empty text
+    r = httpx.post(f"{base}/detokenize", headers=_auth(), timeout=30, json={"tokens": [7, 120, 8, 127]})
+    assert r.status_code == 200 and r.json() == {"prompt": "hello world"}
+    r = httpx.post(f"{base}/detokenize", headers=_auth(), timeout=30, json={"tokens": out["token_ids"]})
+    assert r.status_code == 200
+    err = _error(httpx.post(f"{base}/detokenize", headers=_auth(), timeout=30, json={"tokens": [128]}), 400)
+    assert err["param"] == "tokens" and "[0, 128)" in err["message"]
+
+
+def test_every_refusal_is_openais_error_object_naming_the_clients_field(server):
+    _, base, name, _ = server
+    url = f"{base}/v1/completions"
+    # --max-model-len: a prompt that fits, max_tokens that does not -> max_tokens (never max_new_tokens)
+    err = _error(httpx.post(url, headers=_auth(), timeout=30,
+                            json={"model": name, "prompt": [5] * 60, "max_tokens": 50}), 400)
+    assert err["param"] == "max_tokens" and "max_tokens=50" in err["message"] and "max_new_tokens" not in err["message"]
+    assert f"context of {MAX_MODEL_LEN} tokens" in err["message"]
+    err = _error(httpx.post(url, headers=_auth(), timeout=30,
+                            json={"model": name, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1}), 400)
+    assert err["param"] == "prompt"
+    models = httpx.get(f"{base}/v1/models", headers=_auth(), timeout=30).json()
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert _error(httpx.post(url, headers=_auth(), timeout=30, json={"model": name, "prompt": [1], "n": 0}),
+                  400)["param"] == "n"
+    err = _error(httpx.post(url, json={"model": name, "prompt": [1]}, timeout=30), 401)
+    assert err["code"] == "invalid_api_key"
+    err = _error(httpx.post(url, headers=_auth(), json={"model": "gpt-x", "prompt": [1]}, timeout=30), 404)
+    assert (err["param"], err["code"]) == ("model", "model_not_found")
+    err = _error(httpx.get(url, headers=_auth(), timeout=30), 405)
+    assert err["message"].startswith("GET /v1/completions: method not allowed") and "POST" in err["message"]
+    err = _error(httpx.get(f"{base}/v1/nope", headers=_auth(), timeout=30), 404)
+    assert err["message"].startswith("GET /v1/nope: no such route") and "/v1/completions" in err["message"]

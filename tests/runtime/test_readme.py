@@ -1,4 +1,4 @@
-"""The README's "Using it" snippet runs as pasted (every name it uses is defined in it).
+"""The README's "Using it from Python" snippet runs as pasted (every name it uses is defined in it).
 
 It runs in this process on the session's local Ray instance (``Runtime.start`` joins an initialised Ray
 instead of starting one); pasted into a fresh interpreter it starts its own local instance.
@@ -17,13 +17,13 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def using_it_snippet() -> str:
-    """The first ```python block of the "## Using it" section."""
+    """The first ```python block of the "## Using it from Python" section."""
     text = README.read_text(encoding="utf-8")
-    start = text.index("\n## Using it\n")
+    start = text.index("\n## Using it from Python\n")
     end = text.find("\n## ", start + 1)
     section = text[start:end if end != -1 else len(text)]
     m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "README.md: no ```python block under '## Using it'"
+    assert m, "README.md: no ```python block under '## Using it from Python'"
     return m.group(1)
 
 
