@@ -29,7 +29,9 @@ class HFWeightSource(WeightSource):
     the checkpoint's dtype). ``index``: an existing CheckpointIndex to reuse.
 
     expert(l, e) -> ExpertWeights(w_gate [f, d], w_up [f, d], w_down [d, f]); router(l) -> [E, d] float32.
-    Experts are read by several threads at once (safetensors reads of one memory-mapped file each).
+    A block-scaled FP8 checkpoint's experts come as float8_e4m3fn codes with their float32 block scales
+    (``ExpertWeights.scales``, ``fp8_block`` = the checkpoint's ``weight_block_size``; ``dtype`` casts dense
+    experts only). Experts are read by several threads at once (safetensors reads of one memory-mapped file each).
     """
 
     concurrent_reads = True
@@ -48,6 +50,7 @@ class HFWeightSource(WeightSource):
         self.num_layers = self.spec.num_moe_layers
         self.hidden_size = self.spec.hidden_size
         self.ffn_size = self.spec.ffn_size
+        self.fp8_block = self.spec.fp8_block
 
     @property
     def top_k(self) -> int | None:
