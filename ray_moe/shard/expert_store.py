@@ -205,6 +205,8 @@ class ExpertStore:
         items = {_key(k): w for k, w in weights.items()}
         shapes: dict[int, tuple] = {}
         for k, w in items.items():
+            if k[0] in self._slabs:
+                self._check_shapes(k, w)  # (an FP8 layer takes FP8 rows only, and the other way round)
             f, d = (tuple(w.w_gate.shape) + (0, 0))[:2]
             got_shapes = tuple(tuple(t.shape) for t in w.tensors())
             want = shapes.setdefault(k[0], tuple(tuple(t.shape[1:]) for t in self._slabs[k[0]].tensors())
@@ -212,8 +214,6 @@ class ExpertStore:
             if got_shapes != want:
                 raise ValueError(f"weights: expert {k} has shapes {got_shapes}, expected {want} (w_gate [f, d], "
                                  f"w_up [f, d], w_down [d, f] of layer {k[0]}, then any FP8 scales)")
-            if k[0] in self._slabs:
-                self._check_shapes(k, w)  # (an FP8 layer takes FP8 rows only, and the other way round)
             if k in self._rows:
                 got = (w.to(self.device) if w.quantized else w.to(self.device, self.dtype)).digest()
                 if got != self._digests[k]:
