@@ -237,12 +237,14 @@ def bounded_int(least: int):
 
 
 def serve_config_fields(args: argparse.Namespace) -> dict:
-    """The RuntimeConfig fields ``ray-moe serve``'s elasticity flags set: ``eplb`` (--eplb), ``heal_retries``
+    """The RuntimeConfig fields ``ray-moe serve``'s flags set: ``quantization`` (--quantization), ``eplb`` (--eplb), ``heal_retries``
     (--heal-retries) and, when --min-ranks or --max-ranks is given, ``scaling`` (enabled, min 1 and max
     --ranks unless given). Flags that were not parsed (another caller's namespace) set nothing."""
     from ray_moe.model.config import ScalingPolicy
 
     out: dict = {}
+    if getattr(args, "quantization", None) is not None:
+        out["quantization"] = args.quantization
     if getattr(args, "eplb", None) is not None:
         out["eplb"] = args.eplb
     if getattr(args, "heal_retries", None) is not None:
@@ -398,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "and job logs); or set RAY_MOE_API_KEY")
     sv.add_argument("--api-key", default=None, help="the key on the command line (visible in process lists and "
                     "`ray job logs`: prefer --api-key-file or RAY_MOE_API_KEY)")
+    sv.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="fp8: quantize an unquantized checkpoint's routed experts at load to block-scaled FP8 (128 x 128 "
+                         "blocks; an FP8 checkpoint is served in FP8 without it)")
     sv.add_argument("--name", default="serve", help="deployment name (ray-moe status/scale/rebalance --name)")
     sv.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
     sv.add_argument("--address", default=None, help="Ray address; 'local' starts a local instance "

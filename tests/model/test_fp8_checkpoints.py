@@ -225,3 +225,46 @@ def test_sharded_fp8_generation_across_a_rebalance_and_a_corrupted_scale(qwen_fp
     dep.cores[0].export_experts, dep.cores[1].export_experts = real
     assert dep.plane.registry.active() == g1
     assert generate_inprocess(dep, prompts, 6, step_tokens=8) == want
+
+
+def test_fp8_on_the_h200_step_paths_on_cpu_stays_token_equal(qwen_fp8, eager_capture, paged_references):
+    """One rank (the local route plan's indexed rows), the step lattice captured at start and replayed (decode
+    graphs, piecewise graphs; eager emulations on CPU): FP8 slots change nothing but the weights' format."""
+    ref, folder = qwen_fp8
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1))
+    core = dep.cores[0]
+    prompts, late = _prompts(11, (5, 13)), _prompts(12, (9,))
+    got = generate_inprocess(dep, prompts, 5, step_tokens=8, join_after={2: late})
+    assert got == _reference(ref, prompts + late, 5)
+    c = {**core.generator.counters, **core.pipeline.counters, **core.generator.graph_runner.counters}
+    assert c.get("decode_graph_steps", 0) >= 3 and not c.get("eager_steps"), c
+
+
+def test_online_fp8_quantizes_an_unquantized_checkpoints_experts_at_load(hf_checkpoint):
+    """``quantization="fp8"`` (``ray-moe serve --quantization fp8``): the routed experts of a float32 checkpoint
+    quantized per 128 x 128 block at load and served from FP8 slots; token-equal to the model whose experts are
+    replaced by their quantized values (the non-expert modules unchanged)."""
+    import copy
+
+    from ray_moe.apps.cli import build_parser, serve_config_fields
+    from ray_moe.model.seam import model_experts
+    from ray_moe.moe.experts.fp8 import quantize
+
+    model, folder = hf_checkpoint("mixtral")
+    cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=4, quantization="fp8")
+    dep = InProcessDeployment(cfg)
+    w = dep.cores[1].store.get(dep.cores[1].store.held()[0])
+    assert w.quantized and w.block == (128, 128) and dep.cores[1].source.fp8_block == (128, 128)
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for _, mod in model_experts(ref):
+            f = mod.gate_up_proj.shape[1] // 2
+            for e in range(mod.gate_up_proj.shape[0]):
+                for part in (mod.gate_up_proj[e, :f], mod.gate_up_proj[e, f:], mod.down_proj[e]):
+                    part.copy_(dequantize(*quantize(part, (128, 128)), (128, 128)))
+    prompts = _prompts(3, (6, 11, 3))
+    assert generate_inprocess(dep, prompts, 6, step_tokens=8) == _reference(ref, prompts, 6)
+    args = build_parser().parse_args(["serve", "--checkpoint", folder, "--quantization", "fp8"])
+    assert serve_config_fields(args)["quantization"] == "fp8"
+    with pytest.raises(Exception, match="quantization"):
+        ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, quantization="int4")
