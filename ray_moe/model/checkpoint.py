@@ -336,8 +336,10 @@ class CheckpointIndex:
             g, u, dn = (t.clone(memory_format=torch.contiguous_format) for t in (gu[:f], gu[f:], dn))
             scales = [None, None, None]
             if is_fp8(gu):
+                if self.scheme is None:
+                    self._codes(lay.gate, g, None)  # refused: float8 codes under a config without quantization
                 sgu = self._get_row(scale_name(lay.gate), expert) if scale_name(lay.gate) in self else None
-                half = scale_shape((f, self.spec.hidden_size), self.scheme.block) if self.scheme else (0, 0)
+                half = scale_shape((f, self.spec.hidden_size), self.scheme.block)  # type: ignore[union-attr]
                 if sgu is not None and tuple(sgu.shape) != (2 * half[0], half[1]):
                     raise ConfigError(f"{self.file_of(scale_name(lay.gate))}: scales {scale_name(lay.gate)!r} row "
                                       f"{expert} has shape {list(sgu.shape)}, expected {[2 * half[0], half[1]]} (the "

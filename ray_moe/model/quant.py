@@ -121,8 +121,11 @@ def read_quantization(folder: str) -> Fp8Scheme | None:
 def refuse_unquantized_fp8(name: str, dtype: Any, where: str, folder: str) -> ConfigError:
     """The error for a float8 tensor (or a scale) in a checkpoint whose config declares no quantization."""
     what = "holds scales" if name.endswith(SCALE_SUFFIX) else f"is {dtype} (FP8 codes)"
-    return ConfigError(f"{where}: tensor {name!r} {what} but {os.path.join(folder, 'config.json')} declares no "
-                       f"quantization_config; its values cannot be read without their scales ({SERVED})")
+    config = os.path.join(folder, "config.json")
+    says = f"{config} declares no quantization_config" if os.path.isfile(config) else \
+        f"the folder has no config.json declaring a quantization_config"
+    return ConfigError(f"{where}: tensor {name!r} {what} but {says}; its values cannot be read without their "
+                       f"scales ({SERVED})")
 
 
 def check_header(name: str, dtype: str, where: str, folder: str, scheme: Fp8Scheme | None) -> None:

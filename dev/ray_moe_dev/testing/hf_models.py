@@ -25,6 +25,9 @@ renamed names, see above); ``fused`` is the live state dict (``<experts>.gate_up
 ``<experts>.down_proj`` [E, d, f]; transposed for aria_text) plus config.json.
 ``sharded=True`` writes several files and ``model.safetensors.index.json``.
 Weights use ``initializer_range=0.2`` so every MoE output is O(1).
+
+``fp8_model(family, folder, block=(128, 128))`` writes a block-scaled FP8 copy (DeepSeek-V3 / Qwen3-FP8 layout:
+e4m3 codes + ``*_scale_inv`` + ``quantization_config``) and returns transformers' load of its dequantized twin.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ def fp8_model(family: str, folder: str | os.PathLike, *, block: tuple[int, int] 
     Also writes ``<folder>.dequantized``: the same checkpoint with every FP8 weight replaced by its value
     (code x scale, float32) and no quantization_config. Returns (transformers' own ``from_pretrained`` of that
     dequantized folder: the reference model, float32, eval mode; folder)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from ray_moe.moe.experts.fp8 import dequantize, quantize
