@@ -194,3 +194,28 @@ def test_the_store_holds_codes_and_scales_row_by_row():
         bad = ExpertWeights.from_tensors(0, 2, [t.clone() for t in SRC.expert(0, 2).tensors()], BLOCK)
         bad.scales[0][0, 0] += 1
         st.put({(0, 2): bad})
+
+
+@pytest.mark.parametrize("payload", ["native", "fp8_row"])
+def test_fp8_weights_beside_the_fp8_dispatch_payload(payload):
+    """Two in-process ranks with FP8 expert slots (seeded experts quantized at load, 128 x 128 blocks over
+    d=256) and either payload: native rows give the dequantized model's output (fp32), FP8 activation rows
+    (their own per-row scales) only the activation quantization's error on top; the weight scales never mix
+    with the payload's."""
+    from ray_moe.model.config import RuntimeConfig
+    from ray_moe_dev.testing.inprocess import InProcessDeployment, reference_output
+
+    cfg = RuntimeConfig(num_ranks=2, num_experts=8, hidden_size=256, ffn_size=128, top_k=2, slots_per_rank=5,
+                        seed=2, quantization="fp8", payload_format=payload)
+    dep = InProcessDeployment(cfg)
+    held = dep.cores[0].store.get(dep.cores[0].store.held()[0])
+    assert held.quantized and [tuple(s.shape) for s in held.scales] == [(1, 2), (1, 2), (2, 1)]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(32, 256, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(32)])
+    w = torch.rand(32, 2, generator=g)
+    y, results = dep.step(h, ids, w)
+    assert not dep.errors(results)
+    ref = reference_output(cfg, h, ids, w)  # float64 over the dequantized weights
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert err < (1e-5 if payload == "native" else 5e-2) and (payload == "native" or err > 1e-4)
