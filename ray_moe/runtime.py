@@ -500,8 +500,10 @@ class Runtime:
     def shard_status(self) -> dict[int, dict[str, Any]]:
         return dict(zip(self.shards, call([h.status.remote() for h in self.shards.values()])))
 
-    def expert_weights(self, expert: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w_gate [f, d], w_up [f, d], w_down [d, f]) of a logical expert, read from a rank hosting it."""
+    def expert_weights(self, expert: int, layer: int = 0, *, raw: bool = False) -> Any:
+        """(w_gate [f, d], w_up [f, d], w_down [d, f]) of a logical expert, read from a rank hosting it; an FP8
+        expert's dequantized float32 values (code x block scale). ``raw``: the ExpertWeights as the rank holds it
+        (FP8: float8_e4m3fn codes with ``scales`` and ``block``)."""
         if not 0 <= expert < self.cfg.num_experts:
             raise RequestError(f"expert={expert} is out of range [0, {self.cfg.num_experts})")
         man = self.placement()
@@ -509,7 +511,8 @@ class Runtime:
             payload = call(self.shards[s.destination_rank].expert_weights.remote(layer, expert))
             if payload is not None:
                 w = experts_from_wire(payload)[(layer, expert)]
-                return w.w_gate, w.w_up, w.w_down
+                w = w if raw or not w.quantized else w.dequantized(torch.float32)
+                return w if raw else (w.w_gate, w.w_up, w.w_down)
         raise RequestError(f"expert={expert}: no live rank holds layer {layer}")
 
     # ================================================================ elastic operations

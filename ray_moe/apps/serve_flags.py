@@ -75,6 +75,9 @@ def add_serve_arguments(sv: argparse.ArgumentParser, bounded_int, eplb_flag) -> 
                          "and job logs); or set RAY_MOE_API_KEY")
     sv.add_argument("--api-key", default=None, help="the key on the command line (visible in process lists and "
                     "`ray job logs`: prefer --api-key-file or RAY_MOE_API_KEY)")
+    sv.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                    help="fp8: quantize an unquantized checkpoint's routed experts at load to block-scaled FP8 (128 x "
+                         "128 blocks), as vllm serve --quantization fp8; an FP8 checkpoint is served in FP8 without it")
     sv.add_argument("--name", default="serve", help="deployment name (ray-moe status/scale/rebalance --name)")
     sv.add_argument("--served-model-name", "--model-name", dest="model_name", default=None, metavar="NAME",
                     help="the model id clients send (default: the folder name)")

@@ -12,6 +12,14 @@ expert at a time.
 * ``validate()`` checks every expert tensor's presence, shape and dtype from the file headers only.
 * ``read_expert`` reads only that expert's bytes: per-expert tensors with ``get_tensor``, fused tensors
   with ``get_slice(name)[e]`` (never the whole stacked tensor).
+* Block-scaled FP8 checkpoints (``spec.fp8_block``, ``model.quant``): an expert tensor stored as
+  float8_e4m3fn codes is read with its scales, ``<name>_scale_inv`` (per-expert ``...gate_proj.weight`` [f, d]
+  -> ``...gate_proj.weight_scale_inv`` [ceil(f/b0), ceil(d/b1)] float32; fused ``gate_up_proj`` [E, 2f, d] ->
+  ``gate_up_proj_scale_inv`` [E, 2 ceil(f/b0), ceil(d/b1)]: the gate's scale rows then the up's, as
+  transformers concatenates them, and ``down_proj_scale_inv`` [E, ceil(d/b0), ceil(f/b1)]), and returned as
+  an ``ExpertWeights`` of codes with ``scales`` (never cast). ``read_tensor`` gives any other tensor's values
+  (FP8 ones dequantized). A float8 tensor or a scale in a checkpoint that declares no quantization is refused
+  (ConfigError naming the tensor and the file), by ``validate`` from the headers and by every read.
 
 A folder without ``config.json`` (the legacy folders ``ray_moe.moe.experts.weights.save_checkpoint`` writes)
 gets its spec from the tensor names: per-expert tensors under ``<prefix>.layers.<i>.<block>.experts.<e>``,
@@ -30,7 +38,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ray_moe.core.errors import ConfigError
+from ray_moe.moe.experts.fp8 import scale_shape
 from ray_moe.moe.experts.weights import ExpertWeights
+from ray_moe.model.quant import Fp8Scheme, check_header, dense_tensor, is_fp8, scale_name, scale_of
 from ray_moe.model.spec import LayerNames, ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,6 +93,8 @@ class CheckpointIndex:
             else:
                 spec = self._legacy_spec()
         self.spec = spec
+        self.scheme = (Fp8Scheme(spec.fp8_block, os.path.join(self.folder, "config.json"))
+                       if spec.fp8_block is not None else None)
         self.layouts: tuple[LayerLayout, ...] = tuple(self._detect(m) for m in range(spec.num_moe_layers))
 
     # ------------------------------------------------------------------------------------- file map
@@ -217,8 +229,17 @@ class CheckpointIndex:
 
     def validate(self) -> dict[str, Any]:
         """Check, from headers only, that every expert tensor (and router) of every MoE layer exists with
-        the expected shape and one common dtype. Returns a summary; raises ConfigError naming the tensor
-        and its file (or the index) on the first problem."""
+        the expected shape and one common dtype (FP8 codes: with scales of the expected shape), and that no
+        tensor of the folder is float8 (or a scale) unless the config declares FP8. Returns a summary; raises
+        ConfigError naming the tensor and its file (or the index) on the first problem."""
+        for path, keys in sorted(self._file_keys.items()):
+            for key in sorted(keys):
+                _, dt = self.header(key)
+                check_header(key, dt, path, self.folder, self.scheme)
+                if self.scheme is not None and is_fp8(dt) and not key.endswith("_scale_inv") \
+                        and scale_name(key) not in self:
+                    raise ConfigError(f"{path}: FP8 tensor {key!r} has no {scale_name(key)!r} (block scales) in "
+                                      f"{self.index_path or 'the folder'}; it cannot be read without them")
         dtype: str | None = None
         e_count, d = self.spec.num_experts, self.spec.hidden_size
         counts = {PER_EXPERT: 0, FUSED: 0}
@@ -236,6 +257,14 @@ class CheckpointIndex:
                     elif dt != dtype:
                         raise ConfigError(f"{self.file_of(name)}: tensor {name!r} has dtype {dt}, other expert "
                                           f"tensors are {dtype}")
+                    if is_fp8(dt):
+                        sgot, _ = self.header(scale_name(name))
+                        swant = self._scale_shape(lay.kind, name == lay.down, shape)
+                        if sgot != swant:
+                            raise ConfigError(f"{self.file_of(scale_name(name))}: scales {scale_name(name)!r} have "
+                                              f"shape {list(sgot)}, expected {list(swant)} for {name!r} "
+                                              f"{list(shape)} in blocks of {list(self.scheme.block)} "  # type: ignore[union-attr]
+                                              f"(weight_block_size of {self.scheme.config})")  # type: ignore[union-attr]
             if lay.router is None:
                 raise ConfigError(f"checkpoint {self.folder!r}: MoE layer {lay.moe_layer} (decoder layer "
                                   f"{lay.decoder_layer}) has no router tensor; looked for "
@@ -246,7 +275,17 @@ class CheckpointIndex:
                                   f"expected {[e_count, d]}")
             counts[lay.kind] += 1
         return {"folder": self.folder, "moe_layers": len(self.layouts), "dtype": dtype, "layouts": counts,
-                "files": len(self._file_keys)}
+                "files": len(self._file_keys), "fp8_block": list(self.scheme.block) if self.scheme else None}
+
+    def _scale_shape(self, kind: str, down: bool, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Scales of one stored expert tensor of ``shape``: per-expert and fused down as ``scale_shape``; a fused
+        gate_up [E, 2f, d] as the gate's and the up's scale rows concatenated: [E, 2 ceil(f/b0), ceil(d/b1)]."""
+        block = self.scheme.block  # type: ignore[union-attr]
+        if kind == FUSED and not down:
+            e_count, two_f, d = shape
+            half = scale_shape((two_f // 2, d), block)
+            return (e_count, 2 * half[0], half[1])
+        return scale_shape(shape, block)
 
     # -------------------------------------------------------------------------------------- reads
     def _get(self, name: str) -> torch.Tensor:
@@ -256,16 +295,37 @@ class CheckpointIndex:
         """Row ``expert`` of a stacked tensor; only those bytes are read."""
         return self._handle(self.file_of(name)).get_slice(name)[expert]
 
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The values of any checkpoint tensor: as stored, or, for FP8 codes, dequantized with their block
+        scales into float32 (``model.quant.dense_tensor``)."""
+        return dense_tensor(name, self._get(name), lambda s: self._get(s) if s in self else None,
+                            self.file_of(name), self.folder, self.scheme)
+
+    def _codes(self, name: str, t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The float32 scales of an expert tensor read as ``t`` (None when it is not float8); ConfigError when
+        the checkpoint declares no FP8 or the scales are missing / misshapen."""
+        if not is_fp8(t):
+            return None
+        if self.scheme is None:
+            from ray_moe.model.quant import refuse_unquantized_fp8
+
+            raise refuse_unquantized_fp8(name, t.dtype, self.file_of(name), self.folder)
+        return scale_of(name, t, scale, self.file_of(name), self.scheme)
+
     def read_expert(self, moe_layer: int, expert: int, dtype: torch.dtype | None = None) -> ExpertWeights:
         """One expert's weights (w_gate [f, d], w_up [f, d], w_down [d, f]), in the checkpoint's dtype unless
-        ``dtype`` is given. Reads only this expert's bytes."""
+        ``dtype`` is given. Reads only this expert's bytes. FP8 experts come back as float8_e4m3fn codes with
+        their float32 block scales (``ExpertWeights.scales``; ``dtype`` does not apply to codes)."""
         lay = self.layout(moe_layer)
         e_count, f = self.spec.num_experts, self.spec.ffn_size
         if not 0 <= expert < e_count:
             raise ConfigError(f"expert={expert} is out of range [0, {e_count}): checkpoint {self.folder!r} has no "
                               f"tensor {lay.names(expert)[0]!r}")
+        names = lay.names(expert)
         if lay.kind == PER_EXPERT:
-            g, u, dn = (self._get(n) for n in lay.names(expert))
+            g, u, dn = (self._get(n) for n in names)
+            scales = [self._codes(n, t, self._get(scale_name(n)) if is_fp8(t) and scale_name(n) in self else None)
+                      for n, t in zip(names, (g, u, dn))]
         else:
             gu = self._get_row(lay.gate, expert)  # [2f, d]  ([d, 2f] transposed)
             dn = self._get_row(lay.down, expert)  # [d, f]   ([f, d] transposed)
@@ -274,21 +334,45 @@ class CheckpointIndex:
             # get_slice rows are views of the whole (memory-mapped) stacked tensor: copy out this expert's
             # rows so each weight owns exactly its bytes and no view of the stack outlives the read
             g, u, dn = (t.clone(memory_format=torch.contiguous_format) for t in (gu[:f], gu[f:], dn))
-        ws = [(t if dtype is None else t.to(dtype)).contiguous() for t in (g, u, dn)]
+            scales = [None, None, None]
+            if is_fp8(gu):
+                if self.scheme is None:
+                    self._codes(lay.gate, g, None)  # refused: float8 codes under a config without quantization
+                sgu = self._get_row(scale_name(lay.gate), expert) if scale_name(lay.gate) in self else None
+                half = scale_shape((f, self.spec.hidden_size), self.scheme.block)  # type: ignore[union-attr]
+                if sgu is not None and tuple(sgu.shape) != (2 * half[0], half[1]):
+                    raise ConfigError(f"{self.file_of(scale_name(lay.gate))}: scales {scale_name(lay.gate)!r} row "
+                                      f"{expert} has shape {list(sgu.shape)}, expected {[2 * half[0], half[1]]} (the "
+                                      f"gate's {list(half)} scale rows, then the up's)")
+                sg, su = (None, None) if sgu is None else (sgu[:half[0]].clone(), sgu[half[0]:].clone())
+                scales[0], scales[1] = self._codes(lay.gate, g, sg), self._codes(lay.gate, u, su)
+            if is_fp8(dn):
+                sdn = self._get_row(scale_name(lay.down), expert).clone() if scale_name(lay.down) in self else None
+                scales[2] = self._codes(lay.down, dn, sdn)
+        quantized = [s is not None for s in scales]
+        if any(quantized) and not all(quantized):
+            raise ConfigError(f"checkpoint {self.folder!r}: MoE layer {moe_layer} expert {expert} stores "
+                              f"{[n for n, q in zip(dict.fromkeys(names), quantized) if q]} in FP8 and the rest "
+                              f"unquantized; an expert's three weights must share one format")
         want = self.expected_shapes(PER_EXPERT)
+        ws = [t if all(quantized) or dtype is None else t.to(dtype) for t in (g, u, dn)]
         for name, t, shape in zip(("w_gate", "w_up", "w_down"), ws, want):
             if tuple(t.shape) != shape:
                 raise ConfigError(f"checkpoint {self.folder!r}: MoE layer {moe_layer} expert {expert} {name} has "
                                   f"shape {list(t.shape)}, expected {list(shape)} ({lay.names(expert)})")
+        ws = [t.contiguous() for t in ws]
+        if all(quantized):
+            return ExpertWeights(moe_layer, expert, ws[0], ws[1], ws[2],
+                                 tuple(s.contiguous() for s in scales), self.scheme.block)  # type: ignore[union-attr, arg-type]
         return ExpertWeights(moe_layer, expert, ws[0], ws[1], ws[2])
 
     def read_router(self, moe_layer: int) -> torch.Tensor:
-        """Router weight [E, d] float32 of one MoE layer."""
+        """Router weight [E, d] float32 of one MoE layer (an FP8 router dequantized with its scales)."""
         lay = self.layout(moe_layer)
         if lay.router is None:
             raise ConfigError(f"checkpoint {self.folder!r}: MoE layer {moe_layer} has no router tensor; looked "
                               f"for {list(self.spec.names[moe_layer].router)}")
-        return self._get(lay.router).to(torch.float32)
+        return self.read_tensor(lay.router).to(torch.float32)
 
     def describe(self) -> dict[str, Any]:
         return {"folder": self.folder, "index": self.index_path, "files": len(self._file_keys),

@@ -159,6 +159,10 @@ class RuntimeConfig(BaseModel):
         "without a CPU draw; CUDA's values differ from the CPU draw, the same for every rank and run)"))
     checkpoint: str | None = Field(default=None, description="a Hugging Face model folder (config.json + safetensors, "
                                                              "per-expert or fused experts), or a Mixtral-named folder")
+    quantization: str | None = Field(default=None, pattern="^fp8$", description=(
+        "fp8: the routed experts of an unquantized checkpoint (or seeded weights) quantized at load to block-scaled "
+        "FP8 (e4m3 codes, float32 scales per 128 x 128 block, as DeepSeek-V3 ships), held and computed as an FP8 "
+        "checkpoint's are; the non-expert modules stay in dtype. An FP8 checkpoint is served as it is either way"))
     placement_strategy: str = Field(default="PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     actor_cpus: float = Field(default=0.5, gt=0)
     exchange_timeout_s: float = Field(default=60.0, gt=0)

@@ -162,10 +162,20 @@ class ModelHost:
         self.model.tie_weights()
 
     def _load(self, folder: str) -> None:
+        """Every non-expert tensor of the model from the checkpoint's safetensors files. A block-scaled FP8
+        checkpoint (``model.quant``): each float8_e4m3fn tensor (attention projections, shared experts, dense
+        MLPs, a router if stored so) is dequantized here, at load, with its ``*_scale_inv`` block scales into
+        the model dtype: float32(code) x the scale of its block, exactly, then cast (FP8 compute for these
+        layers is a later GPU item; the routed experts keep codes and scales in the shard's slots). A
+        quantization ray-moe does not serve (checked before any tensor is read), or a float8 tensor under a
+        config that declares none, raises ConfigError naming the method / the tensor and the file."""
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
 
+        from ray_moe.model.quant import read_quantization
+
+        scheme = read_quantization(folder)
         renamings = [w for w in get_model_conversion_mapping(self.model) if isinstance(w, WeightRenaming)]
         params = self.model.state_dict(keep_vars=True)  # parameters and persistent buffers (correction bias)
         wanted = {n for n, p in params.items() if p.numel()}
@@ -181,7 +191,7 @@ class ModelHost:
                 try:
                     with safe_open(path, framework="pt") as fh:
                         for key, name in pairs:
-                            t = fh.get_tensor(key)
+                            t = self._dense(key, fh.get_tensor(key), path, files, folder, scheme)
                             if tuple(t.shape) != tuple(params[name].shape):
                                 raise ConfigError(f"checkpoint {path!r}: tensor {key!r} has shape {list(t.shape)} but "
                                                   f"the model's {name!r} is {list(params[name].shape)}")
@@ -198,6 +208,26 @@ class ModelHost:
                               f"{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)")
         if tied:
             self.model.tie_weights()
+
+    @staticmethod
+    def _dense(key: str, t: torch.Tensor, path: str, files: dict[str, str], folder: str, scheme: Any) -> torch.Tensor:
+        """A non-expert checkpoint tensor's values: ``t``, or FP8 codes dequantized with their block scales (read
+        from whichever file holds ``<key>_scale_inv``) into float32 (``model.quant.dense_tensor``)."""
+        from ray_moe.model.quant import dense_tensor, is_fp8
+
+        if not is_fp8(t):
+            return t
+
+        def scale(name: str) -> torch.Tensor | None:
+            from safetensors import safe_open
+
+            where = files.get(name)
+            if where is None:
+                return None
+            with safe_open(where, framework="pt") as fh:
+                return fh.get_tensor(name)
+
+        return dense_tensor(key, t, scale, path, folder, scheme)
 
     def memory(self) -> dict[str, int]:
         """Bytes this host holds (MEASURED from the tensors): the model's non-expert parameters and buffers

@@ -175,8 +175,6 @@ class CheckpointRouter:
     def _materialise(self, layer: int, path: str, gate: torch.nn.Module,
                      found: dict[str, tuple[str, str]]) -> torch.nn.Module:
         """The router module on the device with every parameter and buffer read from the checkpoint."""
-        from safetensors import safe_open
-
         gate.to_empty(device=self.device)
         tensors = dict(gate.named_parameters())
         tensors.update(dict(gate.named_buffers()))
@@ -189,9 +187,8 @@ class CheckpointRouter:
                 elif hit is None:
                     raise self._refuse(f"MoE layer {layer}: the checkpoint has no tensor for the router's {name!r} "
                                        f"({type(gate).__name__}.{local})")
-                else:
-                    with safe_open(hit[1], framework="pt") as fh:
-                        src = fh.get_tensor(hit[0])
+                else:  # (an FP8 router weight dequantized with its block scales)
+                    src = self.index.read_tensor(hit[0])
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ConfigError(f"{hit[1] if hit else self.index.folder!r}: router tensor "
                                       f"{hit[0] if hit else name!r} has shape {list(src.shape)} but the model's "

@@ -63,6 +63,8 @@ class ModelSpec:
     path of its router (``"model.layers.1.mlp.gate"``) or None; names[l]: checkpoint name candidates.
     Every expert is gated SwiGLU: w_gate [ffn_size, hidden_size], w_up [ffn_size, hidden_size],
     w_down [hidden_size, ffn_size]. ``is_transposed`` is how the *fused* tensors are stored.
+    ``fp8_block``: (rows, cols) of the scale blocks of a block-scaled FP8 checkpoint (``model.quant``; its
+    float8 tensors are codes with ``*_scale_inv`` scales), None for an unquantized one.
     """
 
     folder: str
@@ -80,6 +82,7 @@ class ModelSpec:
     is_transposed: bool = False
     hidden_act: str = "silu"
     torch_dtype: str | None = None
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def num_moe_layers(self) -> int:
@@ -97,7 +100,8 @@ class ModelSpec:
         return {"folder": self.folder, "model_type": self.model_type, "architecture": self.architecture,
                 "num_decoder_layers": self.num_decoder_layers, "moe_layers": list(self.moe_layers),
                 "num_experts": self.num_experts, "top_k": self.top_k, "hidden_size": self.hidden_size,
-                "ffn_size": self.ffn_size, "is_transposed": self.is_transposed}
+                "ffn_size": self.ffn_size, "is_transposed": self.is_transposed,
+                "fp8_block": list(self.fp8_block) if self.fp8_block else None}
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -318,9 +322,15 @@ def build_spec(folder: str) -> ModelSpec:
     """ModelSpec of a Hugging Face checkpoint folder from its config.json (no tensor data read).
 
     Raises ConfigError (naming the folder / file) when the folder or config.json is missing, transformers
-    cannot build the model, no experts module exists, or the experts are not bias-free gated SwiGLU.
+    cannot build the model, no experts module exists, or the experts are not bias-free gated SwiGLU; and, first
+    of all, when the config declares a quantization ray-moe does not serve (``model.quant.read_quantization``).
     """
+    from ray_moe.model.quant import read_quantization
+
     folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"checkpoint={folder!r}: no such folder")
+    scheme = read_quantization(folder)
     cfg = load_hf_config(folder)
     path = os.path.join(folder, "config.json")
     arch = (getattr(cfg, "architectures", None) or [None])[0] or type(cfg).__name__
@@ -352,6 +362,9 @@ def build_spec(folder: str) -> ModelSpec:
         raise ConfigError(f"{path}: experts modules {paths} do not map to distinct ascending decoder layers")
     e_count, d, f = shapes.pop()
     is_transposed = transposed.pop()
+    if scheme is not None and is_transposed:
+        raise ConfigError(f"{path}: architecture {arch} stores its experts transposed (gate_up [E, d, 2f]); block-scaled "
+                          f"FP8 experts (quant_method='fp8') are served in the [E, 2f, d] / per-expert [out, in] layout only")
     router_paths = [_router_path(model, p.rsplit(".", 1)[0] if "." in p else "", e_count, d) for p in paths]
     top_k = getattr(cfg, "num_experts_per_tok", None)
     if top_k is None:
@@ -377,4 +390,5 @@ def build_spec(folder: str) -> ModelSpec:
         is_transposed=is_transposed,
         hidden_act=str(getattr(cfg, "hidden_act", "silu")),
         torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        fp8_block=scheme.block if scheme is not None else None,
     )

@@ -22,6 +22,7 @@ from ray_moe.moe.dispatch.records import DispatchOutput, DispatchOutputFormat
 from ray_moe.core.routes import RouteBatch
 from ray_moe.moe.experts import slab
 from ray_moe.moe.experts.runners.base import ExpertRunner
+from ray_moe.moe.experts.runners.fp8 import Fp8Runner
 from ray_moe.moe.experts.runners.grouped import device_tensor
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.placement.snapshot import PlacementSnapshot
@@ -31,11 +32,14 @@ from ray_moe.moe.stats import LayerStats, layer_stats, merge_layer_stats
 def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights | None, hidden_size: int) -> torch.Tensor:
     """The expert runner boundary: the runner entry the dispatch output's declared format names. Row-mapped
     slot weights (a generation over a shard's slot buffers, ``SlotWeights.rows``) go through the buffer-order
-    translation of ``moe.experts.slab``; plain ones straight to the runner."""
+    translation of ``moe.experts.slab``; plain ones straight to the runner. FP8 slot weights (codes with block
+    scales) run through ``runners.fp8.Fp8Runner``: the runner computes on their dequantized values."""
     fmt = out.format
     rows = out.rows
     if weights is None:  # this rank hosts no slot of the layer: nothing was received
         return rows if fmt is DispatchOutputFormat.SLOT_CAPACITY else rows.new_zeros((0, hidden_size))
+    if weights.scales is not None:
+        runner = Fp8Runner(runner)  # type: ignore[assignment]
     mapped = weights.row_mapped
     if fmt is DispatchOutputFormat.EXPERT_MAJOR_INDEXED:  # the one-rank route plan: rows not gathered yet
         if runner.takes_indexed(rows, int(out.order.numel()), weights):

@@ -25,6 +25,7 @@ from ray_moe.moe.experts.weights import ExpertWeights, WeightSource
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.core.types import ExchangeKind, ExchangeSchedule
+from ray_moe.moe.experts.fp8 import Fp8Format
 from ray_moe.moe.experts.weights import experts_from_wire, experts_to_wire
 
 class ExpertShardActor:
@@ -123,7 +124,7 @@ class ExpertShardActor:
     def send_experts(self, keys: Sequence[tuple[int, int]], dest_rank: int) -> int:
         """Send the (layer, expert) weights to ``dest_rank`` over the migration communicator; bytes sent."""
         ws = self.core.export_experts([tuple(k) for k in keys], device=True)
-        tensors = [t for k in keys for t in (ws[tuple(k)].w_gate, ws[tuple(k)].w_up, ws[tuple(k)].w_down)]
+        tensors = [t for k in keys for t in ws[tuple(k)].tensors()]  # (FP8: codes, then their scales)
         with torch.cuda.stream(self._migration_stream):
             self._migration_stream.wait_stream(torch.cuda.default_stream())
             n = self._migration.send(tensors, dest_rank)
@@ -134,11 +135,13 @@ class ExpertShardActor:
         """Receive (layer, expert) weights from ``source_rank``; digests computed from what arrived."""
         f, d = self.cfg.ffn_size, self.cfg.hidden_size
         dt = self.core.dtype
-        specs = [((f, d), dt), ((f, d), dt), ((d, f), dt)] * len(keys)
+        block = self.core.source.fp8_block  # FP8 experts: codes and their block scales travel together
+        one = Fp8Format(block).shapes(f, d) if block is not None else [((f, d), dt), ((f, d), dt), ((d, f), dt)]
+        n = len(one)
         with torch.cuda.stream(self._migration_stream):
-            ts = self._migration.recv(specs, source_rank)
+            ts = self._migration.recv(one * len(keys), source_rank)
             self._migration.wait(f"receive experts from rank {source_rank}")
-        weights = {(int(k[0]), int(k[1])): ExpertWeights(int(k[0]), int(k[1]), ts[3 * i], ts[3 * i + 1], ts[3 * i + 2])
+        weights = {(int(k[0]), int(k[1])): ExpertWeights.from_tensors(int(k[0]), int(k[1]), ts[n * i:n * (i + 1)], block)
                    for i, k in enumerate(keys)}
         return self.core.import_experts(weights)
 

@@ -7,6 +7,13 @@ free rows (by liveness: whatever no prepared generation uses). C is sized by the
 rows it needs plus ``staging_slots`` spare rows (what a migration copies into); a write needing more rows
 than are free grows the buffer (reallocate, copy, counted in ``grows``).
 
+FP8 experts (``ExpertWeights.scales``: a block-scaled checkpoint) get FP8 buffers: the codes in
+float8_e4m3fn buffers of the same shapes and, beside them, scale buffers ``s_gate`` [C, ceil(f/b0),
+ceil(d/b1)], ``s_up`` (same), ``s_down`` [C, ceil(d/b0), ceil(f/b1)] float32; the layer's format is set by its
+first write (a dense expert is refused by an FP8 layer and the other way round, never cast). A row is always
+the codes and their scales together: every write, grow, reorder, copy out and digest moves or covers both
+(spec 0x0AC: the scales move with their rows).
+
 A generation is a slot map over the buffers (``stack``): per layer a SlotWeights of views (rows in local slot
 order) or a row-mapped one (``SlotWeights.rows``; ``moe.experts.slab`` translates at the runner boundary),
 never a copy. A buffer no generation has been stacked over yet (fresh, or just grown) is first reordered so
@@ -31,6 +38,7 @@ from ray_moe.placement.manifest import PlacementManifest
 
 Key = tuple[int, int]  # (layer, logical expert id)
 _NAMES = ("w_gate", "w_up", "w_down")
+_SCALE_NAMES = ("s_gate", "s_up", "s_down")
 LOAD_THREADS = 8  # experts read (generated, or read from safetensors) at once from a source that allows it
 
 
@@ -40,7 +48,8 @@ def _key(k: Sequence[int]) -> Key:
 
 @dataclass(eq=False)
 class _Slab:
-    """One layer's slot buffers: w_gate [C, f, d], w_up [C, f, d], w_down [C, d, f]; ``free`` rows ascending;
+    """One layer's slot buffers: w_gate [C, f, d], w_up [C, f, d], w_down [C, d, f]; FP8 layers also
+    ``scales`` (s_gate, s_up, s_down) [C, ...] float32 in ``block`` blocks; ``free`` rows ascending;
     ``stacked``: a generation's SlotWeights reference these tensors (their rows may no longer move)."""
 
     w_gate: torch.Tensor
@@ -48,6 +57,8 @@ class _Slab:
     w_down: torch.Tensor
     free: list[int] = field(default_factory=list)
     stacked: bool = False
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    block: tuple[int, int] | None = None
 
     @property
     def capacity(self) -> int:
@@ -55,10 +66,11 @@ class _Slab:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.w_gate, self.w_up, self.w_down
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer a row lives in: the three weights, then (FP8) their three scale buffers."""
+        return (self.w_gate, self.w_up, self.w_down, *(self.scales or ()))
 
 
 class ExpertStore:
@@ -102,41 +114,50 @@ class ExpertStore:
 
     def _views(self, key: Key) -> ExpertWeights:
         s, r = self._slabs[key[0]], self._rows[key]
-        return ExpertWeights(key[0], key[1], s.w_gate[r], s.w_up[r], s.w_down[r])
+        return ExpertWeights.from_tensors(key[0], key[1], [t[r] for t in s.tensors()], s.block)
 
     def get(self, key: Key) -> ExpertWeights | None:
-        """A copy of a held expert's weights on the store's device (never aliasing a buffer row), or None."""
+        """A copy of a held expert's weights on the store's device (never aliasing a buffer row; an FP8
+        expert's codes with their scales), or None."""
         key = _key(key)
         if key not in self._rows:
             return None
         w = self._views(key)
-        return ExpertWeights(w.layer, w.expert, w.w_gate.clone(), w.w_up.clone(), w.w_down.clone())
+        return ExpertWeights.from_tensors(w.layer, w.expert, [t.clone() for t in w.tensors()], w.block)
 
     # ---------------------------------------------------------------- rows
     def _reserve(self, layer: int, n: int, like: ExpertWeights) -> None:
         """Make ``n`` rows free in ``layer``'s buffers: allocate them (n + staging rows, shapes of ``like``) or
         grow to used + n + staging rows (copy the held rows, count the grow)."""
-        f, d = int(like.w_gate.shape[0]), int(like.w_gate.shape[1])
         slab = self._slabs.get(layer)
         if slab is not None and len(slab.free) >= n:
             return
         used = 0 if slab is None else slab.capacity - len(slab.free)
         c = used + n + self.staging_slots
-        kw: dict[str, Any] = {"device": self.device, "dtype": self.dtype}
-        bufs = (torch.zeros(c, f, d, **kw), torch.zeros(c, f, d, **kw), torch.zeros(c, d, f, **kw))
+        if like.quantized:  # FP8 rows: codes as they are, their scales beside them
+            bufs = [torch.zeros(c, *t.shape, device=self.device, dtype=t.dtype) for t in like.tensors()]
+        else:
+            bufs = [torch.zeros(c, *t.shape, device=self.device, dtype=self.dtype) for t in like.tensors()]
+        scales = tuple(bufs[3:]) if like.quantized else None
         if slab is None:
-            self._slabs[layer] = _Slab(*bufs, free=list(range(c)))
+            self._slabs[layer] = _Slab(*bufs[:3], free=list(range(c)), scales=scales, block=like.block)  # type: ignore[arg-type]
             return
         old = slab.capacity
         for new, cur in zip(bufs, slab.tensors()):
             new[:old].copy_(cur)
-        self._slabs[layer] = _Slab(*bufs, free=slab.free + list(range(old, c)))  # a fresh tensor: not stacked
+        # a fresh tensor: not stacked
+        self._slabs[layer] = _Slab(*bufs[:3], free=slab.free + list(range(old, c)), scales=scales,  # type: ignore[arg-type]
+                                   block=like.block)
         self.grows += 1
 
     def _check_shapes(self, key: Key, w: ExpertWeights) -> None:
         slab = self._slabs[key[0]]
-        for name, buf in zip(_NAMES, slab.tensors()):
-            got = tuple(getattr(w, name).shape)
+        if w.block != slab.block:
+            have = f"FP8 rows in blocks of {list(slab.block)}" if slab.block else f"dense {self.dtype} rows"
+            got = f"FP8 codes in blocks of {list(w.block)}" if w.block else f"dense {w.w_gate.dtype} weights"
+            raise ValueError(f"weights: expert {key} arrives as {got} but layer {key[0]}'s slot buffer holds {have}")
+        for name, t, buf in zip(_NAMES + _SCALE_NAMES, w.tensors(), slab.tensors()):
+            got = tuple(t.shape)
             if got != tuple(buf.shape[1:]):
                 raise ValueError(f"{name}: expert {key} has shape {got} but layer {key[0]}'s slot buffer holds "
                                  f"{tuple(buf.shape[1:])} rows")
@@ -146,8 +167,8 @@ class ExpertStore:
         self._check_shapes(key, w)
         slab = self._slabs[key[0]]
         r = slab.free.pop(0)
-        for name, buf in zip(_NAMES, slab.tensors()):
-            buf[r].copy_(getattr(w, name))
+        for t, buf in zip(w.tensors(), slab.tensors()):
+            buf[r].copy_(t)
         self._rows[key] = r
         self._digests[key] = self._views(key).digest()
         return self._digests[key]
@@ -184,15 +205,17 @@ class ExpertStore:
         items = {_key(k): w for k, w in weights.items()}
         shapes: dict[int, tuple] = {}
         for k, w in items.items():
+            if k[0] in self._slabs:
+                self._check_shapes(k, w)  # (an FP8 layer takes FP8 rows only, and the other way round)
             f, d = (tuple(w.w_gate.shape) + (0, 0))[:2]
-            got_shapes = tuple(tuple(getattr(w, n).shape) for n in _NAMES)
+            got_shapes = tuple(tuple(t.shape) for t in w.tensors())
             want = shapes.setdefault(k[0], tuple(tuple(t.shape[1:]) for t in self._slabs[k[0]].tensors())
-                                     if k[0] in self._slabs else ((f, d), (f, d), (d, f)))
+                                     if k[0] in self._slabs else ((f, d), (f, d), (d, f)) + got_shapes[3:])
             if got_shapes != want:
                 raise ValueError(f"weights: expert {k} has shapes {got_shapes}, expected {want} (w_gate [f, d], "
-                                 f"w_up [f, d], w_down [d, f] of layer {k[0]})")
+                                 f"w_up [f, d], w_down [d, f] of layer {k[0]}, then any FP8 scales)")
             if k in self._rows:
-                got = ExpertWeights(k[0], k[1], w.w_gate, w.w_up, w.w_down).to(self.device, self.dtype).digest()
+                got = (w.to(self.device) if w.quantized else w.to(self.device, self.dtype)).digest()
                 if got != self._digests[k]:
                     raise ValueError(f"weights: rank {self.rank} already holds expert {k} with digest "
                                      f"{self._digests[k][:12]}; the arriving copy's is {got[:12]} (drop it first)")
@@ -210,8 +233,9 @@ class ExpertStore:
         out = {}
         for k in keys:
             w = self._views(_key(k))
-            if not device:
-                w = ExpertWeights(w.layer, w.expert, *(getattr(w, n).to("cpu", copy=True) for n in _NAMES))
+            if not device:  # (an FP8 expert's scales with its codes)
+                w = ExpertWeights.from_tensors(w.layer, w.expert, [t.to("cpu", copy=True) for t in w.tensors()],
+                                               w.block)
             out[_key(k)] = w
         return out
 
@@ -289,8 +313,8 @@ class ExpertStore:
             if not slab.stacked:
                 self._settle(layer, order)
             w = SlotWeights.over_buffer(layer, [s.physical_slot_id for s in slots], [k[1] for k in order],
-                                        *slab.tensors(), [self._rows[k] for k in order],
-                                        [s.parameter_digest for s in slots])
+                                        slab.w_gate, slab.w_up, slab.w_down, [self._rows[k] for k in order],
+                                        [s.parameter_digest for s in slots], scales=slab.scales, block=slab.block)
             if w.row_mapped:
                 slab_index(w)  # the device indices, now (never under a CUDA graph capture)
             slab.stacked = True

@@ -25,6 +25,9 @@ renamed names, see above); ``fused`` is the live state dict (``<experts>.gate_up
 ``<experts>.down_proj`` [E, d, f]; transposed for aria_text) plus config.json.
 ``sharded=True`` writes several files and ``model.safetensors.index.json``.
 Weights use ``initializer_range=0.2`` so every MoE output is O(1).
+
+``fp8_model(family, folder, block=(128, 128))`` writes a block-scaled FP8 copy (DeepSeek-V3 / Qwen3-FP8 layout:
+e4m3 codes + ``*_scale_inv`` + ``quantization_config``) and returns transformers' load of its dequantized twin.
 """
 
 from __future__ import annotations
@@ -142,6 +145,97 @@ def tiny_model(family: str, folder: str | os.PathLike, *, layout: str = "per_exp
     else:
         raise ValueError(f"layout={layout!r} is not 'per_expert' or 'fused'")
     return model, folder
+
+
+#: the quantization_config of a block-scaled FP8 checkpoint (DeepSeek-V3 / Qwen3-FP8), for ``fp8_model``
+def fp8_quantization_config(block: tuple[int, int] = (128, 128)) -> dict[str, Any]:
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+
+
+def _fp8_quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors an FP8 release quantizes: every decoder-layer Linear weight (attention projections, dense
+    and shared-expert MLPs, routed experts per expert or fused), not norms, routers (``...gate.weight``: kept in
+    high precision, as DeepSeek-V3 and Qwen3-FP8 ship them), embeddings or the LM head."""
+    out = []
+    for k, v in state.items():
+        if ".layers." not in k or not v.is_floating_point() or k.endswith(".gate.weight"):
+            continue
+        if k.endswith(".weight") and v.dim() == 2:
+            out.append(k)
+        elif k.endswith((".gate_up_proj", ".down_proj")) and v.dim() == 3:  # fused experts [E, out, in]
+            out.append(k)
+    return out
+
+
+def fp8_model(family: str, folder: str | os.PathLike, *, block: tuple[int, int] = (128, 128),
+              layout: str = "per_expert", sharded: bool = False, seed: int = 0) -> tuple[Any, str]:
+    """A block-scaled FP8 checkpoint of the tiny ``family`` model written to ``folder`` the way DeepSeek-V3 and
+    Qwen3-FP8 ship: every decoder Linear weight W [out, in] as float8_e4m3fn codes plus ``<name>_scale_inv``
+    [ceil(out/b0), ceil(in/b1)] float32 (scale = block amax / 448, ``ray_moe.moe.experts.fp8.quantize``),
+    ``quantization_config`` in config.json. Fused experts (``layout="fused"``): ``gate_up_proj`` [E, 2f, d] with
+    the gate's and the up's scale rows concatenated (each half quantized on its own, as transformers fuses
+    per-expert FP8 weights), ``down_proj`` [E, d, f] per expert. ``sharded``: three files and an index (a
+    tensor's scales mostly in another file than its codes).
+
+    Also writes ``<folder>.dequantized``: the same checkpoint with every FP8 weight replaced by its value
+    (code x scale, float32) and no quantization_config. Returns (transformers' own ``from_pretrained`` of that
+    dequantized folder: the reference model, float32, eval mode; folder)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ray_moe.moe.experts.fp8 import dequantize, quantize
+
+    folder = os.fspath(folder)
+    plain, deq = folder + ".plain", folder + ".dequantized"
+    tiny_model(family, plain, layout=layout, seed=seed)
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(plain)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(plain, name)))
+    quant: dict[str, torch.Tensor] = dict(state)
+    dense: dict[str, torch.Tensor] = dict(state)
+    for k in _fp8_quantized_names(state):
+        w = state[k]
+        if k.endswith(".gate_up_proj"):
+            f = w.shape[1] // 2
+            halves = [quantize(w[:, :f], block), quantize(w[:, f:], block)]
+            codes = torch.cat([halves[0][0], halves[1][0]], 1)
+            scale = torch.cat([halves[0][1], halves[1][1]], 1)
+            dense[k] = torch.cat([dequantize(c, s, block) for c, s in halves], 1)
+        else:
+            codes, scale = quantize(w, block)
+            dense[k] = dequantize(codes, scale, block)
+        quant[k], quant[k + "_scale_inv"] = codes.contiguous(), scale.contiguous()
+    with open(os.path.join(plain, "config.json")) as fh:
+        config = json.load(fh)
+    for where, tensors, qc in ((folder, quant, fp8_quantization_config(block)), (deq, dense, None)):
+        os.makedirs(where, exist_ok=True)
+        _save_tensors(tensors, where, parts=3 if sharded and qc else 1)
+        with open(os.path.join(where, "config.json"), "w") as fh:
+            json.dump({**config, **({"quantization_config": qc} if qc else {})}, fh, indent=1)
+        if os.path.exists(os.path.join(plain, "generation_config.json")):
+            with open(os.path.join(plain, "generation_config.json")) as src, \
+                    open(os.path.join(where, "generation_config.json"), "w") as dst:
+                dst.write(src.read())
+    model = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32, local_files_only=True)
+    return model.eval(), folder
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], folder: str, parts: int = 1) -> None:
+    """``tensors`` as one ``model.safetensors`` or ``parts`` files (keys dealt round-robin) and an index."""
+    from safetensors.torch import save_file
+
+    if parts == 1:
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return
+    keys = sorted(tensors)
+    weight_map = {}
+    for i in range(parts):
+        fname = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        save_file({k: tensors[k] for k in keys[i::parts]}, os.path.join(folder, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in keys[i::parts]})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": weight_map}, fh, indent=1)
 
 
 def live_experts(model: Any, moe_layer: int) -> Any:

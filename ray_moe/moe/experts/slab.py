@@ -37,7 +37,7 @@ class SlabIndex:
     """The device-side index of one row-mapped SlotWeights (on the weights' device).
 
     full:    SlotWeights over all C buffer rows in buffer order (plain, num_slots = C; rows no local slot
-             uses carry expert -1 and never receive an input row)
+             uses carry expert -1 and never receive an input row; an FP8 buffer's scales with them)
     rows:    [Q_local] int64 buffer row of each local slot
     before:  [Q_local, Q_local] int64, before[i, j] = 1 where j < i and rows[j] == rows[i] (slots sharing a row)
     passes:  (local slots [n_k] int64, their rows [n_k] int64) per pass: pass k holds every slot that is the
@@ -71,7 +71,7 @@ def slab_index(weights: SlotWeights) -> SlabIndex:
     for local, r in enumerate(rows.tolist()):
         experts[r] = weights.experts[local]
     full = SlotWeights(layer=weights.layer, slot_ids=tuple(range(c)), experts=tuple(experts), w_gate=weights.w_gate,
-                       w_up=weights.w_up, w_down=weights.w_down)
+                       w_up=weights.w_up, w_down=weights.w_down, scales=weights.scales, block=weights.block)
     j, i = np.meshgrid(np.arange(q), np.arange(q))
     before = ((rows[None, :] == rows[:, None]) & (j < i)).astype(np.int64)
     occurrence = before.sum(1)

@@ -3,7 +3,9 @@ digests, and the stacked per-rank layout the runners consume. Pure torch (no Ray
 
 Checkpoints are read by ``ray_moe.model`` (``CheckpointIndex`` / ``HFWeightSource``: Mixtral, Qwen-MoE,
 DeepSeek and legacy folders, per-expert or fused layouts). ``experts_to_wire`` / ``experts_from_wire`` carry
-weights between actors as NumPy payloads.
+weights between actors as NumPy payloads. A block-scaled FP8 expert (``ExpertWeights.scales``, see
+``moe.experts.fp8``) is its float8_e4m3fn codes plus their float32 block scales, always together: in a
+record, a slot stack, a digest and on the wire.
 
 One expert computes ``E(x) = (silu(x Wg^T) * (x Wu^T)) Wd^T`` with nn.Linear layout
 ``w_gate [f, d]``, ``w_up [f, d]``, ``w_down [d, f]``. Mixtral checkpoint names map
@@ -22,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ray_moe.core.wire import pack, unpack
+from ray_moe.moe.experts.fp8 import FP8_DTYPE, dequantize, scale_shape
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,7 +48,11 @@ def parse_dtype(name: str) -> torch.dtype:
 class ExpertWeights:
     """One logical expert of one layer.
 
-    w_gate: [f, d]   w_up: [f, d]   w_down: [d, f]
+    w_gate: [f, d]   w_up: [f, d]   w_down: [d, f]   (the model dtype; or, quantized, float8_e4m3fn codes)
+    scales: None, or the block scales of an FP8 expert (``moe.experts.fp8``): (s_gate [ceil(f/b0), ceil(d/b1)],
+        s_up [ceil(f/b0), ceil(d/b1)], s_down [ceil(d/b0), ceil(f/b1)]) float32, ``block`` = (b0, b1); the
+        expert's values are codes x the scale of their block (``dequantized``). Codes never travel, sit in a
+        slot or are digested without their scales.
     """
 
     layer: int
@@ -53,27 +60,78 @@ class ExpertWeights:
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    block: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.scales is None) != (self.block is None):
+            raise ValueError(f"expert ({self.layer}, {self.expert}): scales and block go together (scales "
+                             f"{'set' if self.scales is not None else 'None'}, block={self.block})")
+        if self.scales is not None:
+            for name, w, s in zip(_WEIGHT_NAMES, self.tensors()[:3], self.scales):
+                if w.dtype != FP8_DTYPE or tuple(s.shape) != scale_shape(w.shape, self.block):
+                    raise ValueError(f"expert ({self.layer}, {self.expert}) {name}: {w.dtype} {list(w.shape)} with "
+                                     f"scales {list(s.shape)}; expected float8_e4m3fn codes with scales "
+                                     f"{list(scale_shape(w.shape, self.block))} (blocks of {list(self.block)})")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weights are FP8 codes with block scales."""
+        return self.scales is not None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(w_gate, w_up, w_down) and, quantized, then (s_gate, s_up, s_down): the order they travel in."""
+        return (self.w_gate, self.w_up, self.w_down, *(self.scales or ()))
+
+    @staticmethod
+    def from_tensors(layer: int, expert: int, tensors: Sequence[torch.Tensor],
+                     block: Sequence[int] | None = None) -> "ExpertWeights":
+        """Inverse of ``tensors()``: three dense tensors, or six (codes then scales) with ``block``."""
+        ts = list(tensors)
+        if len(ts) != (6 if block is not None else 3):
+            raise ValueError(f"tensors: {len(ts)} for expert ({layer}, {expert}), expected "
+                             f"{6 if block is not None else 3} (block={block})")
+        return ExpertWeights(layer, expert, ts[0], ts[1], ts[2], tuple(ts[3:]) if block is not None else None,
+                             tuple(int(b) for b in block) if block is not None else None)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def digest(self) -> str:
         """Parameter-state digest: SHA-256 over (layer, expert, dtype, shapes) and a position-weighted
         block checksum of every tensor's bytes, reduced where the tensor lives (one pass over device
         memory, not a host copy). Identical on CPU and CUDA for the same bytes; any changed, swapped or
-        shifted 32-bit word changes it."""
+        shifted 32-bit word changes it. A quantized expert's digest also covers its block size and every
+        scale (a scale that changed in a copy changes the digest)."""
         h = hashlib.sha256()
         h.update(f"L{self.layer}E{self.expert}:{self.w_gate.dtype}".encode())
-        for t in (self.w_gate, self.w_up, self.w_down):
+        if self.block is not None:
+            h.update(f"block{list(self.block)}".encode())
+        for t in self.tensors():
             h.update(str(tuple(t.shape)).encode())
             h.update(block_checksum(t).numpy().tobytes())
         return h.hexdigest()
 
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> "ExpertWeights":
+        """Dense weights in ``dtype``: a quantized expert's codes x block scales (one float32 product each, then
+        cast); an unquantized one cast."""
+        if self.scales is None:
+            return ExpertWeights(self.layer, self.expert, *(t.to(dtype) for t in self.tensors()))
+        return ExpertWeights(self.layer, self.expert, *(dequantize(w, s, self.block, dtype)
+                                                        for w, s in zip(self.tensors()[:3], self.scales)))
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "ExpertWeights":
+        """On ``device``; ``dtype`` given: the weights' values in that dtype (a quantized expert dequantized,
+        never its codes cast). Without a dtype a quantized expert keeps its codes and scales."""
+        if dtype is not None and self.scales is not None:
+            return self.to(device).dequantized(dtype)
         kw: dict[str, Any] = {"device": device}
         if dtype is not None:
             kw["dtype"] = dtype
+        if self.scales is not None:
+            return ExpertWeights.from_tensors(self.layer, self.expert, [t.to(device) for t in self.tensors()],
+                                              self.block)
         return ExpertWeights(self.layer, self.expert, self.w_gate.to(**kw), self.w_up.to(**kw), self.w_down.to(**kw))
 
 
@@ -117,6 +175,10 @@ class SlotWeights:
     (``ExpertRunner.run_indexed`` with ``weight_rows``).
     experts: logical expert per local slot; digests: parameter digest per local slot.
     ``cache`` holds derived layouts and indices (runner layouts, the slab index), built once.
+    scales / block: None, or (FP8 slots: w_gate / w_up / w_down are float8_e4m3fn codes) their block scales
+    s_gate [N, ceil(f/b0), ceil(d/b1)], s_up (same), s_down [N, ceil(d/b0), ceil(f/b1)] float32 with the same
+    leading rows N as the codes (Q_local, or the buffer's C when row-mapped) and ``block`` = (b0, b1). Runners
+    take them through ``moe.experts.fp8.Fp8Runner`` (``moe.layer.run_experts`` wraps them).
     """
 
     layer: int
@@ -128,6 +190,13 @@ class SlotWeights:
     digests: tuple[str, ...] = ()
     cache: dict[str, Any] = field(default_factory=dict)
     rows: tuple[int, ...] | None = None
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the slots hold FP8 codes with block scales."""
+        return self.scales is not None
 
     @property
     def num_slots(self) -> int:
@@ -157,6 +226,10 @@ class SlotWeights:
             raise ValueError(f"slot_ids: {len(slot_ids)} slots but {len(experts)} expert weights")
         if not experts:
             raise ValueError("experts: a rank with no slot has no SlotWeights")
+        if len({w.block for w in experts}) != 1:
+            raise ValueError(f"experts: FP8 and dense experts (blocks {sorted({str(w.block) for w in experts})}) "
+                             f"cannot share one layer's slots")
+        q = experts[0].quantized
         return SlotWeights(
             layer=layer,
             slot_ids=tuple(int(s) for s in slot_ids),
@@ -165,15 +238,19 @@ class SlotWeights:
             w_up=torch.stack([w.w_up for w in experts]),
             w_down=torch.stack([w.w_down for w in experts]),
             digests=tuple(digests),
+            scales=tuple(torch.stack([w.scales[i] for w in experts]) for i in range(3)) if q else None,  # type: ignore[index]
+            block=experts[0].block,
         )
 
     @staticmethod
     def over_buffer(layer: int, slot_ids: Sequence[int], experts: Sequence[int], w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor, rows: Sequence[int],
-                    digests: Sequence[str] = ()) -> "SlotWeights":
+                    digests: Sequence[str] = (), scales: Sequence[torch.Tensor] | None = None,
+                    block: Sequence[int] | None = None) -> "SlotWeights":
         """Slot weights over a slot buffer without a copy: buffers w_gate [C, f, d], w_up [C, f, d],
         w_down [C, d, f], local slot i at buffer row ``rows[i]``. Where rows == (0, ..., Q_local - 1) the
-        result is plain (views ``buf[:Q_local]``), else row-mapped over the whole buffer."""
+        result is plain (views ``buf[:Q_local]``), else row-mapped over the whole buffer. ``scales``: an FP8
+        buffer's scale buffers [C, ...] (viewed alike: a slot's scales stay at its row), with ``block``."""
         rows = tuple(int(r) for r in rows)
         q, c = len(rows), int(w_gate.shape[0])
         if not rows:
@@ -186,6 +263,9 @@ class SlotWeights:
             raise ValueError(f"w_up / w_down: shapes {tuple(w_up.shape)} / {tuple(w_down.shape)} do not match "
                              f"w_gate {tuple(w_gate.shape)}")
         ident = rows == tuple(range(q))
+        if scales is not None and (block is None or len(scales) != 3 or any(int(t.shape[0]) != c for t in scales)):
+            raise ValueError(f"scales: three [{c}, ...] scale buffers with a block expected, got "
+                             f"{[tuple(t.shape) for t in scales]} and block={block}")
         return SlotWeights(
             layer=layer,
             slot_ids=tuple(int(s) for s in slot_ids),
@@ -195,11 +275,15 @@ class SlotWeights:
             w_down=w_down[:q] if ident else w_down,
             digests=tuple(digests),
             rows=None if ident else rows,
+            scales=None if scales is None else tuple(t[:q] if ident else t for t in scales),  # type: ignore[arg-type]
+            block=None if block is None else tuple(int(b) for b in block),  # type: ignore[arg-type]
         )
 
     def expert_weights(self, local: int) -> ExpertWeights:
         r = self.row_of(local)
-        return ExpertWeights(self.layer, self.experts[local], self.w_gate[r], self.w_up[r], self.w_down[r])
+        return ExpertWeights(self.layer, self.experts[local], self.w_gate[r], self.w_up[r], self.w_down[r],
+                             None if self.scales is None else tuple(s[r] for s in self.scales),  # type: ignore[arg-type]
+                             self.block)
 
 
 class WeightSource(ABC):
@@ -211,6 +295,8 @@ class WeightSource(ABC):
     num_layers: int
     # ``expert`` may be called from several threads at once (a shard reads its experts in parallel)
     concurrent_reads: bool = False
+    # the scale block of the FP8 experts ``expert`` returns (ExpertWeights.block); None: dense experts
+    fp8_block: tuple[int, int] | None = None
 
     @abstractmethod
     def expert(self, layer: int, expert: int) -> ExpertWeights:
@@ -309,9 +395,19 @@ def save_checkpoint(source: WeightSource, folder: str, *, shards: int = 1) -> li
 _WEIGHT_NAMES = ("w_gate", "w_up", "w_down")
 
 
+_SCALE_NAMES = ("s_gate", "s_up", "s_down")
+
+
 def experts_to_wire(weights: Mapping[tuple[int, int], ExpertWeights]) -> dict[str, Any]:
-    """(layer, expert) -> ExpertWeights as NumPy payloads (zero-copy through the object store)."""
-    return {f"{l}:{e}": pack({n: getattr(w, n) for n in _WEIGHT_NAMES}) for (l, e), w in weights.items()}
+    """(layer, expert) -> ExpertWeights as NumPy payloads (zero-copy through the object store). An FP8 expert's
+    codes travel with its scales (``s_gate`` / ``s_up`` / ``s_down``) and its ``block`` [2] int64, in one body."""
+    out = {}
+    for (l, e), w in weights.items():
+        body = {n: t for n, t in zip(_WEIGHT_NAMES + _SCALE_NAMES, w.tensors())}
+        if w.block is not None:
+            body["block"] = torch.tensor(w.block, dtype=torch.int64)
+        out[f"{l}:{e}"] = pack(body)
+    return out
 
 
 def experts_from_wire(payload: Mapping[str, Any]) -> dict[tuple[int, int], ExpertWeights]:
@@ -319,5 +415,7 @@ def experts_from_wire(payload: Mapping[str, Any]) -> dict[tuple[int, int], Exper
     for key, body in payload.items():
         l, e = (int(x) for x in key.split(":"))
         t = unpack(body)
-        out[(l, e)] = ExpertWeights(l, e, t["w_gate"].clone(), t["w_up"].clone(), t["w_down"].clone())
+        block = tuple(int(b) for b in t["block"].tolist()) if "block" in t else None
+        names = _WEIGHT_NAMES + (_SCALE_NAMES if block is not None else ())
+        out[(l, e)] = ExpertWeights.from_tensors(l, e, [t[n].clone() for n in names], block)
     return out
