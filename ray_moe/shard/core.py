@@ -411,7 +411,7 @@ class ShardCore:
                         self.set_exchange(self.paths.exchange)  # (the decode bucket re-sized to the lattice)
                 if self.paths is not None:
                     self.generator.configure(lattice, self.paths)
-            return self.generator.info()
+            return {**self.generator.info(), "fp8_expert_layers": self.store.fp8_layers}
 
     def prepare_steps(self) -> dict[str, Any]:
         """Capture the step lattice of the active generation before the deployment serves (every rank of the

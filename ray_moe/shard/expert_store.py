@@ -108,6 +108,11 @@ class ExpertStore:
         return {l: {"capacity": s.capacity, "used": s.capacity - len(s.free), "free": len(s.free)}
                 for l, s in sorted(self._slabs.items())}
 
+    @property
+    def fp8_layers(self) -> int:
+        """Layers whose slot buffers hold FP8 rows (codes and their block scales)."""
+        return sum(s.scales is not None for s in self._slabs.values())
+
     def row(self, key: Sequence[int]) -> int | None:
         """The buffer row of a held (layer, expert), or None."""
         return self._rows.get(_key(key))
