@@ -69,8 +69,11 @@ def paged_references(monkeypatch):
     references standing in for FlashAttention and the Triton kernel (each host built after this picks them)."""
     import ray_moe.model.attention as attn
     import ray_moe.model.paged_decode as paged
+    import ray_moe.model.paged_varlen as paged_varlen
 
     monkeypatch.setattr(attn, "check_flash", lambda *a, **k: None)
     monkeypatch.setattr(paged, "check_paged", lambda *a, **k: None)
+    monkeypatch.setattr(paged_varlen, "check_paged_varlen", lambda *a, **k: None)
     monkeypatch.setattr(attn, "flash_varlen", attn.sequence_reference)
     monkeypatch.setattr(paged, "paged_decode", paged.paged_decode_reference)
+    monkeypatch.setattr(paged_varlen, "paged_varlen", paged_varlen.paged_varlen_reference)

@@ -143,8 +143,8 @@ LEGACY_STREAMS = frozenset({Workload.MIXED, Workload.DECODE_HEAVY, Workload.PREF
 STREAM_SALT = MappingProxyType({Workload.MIXED: 11, Workload.DECODE_HEAVY: 12, Workload.PREFILL_HEAVY: 13,
                                 Workload.CHAT: 14, Workload.LONG: 15})
 ARRIVAL_SALT = 21
-GRAPH_KEYS = ("graphs_captured_start", "graphs_captured_serving", "decode_graph_steps", "piecewise_steps",
-              "eager_steps", "graph_replays")
+GRAPH_KEYS = ("graphs_captured_start", "graphs_captured_serving", "decode_graph_steps", "token_graph_steps",
+              "piecewise_steps", "eager_steps", "graph_replays")
 MAX_QUEUED_DEFAULT = 4096  # GenerationLoop's max_queued (passed only when a pass has more requests)
 
 
@@ -481,14 +481,15 @@ def graph_deltas(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
     """What each shard's graph counters did over a pass (``read_graph_counters`` before and after):
     ``captures`` (graphs captured, at start or while serving: a pass should capture none), ``captures_serving``
     (``graphs_captured_serving``'s growth: the benchmark asserts 0), steps run as a whole-step decode graph,
-    as piecewise graphs, eagerly, and graph replays; per shard and summed."""
+    as a whole-step token graph, as piecewise graphs, eagerly, and graph replays; per shard and summed."""
     per: dict[str, dict[str, int]] = {}
     for r, a in after.items():
         b = before.get(r, {})
         d = {k: a.get(k, 0) - b.get(k, 0) for k in GRAPH_KEYS}
         per[r] = {"captures": d["graphs_captured_start"] + d["graphs_captured_serving"],
                   "captures_serving": d["graphs_captured_serving"], "decode_graph_steps": d["decode_graph_steps"],
-                  "piecewise_steps": d["piecewise_steps"], "eager_steps": d["eager_steps"],
+                  "token_graph_steps": d["token_graph_steps"], "piecewise_steps": d["piecewise_steps"],
+                  "eager_steps": d["eager_steps"],
                   "graph_replays": d["graph_replays"]}
     total = {k: sum(s[k] for s in per.values()) for k in next(iter(per.values()), {})}
     return {"per_shard": per, "total": total,

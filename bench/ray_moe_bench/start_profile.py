@@ -23,8 +23,8 @@ import numpy as np
 from ray_moe_bench.common import add_output_argument, write_result
 from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
 
-COUNTERS = ("graphs_captured_start", "graphs_captured_serving", "decode_graph_steps", "piecewise_steps",
-            "eager_steps", "graph_replays")
+COUNTERS = ("graphs_captured_start", "graphs_captured_serving", "decode_graph_steps", "token_graph_steps",
+            "piecewise_steps", "eager_steps", "graph_replays")
 
 
 def lengths(seed: int, n: int, mean: float, lo: int, hi: int, avoid: set[int] = frozenset()) -> list[int]:

@@ -353,12 +353,13 @@ class GenerationLoop:
     def graph_counters(self) -> dict[str, int]:
         """Graph captures summed over the ranks: at start (``graphs_captured_start``) and since
         (``graphs_captured_serving``: a generation published later, or an expert-only step's shape), and the steps
-        by path (``decode_graph_steps``, ``piecewise_steps``, ``eager_steps``), from each rank's status."""
+        by path (``decode_graph_steps``, ``token_graph_steps``, ``piecewise_steps``, ``eager_steps``), from each
+        rank's status."""
         out: dict[str, int] = {}
         for st in self.transport.status_of(self.transport.members()):
             for k, v in (st.get("counters") or {}).items():
-                if k.startswith("graphs_captured") or k in ("decode_graph_steps", "piecewise_steps", "eager_steps",
-                                                            "graph_replays"):
+                if k.startswith("graphs_captured") or k in ("decode_graph_steps", "token_graph_steps",
+                                                            "piecewise_steps", "eager_steps", "graph_replays"):
                     out[k] = out.get(k, 0) + int(v)
         return out
 

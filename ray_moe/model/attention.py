@@ -17,6 +17,8 @@
 #              the bottom right, grouped-query heads without repeating keys; the leading one-row sequences run
 #              as a call of their own (their grid does not take the prefill chunks' query runs) and, with the
 #              in-place decode kernel (model/paged_decode.py), read their slots in place (nothing gathered)
+#     VARLEN with work tables (a whole-step graph of a token size): every row read in place by the paged varlen
+#              kernel (model/paged_varlen.py), its grids fixed by the tables' static lengths
 #   ──> [1, n, H, Dv] back into the module (its output projection)
 # ======================================================================================================
 """Attention backends of the model host, registered with transformers' ``AttentionInterface``.
@@ -37,6 +39,7 @@ import torch
 
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.paged_decode import DecodeKernel
+from ray_moe.model.paged_varlen import PagedVarlenKernel
 
 ATTENTION_NAME = "ray_moe"
 ATTENTION_KW = "ray_moe_attention"
@@ -58,11 +61,13 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
 
 @dataclass(frozen=True)
 class Kernels:
-    """The host's attention kernels: ``varlen`` (FlashAttention's contract, or a caller's reference) and
-    ``decode`` (the in-place decode kernel, or None: one-row sequences attend gathered contexts too)."""
+    """The host's attention kernels: ``varlen`` (FlashAttention's contract, or a caller's reference),
+    ``decode`` (the in-place decode kernel, or None: one-row sequences attend gathered contexts too) and
+    ``paged`` (the in-place varlen kernel of whole-step token graphs, or None: those steps run piecewise)."""
 
     varlen: VarlenKernel = flash_varlen
     decode: DecodeKernel | None = None
+    paged: PagedVarlenKernel | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,6 +90,9 @@ class AttentionPlan:
                  ``slots[cu_k[i]:k_end[i]]``; None: ``cu_k[i + 1]`` ends them
     cu_q_rest:   [S - single_rows + 1] int32 the query offsets of the sequences after the one-row group, from 0
                  (planned once, not per layer); None: ``cu_q[single_rows:] - single_rows``
+    tables:      (one [NA], seq [NB], first [NB]) int32 work tables (``paged_varlen.work_tables``): every row is
+                 read in place by the paged varlen kernel over ``slots`` / ``cu_q`` / ``cu_k`` (all S + 1
+                 sequences' offsets); ``rows`` then counts every row of the step (the tables name the real ones)
     """
 
     rows: int
@@ -99,6 +107,7 @@ class AttentionPlan:
     slots: torch.Tensor | None = None
     k_end: torch.Tensor | None = None
     cu_q_rest: torch.Tensor | None = None
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def in_place(self) -> bool:
@@ -125,6 +134,8 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     qs = q[0].transpose(0, 1)  # [n, Hq, D]
     kc, vc = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [C + 1 (or K), Hk, D]
     s1 = plan.single_rows
+    if plan.tables is not None:  # every row in place, the work tables naming the real ones
+        return kernels.paged(qs, kc, vc, plan.slots, plan.cu_q, plan.cu_k, *plan.tables, scale)[None]
     if plan.in_place:  # a decode step read in place
         return kernels.decode(qs, kc, vc, plan.slots, plan.cu_k, plan.max_k, scale, plan.k_end)[None]
     parts = []

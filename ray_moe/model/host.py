@@ -24,6 +24,7 @@ from ray_moe.core.errors import ConfigError
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model import attention as attn
 from ray_moe.model import paged_decode as paged
+from ray_moe.model import paged_varlen
 from ray_moe.model.norms import FusedNorms, fuse_rms_norms
 from ray_moe.model.qkv import FusedQKV, fuse_qkv
 from ray_moe.model.router_topk import FusedRouters, fuse_routers
@@ -72,7 +73,9 @@ class ModelHost:
         self.latent_cache = getattr(self.config, "kv_lora_rank", None) is not None
         # a varlen decode step reads the cache in place when the kernel serves here (else it gathers)
         decode, self.decode_reason = self._pick_decode(decode_kernel, varlen_kernel)
-        self.kernels = attn.Kernels(varlen_kernel or attn.flash_varlen, decode)
+        # whole-step graphs of token sizes read every row in place where the paged varlen kernel serves here
+        in_place, self.paged_reason = self._pick_paged(varlen_kernel)
+        self.kernels = attn.Kernels(varlen_kernel or attn.flash_varlen, decode, in_place)
         attn.register()
         self.model.config._attn_implementation = attn.ATTENTION_NAME
         self.seam = _StepSeam()
@@ -113,6 +116,20 @@ class ModelHost:
         heads, kv_heads, dq, dv = _attention_dims(self.config)
         why = paged.check_paged(self.device, self.dtype, heads, kv_heads, dq, dv)
         return (paged.paged_decode if why is None else None), why
+
+    def _pick_paged(self, varlen_kernel: Any) -> tuple[Any, str | None]:
+        """(the in-place varlen kernel or None, why None): where ``paged_varlen.check_paged_varlen`` passes on
+        the varlen backend; none with a caller's varlen kernel (the caller's kernel is the reference) or a
+        latent cache (its contexts are gathered and expanded)."""
+        if self.attention is not AttentionBackend.VARLEN:
+            return None, "the masked backend gathers the contexts"
+        if self.latent_cache:
+            return None, "the model's attention expands a latent cache (MLA): its contexts are gathered"
+        if varlen_kernel is not None:
+            return None, "a caller's varlen kernel attends the gathered contexts"
+        heads, kv_heads, dq, dv = _attention_dims(self.config)
+        why = paged_varlen.check_paged_varlen(self.device, self.dtype, heads, kv_heads, dq, dv)
+        return (paged_varlen.paged_varlen if why is None else None), why
 
     @staticmethod
     def skeleton(config: Any, dtype: torch.dtype) -> torch.nn.Module:
@@ -306,6 +323,15 @@ class ModelHost:
     @property
     def decode_kernel(self):
         return self.kernels.decode
+
+    @property
+    def paged_varlen(self) -> bool:
+        """Whole-step graphs of token sizes can read every row in place (``Kernels.paged``)."""
+        return self.kernels.paged is not None
+
+    def attention_heads(self) -> tuple[int, int, int, int]:
+        """(query heads, key/value heads, query/key head size, value head size)."""
+        return _attention_dims(self.config)
 
     def plan(self, chunks: Sequence[SeqChunk], token_ids: Any, *, rows: int | None = None,
              last_rows: int | None = None) -> tuple[StepRows, "attn.AttentionPlan"]:

@@ -33,7 +33,7 @@ import torch
 from ray_moe.core.errors import RayMoEError
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.attention import AttentionPlan
-from ray_moe.model.kv_host import HostChunks, plan_decode_steps, send, staging
+from ray_moe.model.kv_host import HostChunks, plan_decode_steps, plan_token_step, send, staging
 from ray_moe.model.prefix_cache import BlockPool
 
 
@@ -340,6 +340,13 @@ class PagedKVCache:
         ids = np.zeros(rows, dtype=np.int64)
         ids[:token_ids.size] = token_ids
         return plan_decode_steps(c, steps, rows, used, self.trash_slot, self.device, {"token_ids": ids})
+
+    def plan_token_graph(self, chunks: "Sequence[Chunk] | HostChunks", token_ids: np.ndarray, rows: int,
+                         last_rows: int, tables: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        """The static inputs of a whole-step graph of a token size (``kv_host.plan_token_step``: rows, ``last``,
+        the contexts' slots, offsets and the paged varlen kernel's work tables), one upload."""
+        c = chunks if isinstance(chunks, HostChunks) else self._chunks(chunks)
+        return plan_token_step(c, token_ids, rows, last_rows, tables, self.trash_slot, self.device)
 
     def _chunks(self, chunks: Sequence[Chunk]) -> HostChunks:
         """The step's chunks as host arrays, each chunk's context slots looked up once (``slots``' check)."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ray_moe.model.paged_varlen import work_tables
+
 
 @dataclass(frozen=True, eq=False)
 class HostChunks:
@@ -99,6 +101,42 @@ def plan_decode_steps(c: HostChunks, steps: int, rows: int, keys: int, trash: in
             for i in range(steps)]
 
 
+def plan_token_step(c: HostChunks, token_ids: np.ndarray, rows: int, last_rows: int, tables: tuple[int, int, int],
+                    trash: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The static inputs of a whole-step graph of a token size (every row read in place: ``paged_varlen``),
+    planned with one upload. ``c``: the step's chunks (any mix of decode rows and prefill chunks, packed order);
+    ``token_ids`` [n]; ``tables``: (one-row entries, blocks, rows a block) of the size (``table_sizes``).
+
+      rows:       token_ids, positions, write_index [rows]: the n real rows, then padding (token 0, position 0,
+                  the trash slot); row_valid [rows] bool
+      last:       [last_rows] each sequence's last row (padding entries row 0)
+      read_index: [K] every sequence's context slots, packed (a prefix of the graph's slot vector)
+      cu_q, cu_k: [last_rows + 1] query-row / key offsets (entries past the S sequences repeat the totals)
+      one, seq, first: the work tables (``paged_varlen.work_tables``; empty entries -1)"""
+    na, nb, block_q = tables
+    s, n, k = int(c.lens.size), int(c.lens.sum()), int(c.ends.sum())
+    if n > rows or s > last_rows or token_ids.size != n:
+        raise ValueError(f"rows={rows}, last_rows={last_rows}: the step has {n} tokens ({token_ids.size} ids) "
+                         f"of {s} sequences")
+    sizes = {"token_ids": rows, "positions": rows, "write_index": rows, "last": last_rows, "read_index": k,
+             "cu_q": last_rows + 1, "cu_k": last_rows + 1, "one": na, "seq": nb, "first": nb}
+    buf, host = staging(sizes, device)
+    read = c.read_into(host["read_index"])
+    c.rows_into(read, host["write_index"], host["positions"])
+    host["write_index"][n:], host["positions"][n:] = trash, 0
+    host["token_ids"][:n], host["token_ids"][n:] = token_ids, 0
+    host["last"][:s], host["last"][s:] = np.cumsum(c.lens) - 1, 0
+    for name, lens, total in (("cu_q", c.lens, n), ("cu_k", c.ends, k)):
+        cu = host[name]
+        cu[0] = 0
+        cu[1:s + 1] = np.cumsum(lens)
+        cu[s + 1:] = total
+    work_tables(c.lens, host["one"], host["seq"], host["first"], block_q)
+    up = send(buf, sizes, device)
+    up["row_valid"] = torch.arange(rows, device=device) < n
+    return up
+
+
 def pad(x: np.ndarray, size: int, fill: int) -> np.ndarray:
     """[size] int64: ``x`` [n <= size] then ``fill``."""
     out = np.full(size, fill, dtype=np.int64)
@@ -135,4 +173,4 @@ def upload(host: dict[str, np.ndarray], device: torch.device) -> dict[str, torch
     return send(buf, sizes, device)
 
 
-__all__ = ["HostChunks", "pad", "plan_decode_steps", "send", "staging", "upload"]
+__all__ = ["HostChunks", "pad", "plan_decode_steps", "plan_token_step", "send", "staging", "upload"]

@@ -321,9 +321,12 @@ class GenerationExecutor:
             choice = self.graph_runner.choose(
                 view.generation, decode_only=decode_only, bucket_rows=paths.bucket.token_cap if bucket else None,
                 rows=batch.rows, sequences=len(items), eager_status=status != ControlStatus.OK or not paths.capture
-                or (decision is not None and paths.exchange.size > 1 and not decision.replay), slot_keys=slots)
+                or (decision is not None and paths.exchange.size > 1 and not decision.replay), slot_keys=slots,
+                context_keys=sum(it.start + it.num_tokens for it in items))
             if choice.kind is RunKind.DECODE_GRAPH:
                 return self._decode_graph(req, batch, view, choice.rows, ahead)
+            if choice.kind is RunKind.TOKEN_GRAPH:
+                return self._token_graph(batch, view, choice.rows)
             if choice.kind is RunKind.PIECEWISE:
                 return self._piecewise(req, batch, view, choice.rows)
         return self._eager(req, batch, view, paths, status, want_prefill, want_decode, bucket, reason, tag)
@@ -338,6 +341,15 @@ class GenerationExecutor:
         if len(plans) > 1:
             out.substeps = SubstepRun(plans, launch, out.want, specs)
         return out
+
+    def _token_graph(self, batch: StepBatch, view, rows: int) -> GraphPending:
+        """A token size's whole-step graph: the step's rows, contexts and work tables into its static inputs."""
+        runner = self.graph_runner
+        staged = self.host.kv.plan_token_graph(batch.items, packed_ids(batch.items), rows,
+                                               runner.lattice.sampled_rows(rows), runner.tables(rows))
+        fill_rows(staged["token_ids"], batch.items, batch.fills)
+        launch = self._sampler(batch.items, view, lambda inp: runner.tokens(view.generation, rows, inp))
+        return launch(staged, [it.sample for it in sampled_items(batch.items)])
 
     def _piecewise(self, req, batch: StepBatch, view, rows: int) -> GraphPending:
         """A token size's piecewise graph, its holes attending with the step's exact plan."""

@@ -3,10 +3,13 @@
 #
 #   start: the deployment's StepLattice (shard/lattice.py) ──> capture, for the active generation:
 #     1. every decode size: a warm-up step over the trash slot, then ONE whole-step CUDA graph (attention read
-#        in place, every MoE layer, the LM head); its slot vector is one buffer every decode graph shares
-#     2. every token size (a group of one): a warm-up, then a PIECEWISE graph (model/piecewise.py): the pieces
-#        between the attention calls, attention run between them with each step's own plan
+#        in place, every MoE layer, the LM head); its slot vector is one buffer every whole-step graph shares
+#     2. every token size (a group of one) up to the lattice's ``whole_rows``: a warm-up, then ONE whole-step
+#        graph whose attention reads every row in place (model/paged_varlen.py: static grids over work tables)
+#     3. every larger token size: a warm-up, then a PIECEWISE graph (model/piecewise.py): the pieces between the
+#        attention calls, attention run between them with each step's own plan
 #   each step: choose ──> DECODE_GRAPH (a decode-only step the agreed bucket holds)
+#                     ──> TOKEN_GRAPH  (any other step of a group of one within the whole-step token sizes)
 #                     ──> PIECEWISE    (any other step of a group of one within the token sizes)
 #                     ──> EAGER        (the reason named and counted: beyond the lattice, expert statistics,
 #                                       an expert-parallel mixed step, graphs off)
@@ -29,6 +32,7 @@ from ray_moe.model.attention import AttentionPlan, InlineAttention
 from ray_moe.model.host import ModelHost
 from ray_moe.model.kv import StepRows
 from ray_moe.model.kv_host import HostChunks
+from ray_moe.model.paged_varlen import block_rows, table_sizes
 from ray_moe.model.piecewise import OutputArena, PiecewiseGraph
 from ray_moe.moe.decode.graphs import CapturedStep, capture_failure
 from ray_moe.moe.layer import RouteRecorder
@@ -40,6 +44,7 @@ class RunKind(str, Enum):
     """How one step runs on a rank."""
 
     DECODE_GRAPH = "decode-graph"  # a whole-step CUDA graph of a decode size (attention inside)
+    TOKEN_GRAPH = "token-graph"  # a whole-step CUDA graph of a token size (attention inside, read in place)
     PIECEWISE = "piecewise-graph"  # the pieces of a token size's graph, attention between them
     EAGER = "eager"  # every kernel launched from Python (CPU; whatever no captured size holds)
 
@@ -75,6 +80,7 @@ class CaptureReport:
     generation: int
     at_start: bool
     decode_graphs: int = 0
+    token_graphs: int = 0
     piecewise_graphs: int = 0
     seconds: float = 0.0
     reserved_bytes: int = 0
@@ -98,8 +104,9 @@ class StepGraphRunner:
         # why no graph of a kind is captured here (None: it is): set by ``configure``
         self.decode_off: str | None = "no lattice configured"
         self.tokens_off: str | None = "no lattice configured"
+        self.whole_off: str | None = "no lattice configured"  # whole-step graphs of token sizes
         self.reports: dict[int, CaptureReport] = {}
-        self.slots: torch.Tensor | None = None  # the decode graphs' shared slot vector
+        self.slots: torch.Tensor | None = None  # the whole-step graphs' shared slot vector
         self.arena: OutputArena | None = None  # the holes' shared attention output
         self.max_k = 1  # the decode graphs' context bound (the decode kernel's split count is a static shape)
         self.decode_sizes: tuple[int, ...] = ()  # the lattice's, up to the decode bucket's capacity
@@ -122,6 +129,10 @@ class StepGraphRunner:
                                   f"decode attention gathers its contexts ({host.decode_reason})")
         self.tokens_off = off or (None if one_rank and local else
                                   "an expert-parallel group's prefill and mixed steps agree their counts on the host")
+        self.whole_off = self.tokens_off or (None if host.paged_varlen else
+                                             f"the in-place varlen kernel is unavailable ({host.paged_reason})")
+        if self.whole_off is None and lattice.whole_rows < lattice.token_sizes[0]:
+            self.whole_off = "whole_rows=0"
         self.max_k = int(getattr(host.config, "max_position_embeddings", 1 << 15))
 
     def paths(self) -> dict[str, str]:
@@ -132,8 +143,13 @@ class StepGraphRunner:
             return {"decode": "eager (no lattice)", "prefill_mixed": "eager (no lattice)"}
         sizes = self.decode_sizes
         dec = (f"decode graph, {len(sizes)} sizes {sizes[0]}..{sizes[-1]}" if self.decode_off is None else None)
-        tok = (f"piecewise graph, {len(lat.token_sizes)} sizes {lat.token_sizes[0]}..{lat.max_tokens}"
-               if self.tokens_off is None else None)
+        tok = None
+        if self.tokens_off is None:
+            whole = [r for r in lat.token_sizes if lat.whole(r)] if self.whole_off is None else []
+            pieces = [r for r in lat.token_sizes if r not in whole]
+            parts = [f"{name} graph, {len(x)} sizes {x[0]}..{x[-1]}"
+                     for name, x in (("whole-step token", whole), ("piecewise", pieces)) if x]
+            tok = "; ".join(parts) + (f" (whole-step token graphs off: {self.whole_off})" if self.whole_off else "")
         out["decode"] = dec or (tok and f"{tok} ({self.decode_off})") or f"eager ({self.decode_off})"
         out["prefill_mixed"] = tok or f"eager ({self.tokens_off})"
         if dec and sizes[-1] < lat.rank_running:
@@ -178,6 +194,15 @@ class StepGraphRunner:
                 self.count(key)
         if self.tokens_off is None:
             for rows in lat.token_sizes:
+                if self.whole_off is None and lat.whole(rows):
+                    try:
+                        self._capture_token_graph(generation, rows, paths, make_ctx)
+                        rep.token_graphs += 1
+                        self.count(key)
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - this size and the rest piecewise; say why
+                        rep.errors["token_graph"] = capture_failure(exc)
+                        self.whole_off = f"whole-step token capture failed: {rep.errors['token_graph']}"
                 try:
                     self._capture_tokens(generation, rows, paths, make_ctx)
                 except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why
@@ -195,11 +220,16 @@ class StepGraphRunner:
 
     def _buffers(self) -> None:
         """The buffers every captured step shares, allocated once before the first capture (addresses are
-        captured): the decode graphs' slot vector and the holes' attention-output arena."""
+        captured): the whole-step graphs' slot vector (every sequence's context slots: a decode size's sequences,
+        or a whole token size's, each up to the model's context, at most four times the cache's slots) and the
+        holes' attention-output arena."""
         lat, host = self.lattice, self.host
-        if self.decode_off is None and self.slots is None:
-            top = self.decode_sizes[-1]
-            n = min(top * self.max_k, 4 * host.kv.capacity_tokens) + top
+        whole = [r for r in lat.token_sizes if lat.whole(r)] if self.whole_off is None else []
+        if (self.decode_off is None or whole) and self.slots is None:
+            rows = max(self.decode_sizes[-1] if self.decode_off is None else 0, whole[-1] if whole else 0)
+            seqs = max(self.decode_sizes[-1] if self.decode_off is None else 0,
+                       lat.sampled_rows(whole[-1]) if whole else 0)
+            n = min(seqs * self.max_k, 4 * host.kv.capacity_tokens) + rows
             self.slots = torch.full((n,), host.kv.trash_slot, dtype=torch.int64, device=host.device)
         if self.tokens_off is None and self.arena is None:
             c = host.config
@@ -257,6 +287,27 @@ class StepGraphRunner:
             return (logits, ctx.device_summary(), rec.ids), ctx
         return body
 
+    def tables(self, rows: int) -> tuple[int, int, int]:
+        """(one-row entries, blocks, rows a block) of a whole-step token graph of ``rows`` (``paged_varlen``)."""
+        heads, kv_heads, _, _ = self.host.attention_heads()
+        bq = block_rows(heads, kv_heads)
+        return (*table_sizes(rows, self.lattice.sampled_rows(rows), bq), bq)
+
+    def token_body(self, rows: int, dispatcher: Any, make_ctx: ContextFactory, tag: str) -> Callable:
+        """The whole-step graph of a token size over its static inputs: every row's attention read in place by
+        the paged varlen kernel over the shared slot vector and the step's work tables; routes recorded as in
+        ``decode_body``. Returns ((logits [L, V], device summary, routes), the step's MoEStep)."""
+        host = self.host
+
+        def body(inp: dict[str, torch.Tensor]):
+            ctx = make_ctx(inp["row_valid"], dispatcher, tag)
+            rec = RouteRecorder(ctx, len(ctx.view.snapshots), inp["row_valid"])
+            plan = AttentionPlan(rows, AttentionBackend.VARLEN, cu_q=inp["cu_q"], cu_k=inp["cu_k"],
+                                 slots=inp["read_index"], tables=(inp["one"], inp["seq"], inp["first"]))
+            logits = host.forward_rows(StepRows.of(inp, rows), InlineAttention(plan, host.kernels), rec)
+            return (logits, ctx.device_summary(), rec.ids), ctx
+        return body
+
     def piecewise_body(self, rows: int, dispatcher: Any, make_ctx: ContextFactory, tag: str) -> Callable:
         """The piecewise graph's body: the model over the static rows, attention through the capture's cutter
         (or, eagerly, any ``StepAttention``)."""
@@ -281,6 +332,24 @@ class StepGraphRunner:
         self.pipeline.pool = step.capture(body, self.pipeline.pool) or self.pipeline.pool  # 2. the capture
         self.pipeline.graphs.put(generation, ("decode", rows), step)
 
+    def _capture_token_graph(self, generation: int, rows: int, paths: Any, make_ctx: ContextFactory) -> None:
+        """A token size's whole-step graph: its static inputs (offsets and tables int32, the shared slot vector)
+        filled with a warm-up step of one sequence of ``rows`` tokens over the trash slot, the warm-up run on
+        those very inputs (the kernels compiled for the captured dtypes and grids), then the capture."""
+        host, lat = self.host, self.lattice
+        staged = host.kv.plan_token_graph(self._trash_chunks([rows]), np.zeros(rows, dtype=np.int64), rows,
+                                          lat.sampled_rows(rows), self.tables(rows))
+        small = ("cu_q", "cu_k", "one", "seq", "first")
+        inputs = {k: (v.to(torch.int32) if k in small else v.clone()) for k, v in staged.items() if k != "read_index"}
+        inputs["read_index"] = self.slots
+        inputs["read_index"][: staged["read_index"].numel()].copy_(staged["read_index"])
+        body = self.token_body(rows, paths.bucket, make_ctx, f"warm-token-graph-{rows}")
+        if self.backend.warmup:
+            body(inputs)  # 1. the warm-up, on the static inputs themselves
+        step = self.backend.full(inputs)
+        self.pipeline.pool = step.capture(body, self.pipeline.pool) or self.pipeline.pool  # 2. the capture
+        self.pipeline.graphs.put(generation, ("token-graph", rows), step)
+
     def _capture_tokens(self, generation: int, rows: int, paths: Any, make_ctx: ContextFactory) -> None:
         host, lat = self.host, self.lattice
         # one sequence of ``rows`` tokens over the trash slot: the pieces do not depend on the step's sequences
@@ -296,11 +365,11 @@ class StepGraphRunner:
 
     # ------------------------------------------------------------------ each step
     def choose(self, generation: int, *, decode_only: bool, bucket_rows: int | None, rows: int, sequences: int,
-               eager_status: bool, slot_keys: int = 0) -> RunChoice:
+               eager_status: bool, slot_keys: int = 0, context_keys: int = 0) -> RunChoice:
         """How a step runs: ``decode_only`` (one-row sequences only), ``bucket_rows`` (the agreed decode bucket,
         None: not on the bucket path), ``rows`` / ``sequences`` (real), ``eager_status`` (a refused or faulted
         step, graphs off for it: its first dispatch raises the refusal), ``slot_keys`` (a decode graph's slot
-        vector length)."""
+        vector length), ``context_keys`` (a whole-step token graph's: the sequences' contexts)."""
         lat = self.lattice
         have = generation in self.reports
         if eager_status:
@@ -317,6 +386,12 @@ class StepGraphRunner:
         if size is None or sequences > lat.sampled_rows(size):
             return self._eager(rows, f"beyond the lattice ({rows} rows, {sequences} sequences; the largest size "
                                      f"{lat.max_tokens} rows)")
+        if self.whole_off is None and lat.whole(size):
+            if context_keys > self.slots.numel():
+                return self._eager(rows, f"contexts of {context_keys} keys beyond the slot vector's "
+                                         f"{self.slots.numel()}")
+            if self.pipeline.graphs.get(generation, ("token-graph", size)) is not None:
+                return RunChoice(RunKind.TOKEN_GRAPH, size)
         if self.pipeline.graphs.get(generation, ("tokens", size)) is None:
             return self._eager(rows, "no graphs for the generation")
         return RunChoice(RunKind.PIECEWISE, size)
@@ -329,6 +404,11 @@ class StepGraphRunner:
         """Replay the decode graph of ``rows``: ((logits [rows, V], summary, routes), ctx)."""
         self.count("decode_graph_steps")
         return self._replay(lambda: self.pipeline.graphs.get(generation, ("decode", rows)).replay(staged))
+
+    def tokens(self, generation: int, rows: int, staged: dict[str, torch.Tensor]) -> Any:
+        """Replay the whole-step graph of token size ``rows``: ((logits [L, V], summary, routes), ctx)."""
+        self.count("token_graph_steps")
+        return self._replay(lambda: self.pipeline.graphs.get(generation, ("token-graph", rows)).replay(staged))
 
     def piecewise(self, generation: int, rows: int, staged: dict[str, torch.Tensor], plan: AttentionPlan) -> Any:
         """Replay the piecewise graph of ``rows`` with the step's attention plan: ((logits [L, V], summary, routes),

@@ -3,7 +3,8 @@
 #
 #   deployment sizes (running sequences per rank, prefill tokens per step)
 #     ──> decode sizes:  rows of a step of one-row sequences only (whole-step graphs: attention inside)
-#     ──> token sizes:   rows of any other step (piecewise graphs: attention runs between the pieces)
+#     ──> token sizes:   rows of any other step: up to ``whole_rows`` whole-step graphs (attention inside, read
+#                        in place by the paged varlen kernel), above piecewise graphs (attention between pieces)
 #     ──> sampled rows:  the LM-head rows of a piecewise step (every sequence of a step is sampled at most once)
 #   a step takes the smallest size that holds it (padding rows after the real ones); one beyond the largest
 #   size runs eagerly. Every size is captured before the deployment serves (``StepGraphRunner.capture``).
@@ -32,6 +33,7 @@ from ray_moe.moe.dispatch.bucket import token_buckets
 MIN_TOKEN_ROWS = 16
 DENSE_ROWS = 1024  # below: powers of two (weight-bound steps)
 FINE_ROWS = 2048  # above: eight sizes an octave
+WHOLE_ROWS = 2048  # token sizes up to this captured as whole-step graphs (the rest piecewise)
 
 
 def token_sizes(max_rows: int, floor: int = MIN_TOKEN_ROWS) -> tuple[int, ...]:
@@ -61,20 +63,26 @@ class StepLattice:
     step_tokens:  prompt tokens of one rank in one step at most (beyond: a cached prefix expected, an eager step)
     decode_sizes: rows of decode-only steps (``token_buckets(rank_running)``)
     token_sizes:  rows of the other steps, up to ``step_tokens + rank_running``
+    whole_rows:   token sizes up to this run as whole-step graphs (attention inside), larger ones piecewise
     """
 
     rank_running: int
     step_tokens: int
     decode_sizes: tuple[int, ...]
     token_sizes: tuple[int, ...]
+    whole_rows: int = WHOLE_ROWS
 
     @classmethod
-    def build(cls, rank_running: int, step_tokens: int) -> "StepLattice":
-        """The lattice of a deployment; ``ValueError`` naming the field for a size below 1."""
-        for name, v in (("rank_running", rank_running), ("step_tokens", step_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
-        return cls(rank_running, step_tokens, token_buckets(rank_running), token_sizes(step_tokens + rank_running))
+    def build(cls, rank_running: int, step_tokens: int, whole_rows: int | None = None) -> "StepLattice":
+        """The lattice of a deployment; ``ValueError`` naming the field for a size below 1 (``whole_rows``: 0
+        or more, 0 for no whole-step token graph; None: ``WHOLE_ROWS``)."""
+        whole_rows = WHOLE_ROWS if whole_rows is None else whole_rows
+        for name, v, low in (("rank_running", rank_running, 1), ("step_tokens", step_tokens, 1),
+                             ("whole_rows", whole_rows, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
+        return cls(rank_running, step_tokens, token_buckets(rank_running), token_sizes(step_tokens + rank_running),
+                   int(whole_rows))
 
     @property
     def max_decode(self) -> int:
@@ -96,9 +104,14 @@ class StepLattice:
         """The LM-head rows of a piecewise step of ``rows`` rows: one per sequence it can hold."""
         return min(int(rows), self.rank_running)
 
+    def whole(self, rows: int) -> bool:
+        """A token size captured as a whole-step graph (else piecewise)."""
+        return rows <= self.whole_rows
+
     def describe(self) -> dict:
         return {"rank_running": self.rank_running, "step_tokens": self.step_tokens,
-                "decode_sizes": list(self.decode_sizes), "token_sizes": list(self.token_sizes)}
+                "decode_sizes": list(self.decode_sizes), "token_sizes": list(self.token_sizes),
+                "whole_rows": self.whole_rows}
 
 
-__all__ = ["StepLattice", "token_sizes", "MIN_TOKEN_ROWS"]
+__all__ = ["StepLattice", "token_sizes", "MIN_TOKEN_ROWS", "WHOLE_ROWS"]

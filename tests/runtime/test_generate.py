@@ -231,26 +231,44 @@ def test_one_rank_steps_replay_the_lattice_captured_at_start_equal_greedy(tmp_pa
     assert kinds == {"tokens"}  # (the masked backend on CPU: decode steps take the token sizes)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_the_h200_paths_on_cpu_stay_token_equal(tmp_path, eager_capture, paged_references, family):
+@pytest.mark.parametrize("family,whole_rows", [("qwen3_moe", None), ("qwen3_moe", 0), ("qwen3_moe", 16),
+                                               ("deepseek_v3", None)])
+def test_the_h200_paths_on_cpu_stay_token_equal(tmp_path, eager_capture, paged_references, monkeypatch, family,
+                                                whole_rows):
     """The H200's paths with references as the kernels (varlen attention, decode rows read in place): decode
-    steps replay whole-step decode graphs over the shared slot vector (a prefix of it copied per step), mixed
-    steps the piecewise graphs whose holes run the decode rows in place and the chunks over their gathered
-    contexts; every token equals transformers' greedy one."""
+    steps replay whole-step decode graphs over the shared slot vector (a prefix of it copied per step); mixed
+    steps replay the whole-step token graphs (every row read in place through the step's work tables) up to
+    the lattice's ``whole_rows``, the piecewise graphs above (their holes run the decode rows in place and the
+    chunks over their gathered contexts); every token equals transformers' greedy one."""
+    import ray_moe.shard.lattice as lattice
+
+    if whole_rows is not None:
+        monkeypatch.setattr(lattice, "WHOLE_ROWS", whole_rows)
     model, folder = tiny_model(family, tmp_path / family)
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1))
     core = dep.cores[0]
     prompts, late = _prompts(11, (5, 13, 2)), _prompts(12, (9, 4, 7))
-    got = generate_inprocess(dep, prompts, 6, step_tokens=8, join_after={2: late, 4: prompts[:1]})
+    got = generate_inprocess(dep, prompts, 6, step_tokens=8 if whole_rows != 16 else 24,
+                             join_after={2: late, 4: prompts[:1]})
     assert core.generator.host.varlen
     assert got == _reference(model, prompts + late + prompts[:1], 6)
     c = _counts(dep)[0]
     if family == "deepseek_v3":
         assert not core.generator.host.paged_decode and c.get("decode_graph_steps", 0) == 0
         return
-    assert c.get("decode_graph_steps", 0) >= 3 and c.get("piecewise_steps", 0) >= 3, c
+    whole, piecewise = c.get("token_graph_steps", 0), c.get("piecewise_steps", 0)
+    assert c.get("decode_graph_steps", 0) >= 3, c
+    if whole_rows is None:  # every token size whole-step (the tiny lattice's sizes are all below WHOLE_ROWS)
+        assert whole >= 3 and piecewise == 0, c
+    elif whole_rows == 0:
+        assert whole == 0 and piecewise >= 3, c
+    else:  # the 16-row size whole-step, the larger ones piecewise
+        assert whole >= 1 and piecewise >= 1, c
     assert not c.get("graphs_captured_serving") and not c.get("eager_steps"), c
+    graphs = core.generator.graph_runner.status()
+    assert graphs["captures"][0]["token_graphs"] == (len(graphs["lattice"]["token_sizes"]) if whole_rows is None
+                                                     else 1 if whole_rows == 16 else 0)
 
 
 def test_padding_never_changes_a_token_against_eager_steps(tmp_path, eager_capture, paged_references):

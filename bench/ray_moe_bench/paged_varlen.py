@@ -1,0 +1,109 @@
+"""One layer's attention of a step, two ways (one GPU, no Ray): what a piecewise graph's hole runs (decode rows
+in place by the decode kernel, the prefill chunks' contexts gathered then FlashAttention-2's varlen forward) and
+what a whole-step token graph runs (every row in place by the paged varlen kernel, ``model/paged_varlen.py``).
+
+    python -m ray_moe_bench.paged_varlen [--out DIR]
+
+The Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head size 128, bf16), contexts at scattered cache
+slots. MEASURED: device ms of one layer's attention (CUDA events, the median of interleaved rounds) and TFLOP/s
+of the causal work; the choice of the lattice's whole-step token sizes (``shard/lattice.py`` WHOLE_ROWS) reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+import torch
+
+from ray_moe.model import paged_varlen as pv
+from ray_moe.model.attention import flash_varlen
+from ray_moe.model.paged_decode import paged_decode
+from ray_moe_bench.common import add_output_argument, time_interleaved, write_result
+
+HQ, HK, D = 32, 4, 128
+
+# name: (decode rows, their context, [(chunk rows, context before it)])
+SHAPES = {
+    "decode256-ctx500 + chunk512": (256, 500, [(512, 0)]),
+    "decode250-ctx600 + chunk1700": (250, 600, [(1700, 0)]),
+    "decode100-ctx2000 + 2 chunks 1024 over 3000": (100, 2000, [(1024, 3000), (1024, 3000)]),
+    "chunk8192 fresh": (0, 0, [(8192, 0)]),
+    "chunk8192 over 4096": (0, 0, [(8192, 4096)]),
+    "decode23-ctx7000 + chunk8169 over 6000": (23, 7000, [(8169, 6000)]),
+}
+
+
+def _flops(qlens: list[int], klens: list[int]) -> float:
+    """Causal attention work: 4 * D * Hq per (query, visible key) pair."""
+    pairs = sum(q * (k - q) + q * (q + 1) / 2 for q, k in zip(qlens, klens))
+    return 4.0 * D * HQ * pairs
+
+
+def case(name: str, dec: int, dec_ctx: int, chunks: list[tuple[int, int]], seed: int = 0) -> dict:
+    qlens = [1] * dec + [c for c, _ in chunks]
+    klens = [dec_ctx] * dec + [c + e for c, e in chunks]
+    cap = sum(klens) + 1024
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda")
+    k = torch.randn(cap, HK, D, generator=g).to(dev, torch.bfloat16)
+    v = torch.randn(cap, HK, D, generator=g).to(dev, torch.bfloat16)
+    slots = torch.randperm(cap, generator=g)[: sum(klens)].to(dev)
+    q = torch.randn(sum(qlens), HQ, D, generator=g).to(dev, torch.bfloat16)
+    cu_q = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, *itertools.accumulate(klens)], dtype=torch.int32, device=dev)
+    bq = pv.block_rows(HQ, HK)
+    na, nb = pv.table_sizes(sum(qlens), len(qlens), bq)
+    tabs = [np.zeros(n, np.int64) for n in (na, nb, nb)]
+    pv.work_tables(np.asarray(qlens), *tabs, bq)
+    one, seq, first = (torch.from_numpy(t).to(dev, torch.int32) for t in tabs)
+    scale = D ** -0.5
+    kd = dec * dec_ctx
+    gather = slots[kd:]
+    cu_q_rest = (cu_q[dec:] - dec).contiguous()
+    cu_k_rest = (cu_k[dec:] - kd).contiguous()
+    max_q = max([c for c, _ in chunks], default=1)
+    max_k = max([c + e for c, e in chunks], default=1)
+
+    def hole():  # what a piecewise hole runs
+        parts = []
+        if dec:
+            parts.append(paged_decode(q[:dec], k, v, slots, cu_k[:dec + 1], dec_ctx, scale))
+        if chunks:
+            kg, vg = k.index_select(0, gather), v.index_select(0, gather)
+            parts.append(flash_varlen(q[dec:], kg, vg, cu_q_rest, cu_k_rest, max_q, max_k, scale))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def whole():  # what a whole-step token graph runs
+        return pv.paged_varlen(q, k, v, slots, cu_q, cu_k, one, seq, first, scale)
+
+    err = float((hole().float() - whole().float()).abs().max())
+    t = time_interleaved({"hole": hole, "whole": whole}, warmup=3, iters=15)
+    fl = _flops(qlens, klens)
+    return {"name": name, "rows": sum(qlens), "keys": sum(klens), "max_abs_diff": err,
+            "piecewise_hole_ms": t["hole"]["median_ms"], "paged_varlen_ms": t["whole"]["median_ms"],
+            "hole_tflops": fl / t["hole"]["median_ms"] / 1e9, "paged_varlen_tflops": fl / t["whole"]["median_ms"] / 1e9,
+            "paged_over_hole": t["whole"]["median_ms"] / t["hole"]["median_ms"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_output_argument(ap)
+    args = ap.parse_args(argv)
+    rows = []
+    for name, (dec, ctx, chunks) in SHAPES.items():
+        r = case(name, dec, ctx, chunks)
+        rows.append(r)
+        print(f"{name:48s} hole {r['piecewise_hole_ms']:8.3f} ms ({r['hole_tflops']:5.0f} TF/s)  paged_varlen "
+              f"{r['paged_varlen_ms']:8.3f} ms ({r['paged_varlen_tflops']:5.0f} TF/s)  ratio {r['paged_over_hole']:.2f}"
+              f"  diff {r['max_abs_diff']:.3g}", flush=True)
+    payload = {"what": "one layer's attention of a step: a piecewise hole (decode kernel + gathered FlashAttention-2"
+                       " varlen) against the paged varlen kernel (every row in place); MEASURED device ms",
+               "shape": {"heads": HQ, "kv_heads": HK, "head_dim": D, "dtype": "bfloat16"}, "cases": rows}
+    print("wrote", write_result("paged_varlen", payload, out=args.out))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
