@@ -264,8 +264,15 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q, s
 
 
+def launch_config(block_m: int) -> dict[str, int]:
+    """Warps and pipeline stages of the two GEMM kernels at a row tile: gate/up holds two FP32 accumulators
+    [BLOCK_M, b1] (8 warps from 32 rows on, as a 256-column tile), down one."""
+    return {"gate_up_warps": 8 if block_m >= 32 else 4, "down_warps": 4, "stages": 3}
+
+
 def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, order, top_k: int,
-            weight_rows, block_m: int | None, out_dtype: torch.dtype, y: torch.Tensor) -> torch.Tensor:
+            weight_rows, block_m: int | None, out_dtype: torch.dtype, y: torch.Tensor,
+            config: dict[str, int] | None = None) -> torch.Tensor:
     """The gate/up and down kernels over ``rows`` expert-major rows (see ``fp8_swiglu``)."""
     _, gate_up, down, emulate = _kernels()
     wg, wu, wd = codes
@@ -281,6 +288,7 @@ def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, o
         tiles = q * -(-capacity // bm)
     else:
         tiles = -(-rows // bm) + min(q, rows)  # each live tile holds >= 1 row; one partial tile per slot
+    cfg = {**launch_config(bm), **(config or {})}
     qp = max(_next_pow2(q), 2)
     ngd, ngf = -(-d // b1), -(-f // b1)
     hq = torch.empty((rows, f), dtype=FP8_DTYPE, device=xq.device)
@@ -292,12 +300,13 @@ def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, o
         xq, xs, wg, wu, sg, su, bounds, tok, wrow, hq, hs, q, capacity, d, f, ngd, ngf, int(sg.shape[1]),
         int(sg.shape[2]), B0=b0, BLOCK_M=bm, BLOCK_N=b1, QP=qp, TOP_K=max(int(top_k), 1), GATHER=order is not None,
         ROWS=weight_rows is not None, CAPACITY=bool(capacity), EVEN_K=d % b1 == 0, EVEN_N=f % b1 == 0,
-        FP8_MAX=FP8_MAX, SCALE_MIN=SCALE_MIN, EMULATE=emulate, num_warps=4, num_stages=3)
+        FP8_MAX=FP8_MAX, SCALE_MIN=SCALE_MIN, EMULATE=emulate, num_warps=cfg["gate_up_warps"],
+        num_stages=cfg["stages"])
     # 3. down, into y
     down[(-(-d // DOWN_BLOCK_N) * tiles,)](
         hq, hs, wd, sd, bounds, wrow, y, q, capacity, d, f, ngf, int(sd.shape[1]), int(sd.shape[2]), B0=b0,
         BLOCK_M=bm, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=b1, QP=qp, ROWS=weight_rows is not None, CAPACITY=bool(capacity),
-        EVEN_K=f % b1 == 0, EVEN_N=d % DOWN_BLOCK_N == 0, num_warps=4, num_stages=3)
+        EVEN_K=f % b1 == 0, EVEN_N=d % DOWN_BLOCK_N == 0, num_warps=cfg["down_warps"], num_stages=cfg["stages"])
     return y
 
 
@@ -314,8 +323,8 @@ def _check_weights(codes, scales, block) -> None:
 
 
 def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, order: torch.Tensor | None = None,
-               top_k: int = 1, weight_rows: torch.Tensor | None = None,
-               block_m: int | None = None) -> torch.Tensor:
+               top_k: int = 1, weight_rows: torch.Tensor | None = None, block_m: int | None = None,
+               config: dict[str, int] | None = None) -> torch.Tensor:
     """Expert-major rows: y [R, d] = per slot q over its rows: down(quant(silu(g) * u)) with g / u the FP8
     GEMMs of the quantized rows against slot q's codes and block scales (see the module docstring).
 
@@ -323,7 +332,8 @@ def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, o
     order[r] // top_k); bounds [Q] int32 inclusive row ends per slot; codes (w_gate [C, f, d], w_up [C, f, d],
     w_down [C, d, f]) float8_e4m3fn; scales (s_gate [C, ceil(f/b0), ceil(d/b1)], s_up, s_down
     [C, ceil(d/b0), ceil(f/b1)]) float32; block (b0, b1); weight_rows [Q] int64 (None: slot q is row q).
-    -> y [R, d] in x's dtype; rows past bounds[-1] are left unwritten."""
+    -> y [R, d] in x's dtype; rows past bounds[-1] are left unwritten. ``block_m`` / ``config``: the row tile
+    and launch settings (None: ``row_block`` / ``launch_config``; the benchmark sweeps them)."""
     _check_weights(codes, scales, block)
     rows = int(order.numel()) if order is not None else int(x.shape[0])
     d = int(codes[0].shape[2])
@@ -334,7 +344,7 @@ def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, o
         return y
     xq, xs = quantize_rows(x, int(block[1]))
     return _launch(xq, xs, rows, bounds, codes, scales, block, capacity=0, order=order, top_k=top_k,
-                   weight_rows=weight_rows, block_m=block_m, out_dtype=x.dtype, y=y)
+                   weight_rows=weight_rows, block_m=block_m, out_dtype=x.dtype, y=y, config=config)
 
 
 def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, block, *,
@@ -357,4 +367,4 @@ def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, blo
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SCALE_MIN", "ROW_BLOCKS", "GROUPS", "available", "interpreted", "supports",
-           "row_block", "quantize_rows", "fp8_swiglu", "fp8_swiglu_capacity"]
+           "row_block", "launch_config", "quantize_rows", "fp8_swiglu", "fp8_swiglu_capacity"]
