@@ -5,7 +5,8 @@ block by block, activations quantized per 1 x b1 group with the kernels' float32
 Triton is not in the CPU CI install: the kernel tests take ``pytest.importorskip("triton")`` and run the real
 kernels under Triton's CPU interpreter on CPU tensors (tiny shapes, the interpreter is slow), which must be on
 from the start of the process: ``TRITON_INTERPRET=1 python -m pytest tests/moe/experts/test_fp8_kernels.py``
-(without it they skip, saying so). The same kernels on CUDA: ``test_fp8_kernels_gpu.py``. Tolerance here: max |kernel - naive| below
+(without it they skip, saying so). Without the interpreter, Triton's compiler builds the kernels for sm_90 on
+this CPU host (no GPU needed): that they compile, pipeline their loads and fit an H100's shared memory. The same kernels on CUDA: ``test_fp8_kernels_gpu.py``. Tolerance here: max |kernel - naive| below
 1% of max |naive| (float32 activations: the kernels and the oracle differ by FP32 summation order, and where
 that moves a value across an e4m3 rounding boundary, by one code of one intermediate element)."""
 
@@ -214,3 +215,36 @@ def test_run_experts_takes_the_kernels_for_every_dispatch_format(interpret, monk
     # the reference path stays one flag away: unquantized activations, within their FP8 error of the kernels
     close(Fp8Runner(runner, kernels=False).run(x, counts, w), want, tol=0.1)
     assert len(calls) == 4
+
+
+# ------------------------------------------------------------------------------- compiled for Hopper, no GPU
+@pytest.mark.parametrize("block_m", fp8_kernels.ROW_BLOCKS)
+def test_the_kernels_compile_for_hopper(block_m):
+    """Triton's own compiler (no GPU needed) builds the three kernels for sm_90 at the serving shape's settings
+    (pointers and d / f 16-divisible, as Triton specializes them at a launch), software-pipelined (async copies)
+    and within an H100's 227 KiB of shared memory per block."""
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("the kernels are built for the interpreter here, or run for real (test_fp8_kernels_gpu.py)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    quant, gate_up, down, _ = fp8_kernels._kernels()
+    cfg = fp8_kernels.launch_config(block_m)
+
+    def build(fn, types, consts, warps):
+        sig = dict(zip([a for a in fn.arg_names if a not in consts], types.split()))
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t[0] == "*" or n in "DF"}
+        k = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts, attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": cfg["stages"]})
+        assert k.metadata.shared <= 227 * 1024
+        return k.asm["ttgir"]
+
+    gu = build(gate_up, "*fp8e4nv *fp32 *fp8e4nv *fp8e4nv *fp32 *fp32 *i32 *i32 *i64 *fp8e4nv *fp32" + " i32" * 8,
+               dict(B0=128, BLOCK_M=block_m, BLOCK_N=128, QP=128, TOP_K=8, GATHER=True, ROWS=True, CAPACITY=False,
+                    EVEN_K=True, EVEN_N=True, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False), cfg["gate_up_warps"])
+    dn = build(down, "*fp8e4nv *fp32 *fp8e4nv *fp32 *i64 *i64 *bf16" + " i32" * 7,
+               dict(B0=128, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, QP=128, ROWS=False, CAPACITY=True, EVEN_K=True,
+                    EVEN_N=True), cfg["down_warps"])
+    assert "async_copy" in gu and "async_copy" in dn  # the weight tiles stream through the pipeline
+    build(quant, "*bf16 *fp8e4nv *fp32 i32 i32", dict(G=128, NGP=16, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False), 4)
