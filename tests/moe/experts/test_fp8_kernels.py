@@ -171,6 +171,9 @@ def test_no_rows_and_refused_inputs(interpret):
         fp8_kernels.fp8_swiglu(torch.zeros(3, 64), torch.tensor([3, 3], dtype=torch.int32), codes, scales, (128, 128))
     with pytest.raises(ValueError, match="K blocks"):
         fp8_kernels.fp8_swiglu(torch.zeros(3, 128), torch.tensor([3, 3], dtype=torch.int32), codes, scales, (128, 16))
+    with pytest.raises(ValueError, match="block scales"):
+        fp8_kernels.fp8_swiglu(torch.zeros(3, 128), torch.tensor([3, 3], dtype=torch.int32), codes,
+                               [scales[0], scales[1], torch.ones(2, 2, 1)], (128, 128))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_kernels.fp8_swiglu(torch.zeros(3, 128), torch.tensor([3, 3], dtype=torch.int32),
                                [c.float() for c in codes], scales, (128, 128))

@@ -45,7 +45,7 @@ import functools
 
 import torch
 
-from ray_moe.moe.experts.fp8 import ACT_SCALE_MIN as SCALE_MIN, FP8_DTYPE, FP8_MAX
+from ray_moe.moe.experts.fp8 import ACT_SCALE_MIN as SCALE_MIN, FP8_DTYPE, FP8_MAX, scale_shape
 ROW_BLOCKS = (16, 32, 64)
 GROUPS = (32, 64, 128)  # the K-block widths b1 the kernels take (one tl.dot K step each)
 DOWN_BLOCK_N = 128
@@ -320,6 +320,10 @@ def _check_weights(codes, scales, block) -> None:
     why = supports(block, int(wg.shape[2]), int(wg.shape[1]))
     if why is not None:
         raise ValueError(why)
+    if tuple(wu.shape) != tuple(wg.shape) or tuple(wd.shape) != (wg.shape[0], wg.shape[2], wg.shape[1]) or any(
+            tuple(s.shape) != scale_shape(c.shape, block) for c, s in zip(codes, scales)):
+        raise ValueError(f"codes / scales: shapes {[tuple(t.shape) for t in codes]} / {[tuple(t.shape) for t in scales]} "
+                         f"are not w_gate / w_up [C, f, d], w_down [C, d, f] with their {list(block)} block scales")
 
 
 def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, order: torch.Tensor | None = None,
