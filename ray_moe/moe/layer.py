@@ -33,7 +33,8 @@ def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights 
     """The expert runner boundary: the runner entry the dispatch output's declared format names. Row-mapped
     slot weights (a generation over a shard's slot buffers, ``SlotWeights.rows``) go through the buffer-order
     translation of ``moe.experts.slab``; plain ones straight to the runner. FP8 slot weights (codes with block
-    scales) run through ``runners.fp8.Fp8Runner``: the runner computes on their dequantized values."""
+    scales) run through ``runners.fp8.Fp8Runner``: the block-FP8 kernels where their start check passed on this
+    device (``fast_path_reason`` None), else the runner on their dequantized values."""
     fmt = out.format
     rows = out.rows
     if weights is None:  # this rank hosts no slot of the layer: nothing was received

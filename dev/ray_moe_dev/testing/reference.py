@@ -13,6 +13,8 @@ oracle, so they must be obviously correct by reading, not fast.
 * ``replay_plan_scalar``: executes a plan dict with the scalar teaching expert E_e(x) = s_e x, using
   only the plan's counts, offsets, orders and gates (so a wrong coordinate changes the result).
 * ``naive_scalar_experts_output``: the direct semantic output of the scalar teaching expert.
+* ``naive_fp8_experts``: the block-FP8 experts (w8a8, 1 x b1 activation groups, b0 x b1 weight blocks) one
+  slot, row, group and scale block at a time, in float64 (the FP8 expert kernels' oracle).
 
 Conventions (shared with ``ray_moe.moe.dispatch.plan``):
 
@@ -434,3 +436,51 @@ def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
                 rot = torch.cat([-row[half:], row[:half]])
                 out[i, j, p] = (row * c) + (rot * s)  # each product rounded to x's dtype, then the sum
     return out
+
+
+# ------------------------------------------------------------------------------------------- FP8 experts
+def _naive_group_quant(row: torch.Tensor, b1: int) -> torch.Tensor:
+    """One activation row [n] -> its FP8 value [n] float64: per group of ``b1`` columns, in float32 as the
+    kernels round, scale = max(amax / 448, 1e-12), code = e4m3(clamp(x / scale, +-448)); value = code x scale."""
+    out = torch.empty(row.shape[0], dtype=torch.float64)
+    for j in range(0, row.shape[0], b1):
+        grp = row[j:j + b1].to(torch.float32).cpu()
+        scale = torch.clamp_min(grp.abs().max() / torch.tensor(448.0), 1e-12)
+        code = torch.clamp(grp / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+        out[j:j + b1] = code.to(torch.float64) * float(scale)
+    return out
+
+
+def _naive_block_weight(codes: torch.Tensor, scale: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+    """One weight's codes [out, in] e4m3 and block scales -> float64 values, scale block by scale block."""
+    w = codes.cpu().to(torch.float64)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] *= float(scale[i, j])
+    return w
+
+
+def naive_fp8_experts(x: torch.Tensor, counts: Sequence[int], codes: Sequence[torch.Tensor],
+                      scales: Sequence[torch.Tensor], block: Sequence[int],
+                      rows: Sequence[int] | None = None) -> torch.Tensor:
+    """Block-FP8 SwiGLU experts, naively: x [N, d] expert-major rows, counts rows per slot, codes (w_gate
+    [C, f, d], w_up [C, f, d], w_down [C, d, f]) e4m3 with scales [C, ceil(out / b0), ceil(in / b1)], rows: the
+    buffer row of each slot (None: slot q is row q) -> [N, d] float64 (CPU). For each row of slot q:
+      1. x quantized per 1 x b1 group (float32 rounding), taken back to float64
+      2. g = x Wg^T, u = x Wu^T with W = code x block scale (float64)
+      3. h = silu(g) * u (float64), quantized per 1 x b1 group from its float32 value
+      4. y = h Wd^T"""
+    b0, b1 = (int(b) for b in block)
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    start = 0
+    for q, c in enumerate(counts):
+        r = q if rows is None else int(rows[q])
+        if int(c):
+            wg, wu, wd = (_naive_block_weight(t[r], s[r], b0, b1) for t, s in zip(codes, scales))
+            for i in range(start, start + int(c)):
+                xi = _naive_group_quant(x[i], b1)
+                g, u = wg @ xi, wu @ xi
+                h = _naive_group_quant(g / (1.0 + torch.exp(-g)) * u, b1)
+                y[i] = wd @ h
+        start += int(c)
+    return y

@@ -6,11 +6,12 @@
 #       scale_inv [ceil(out / b_out), ceil(in / b_in)]    float32 (the checkpoint's ``weight_scale_inv``)
 #   and its value is  W[i, j] = float32(codes[i, j]) * scale_inv[i // b_out, j // b_in]   (one float32
 #   product, partial edge blocks included): ``dequantize`` computes exactly that, ``quantize`` writes it
-#   (scale = block amax / 448, the e4m3 maximum); ``runners/fp8.py`` (``Fp8Runner``) runs a rank's FP8
-#   slots through any expert runner on those values.
+#   (scale = block amax / 448, the e4m3 maximum); ``quantize_groups`` quantizes activations per token group
+#   (1 x 128, dynamic); ``runners/fp8.py`` (``Fp8Runner``) runs a rank's FP8 slots: the block-FP8 Triton
+#   kernels (``runners/fp8_kernels.py``) on CUDA, else any expert runner on the dequantized values.
 # ======================================================================================================
-"""Block-scaled FP8 (e4m3) weights: the format, exact dequantization and quantization (pure math: the slot
-records live in ``weights``, the runner entry in ``runners/fp8.py``)."""
+"""Block-scaled FP8 (e4m3) weights: the format, exact dequantization and quantization, and the per-token-group
+activation quantizer (pure math: the slot records live in ``weights``, the runner entry in ``runners/fp8.py``)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,23 @@ def quantize(weight: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, 
     return codes, scale.contiguous()
 
 
+ACT_SCALE_MIN = 1e-12  # the smallest activation group scale (as the FP8_BLOCK128 dispatch payload)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantization per token group (1 x ``group``): x [N, d] (any float dtype) -> (codes
+    [N, d] float8_e4m3fn, scales [N, ceil(d / group)] float32), per row and group of ``group`` columns (the last
+    one partial): scale = max(amax / 448, 1e-12) in float32, code = e4m3(float32(x) / scale) (round to nearest
+    even, within +-448). The FP8 expert kernels' activation quantizer computes exactly this."""
+    n, d = int(x.shape[0]), int(x.shape[1])
+    ng = -(-d // group)
+    xf = x.to(torch.float32)
+    pad = torch.nn.functional.pad(xf, (0, ng * group - d)).view(n, ng, group)
+    scale = (pad.abs().amax(dim=2) / FP8_MAX).clamp_min(ACT_SCALE_MIN)
+    codes = (pad / scale[:, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(n, ng * group)[:, :d].to(FP8_DTYPE)
+    return codes, scale
+
+
 @dataclass(frozen=True)
 class Fp8Format:
     """How a layer's experts are stored: block-scaled e4m3 codes with float32 scales in ``block``
@@ -98,4 +116,5 @@ class Fp8Format:
                 + [(scale_shape(s, self.block), torch.float32) for s in codes])
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Format", "check_block", "dequantize", "quantize", "scale_shape"]
+__all__ = ["ACT_SCALE_MIN", "FP8_DTYPE", "FP8_MAX", "Fp8Format", "check_block", "dequantize", "quantize",
+           "quantize_groups", "scale_shape"]

@@ -178,7 +178,7 @@ class SlotWeights:
     scales / block: None, or (FP8 slots: w_gate / w_up / w_down are float8_e4m3fn codes) their block scales
     s_gate [N, ceil(f/b0), ceil(d/b1)], s_up (same), s_down [N, ceil(d/b0), ceil(f/b1)] float32 with the same
     leading rows N as the codes (Q_local, or the buffer's C when row-mapped) and ``block`` = (b0, b1). Runners
-    take them through ``moe.experts.fp8.Fp8Runner`` (``moe.layer.run_experts`` wraps them).
+    take them through ``moe.experts.runners.fp8.Fp8Runner`` (``moe.layer.run_experts`` wraps them).
     """
 
     layer: int
