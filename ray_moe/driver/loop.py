@@ -206,6 +206,7 @@ class GenerationLoop:
         try:
             info = self._load(transport.members())
             self._fp8_layers = int(info.get("fp8_expert_layers", 0))
+            self._fp8_reason = info.get("fp8_dequantized_reason")
             t0 = time.perf_counter()
             self.steps_report = transport.prepare_steps(transport.members())  # the lattice captured: before serving
             self.capture_s = time.perf_counter() - t0
@@ -337,9 +338,9 @@ class GenerationLoop:
         """Say at start which step kinds leave the captured graphs on the GPU, and why (``warnings``, logged)."""
         if self.device != "cuda":
             return
-        if self._fp8_layers:
+        if self._fp8_layers and self._fp8_reason:
             self.warnings.append(f"{self._fp8_layers} MoE layers hold FP8 experts: they compute on their dequantized "
-                                 "values every step (correct; no FP8 expert kernel yet), slower than bf16 weights")
+                                 f"values every step (correct, slower than bf16 weights): {self._fp8_reason}")
         seen = set()
         for rep in self.steps_report:
             for kind, path in (rep.get("paths") or {}).items():

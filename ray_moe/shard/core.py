@@ -36,6 +36,7 @@ from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.protocol import ControlStatus
 from ray_moe.core.errors import GenerationError, StaleGenerationError
+from ray_moe.moe.experts.runners.fp8 import fast_path_reason
 from ray_moe.moe.experts.weights import ExpertWeights, WeightSource, parse_dtype
 from ray_moe.moe.router import Router
 from ray_moe.model.routers import checkpoint_router
@@ -411,7 +412,10 @@ class ShardCore:
                         self.set_exchange(self.paths.exchange)  # (the decode bucket re-sized to the lattice)
                 if self.paths is not None:
                     self.generator.configure(lattice, self.paths)
-            return {**self.generator.info(), "fp8_expert_layers": self.store.fp8_layers}
+            # FP8 slots: whether the FP8 expert kernels serve them here (checked now, before any capture)
+            fp8 = sorted({fast_path_reason(self.device, self.dtype, d, f, b) or "" for d, f, b in self.store.fp8_shapes})
+            return {**self.generator.info(), "fp8_expert_layers": self.store.fp8_layers,
+                    "fp8_dequantized_reason": "; ".join(r for r in fp8 if r) or None}
 
     def prepare_steps(self) -> dict[str, Any]:
         """Capture the step lattice of the active generation before the deployment serves (every rank of the

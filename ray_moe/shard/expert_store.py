@@ -113,6 +113,12 @@ class ExpertStore:
         """Layers whose slot buffers hold FP8 rows (codes and their block scales)."""
         return sum(s.scales is not None for s in self._slabs.values())
 
+    @property
+    def fp8_shapes(self) -> set[tuple[int, int, tuple[int, int] | None]]:
+        """(d, f, block) of the layers whose slot buffers hold FP8 rows."""
+        return {(int(s.w_gate.shape[2]), int(s.w_gate.shape[1]), s.block) for s in self._slabs.values()
+                if s.scales is not None}
+
     def row(self, key: Sequence[int]) -> int | None:
         """The buffer row of a held (layer, expert), or None."""
         return self._rows.get(_key(key))

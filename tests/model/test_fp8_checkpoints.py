@@ -186,6 +186,9 @@ def test_inprocess_generation_equals_the_dequantized_model(tmp_path, family, blo
     dep = InProcessDeployment(cfg)
     held = dep.cores[0].store.get(dep.cores[0].store.held()[0])
     assert held.quantized and held.block == block  # the slots hold codes and scales, once
+    info = dep.cores[0].load_model(kv_tokens=256, block_size=8)  # (what the driver hears at start)
+    assert info["fp8_expert_layers"] == ref.config.num_hidden_layers - getattr(ref.config, "first_k_dense_replace", 0)
+    assert "need CUDA" in info["fp8_dequantized_reason"]  # (on a CPU: the dequantized path, and why)
     prompts = _prompts(0, (5, 13, 2, 9))
     got = generate_inprocess(dep, prompts, 7, step_tokens=8, join_after={3: _prompts(1, (6,))})
     assert got == _reference(ref, prompts + _prompts(1, (6,)), 7)
