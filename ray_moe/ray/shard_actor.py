@@ -64,6 +64,10 @@ class ExpertShardActor:
     def set_topology(self, topology_json: str) -> None:
         self.core.topology = Topology.model_validate_json(topology_json)
 
+    def topology_json(self) -> str:
+        """The topology this rank plans with (diagnostics: every rank must hold the coordinator's)."""
+        return self.core.topology.model_dump_json()
+
     def set_peers(self, peers: Mapping[int, Any], group_json: str) -> None:
         """Object-store exchange over ``group`` with the given peer actor handles."""
         group = ProcessGroupSpec.model_validate_json(group_json)
