@@ -62,7 +62,6 @@ def _complete(base: str, prompt: list[int], n: int) -> dict:
     return r.json()["choices"][0]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42: the scaler runs in the CLI process and samples waiting=0 forever")
 def test_scale_out_under_serve_load(server):
     """Twelve requests at once with two running at a time: the waiting ones make the coordinator's scaler add a
     third rank while they are served; every request completes."""
@@ -94,7 +93,6 @@ def test_scale_out_under_serve_load(server):
     rt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42: the replica's healer asks for a fresh bundle, which never comes")
 def test_killed_shard_is_replaced_in_its_own_bundle_with_no_spare_cpu(server):
     """Every CPU the deployment does not hold is taken; a shard is killed while a request streams: the request
     completes token-equal to the same request before the kill, and a replacement starts in the dead rank's

@@ -25,7 +25,6 @@ def _ok(report: dict, name: str) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42: a connected Runtime's add_rank builds the topology from the new node")
 @pytest.mark.timeout(660)
 def test_add_rank_from_a_connected_runtime_keeps_every_rank_in_the_topology(multinode):
     """Issue 42: a ``Runtime.connect``-ed driver's ``add_rank`` rebuilt the topology from the new node alone and

@@ -36,7 +36,8 @@ def main() -> int:
                                     actor_cpus=0.5, placement_strategy="SPREAD", name="cluster-check",
                                     exchange_schedule=schedule)
         rt = ray_moe.Runtime.start(cfg)
-        table = placement_group_table(rt._pg)
+        pg_id = rt.members()["members"]["0"]["bundle"][0]  # the start's placement group: rank r in bundle r
+        table = placement_group_table()[pg_id]
         bundle_nodes = {int(b): nid for b, nid in table["bundles_to_node_id"].items()}
         infos = ray.get([rt.shards[r].node_info.remote() for r in range(4)])
         out["actor_nodes"] = {i["rank"]: names[i["node_id"]] for i in infos}
