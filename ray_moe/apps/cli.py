@@ -36,7 +36,7 @@ from typing import Sequence
 
 from ray_moe.apps.connect import BadInput, connect_deployment
 from ray_moe.apps.serve_flags import DEFAULT_RANKS, add_serve_arguments, normalize_serve_args
-from ray_moe.apps.status_lines import autopilot_lines, operation_lines
+from ray_moe.apps.status_lines import autopilot_lines, members_lines, operation_lines
 
 RETIRED_SHOWN = 3  # ray-moe status lists the last few RETIRED generations (--all: every generation)
 
@@ -132,6 +132,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "shards": shard_lines(rt.shard_status()),
         "autopilot": ctl.get("eplb"),
         "operation": ctl.get("operation"),
+        "members": {k: ctl.get(k) for k in ("target", "members", "converged", "healer", "scaler", "changes")},
     }
     if args.json:
         print(json.dumps(body, indent=2, default=str))
@@ -158,7 +159,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     tel = rt.telemetry_table()
     if tel:
         print(tel)
-    for line in autopilot_lines(body["autopilot"]) + operation_lines(body["operation"]):
+    for line in members_lines(ctl) + autopilot_lines(body["autopilot"]) + operation_lines(body["operation"]):
         print(line)
     print("recent control events:")
     for e in body["timeline"]:
