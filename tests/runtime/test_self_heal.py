@@ -119,3 +119,27 @@ def test_generation_through_a_healed_kill_is_token_equal(ray_session, tmp_path):
         assert healed[0]["replacement"] in engine.scheduler.ranks
     finally:
         rt.shutdown()
+
+
+def test_healing_off_is_said_at_start_and_the_target_follows_the_loss(ray_session, caplog):
+    """The library's default (``heal_retries=0``; ``ray-moe serve`` heals twice): the start says healing is off, and a
+    killed shard is left out: the healer lowers the target (3 ranks -> 2, with the reason) and traffic goes on."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="ray_moe"):
+        rt = ray_moe.Runtime.start(ray_moe.RuntimeConfig(**{**BASE, "name": "heal-off", "heal_retries": 0}))
+    try:
+        assert any("healing is off (heal_retries=0)" in r.getMessage() and "'heal-off'" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        src = weight_source(rt.cfg)
+        assert _step(rt, src, 0) < 1e-4
+        ray.kill(rt.shards[1])
+        assert _step(rt, src, 1) < 1e-4  # the step finds rank 1 dead, runs again on the survivors
+        assert sorted(rt.group.peer_order) == [0, 2] and rt.lost_ranks == [1]
+        m = rt.members()
+        assert m["target"]["ranks"] == 2 and m["target"]["set_by"] == "healer" and "healing is off" in m["target"]["reason"]
+        assert rt.heal_events() == [{"lost": 1, "left_out": True, "reason": "healing is off (heal_retries=0)"}]
+        time.sleep(2.5)  # a health check later: still two ranks, nothing started
+        assert sorted(rt.members()["group"]) == [0, 2] and rt.members()["converged"]
+    finally:
+        rt.shutdown()
