@@ -36,7 +36,7 @@ from ray_moe.ray.fleet import RayFleet
 
 HEALTH_S = 2.0  # a ping per live shard this often (a shard that died while no driver stepped is found)
 START_S = 120.0  # a new shard's start: its bundle's resources free (a dead process gone), its experts' source read
-BUNDLE_WAIT_S = 10.0  # a lost rank's bundle whose node died: how long Ray may take to place it again
+BUNDLE_WAIT_S = 5.0  # a lost rank's bundle whose node died: how long Ray may take to place it again
 DEAD_RETRY_S = 5.0  # regrouping the dead failed (an expert with no copy left): retried this often
 
 

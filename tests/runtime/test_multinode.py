@@ -81,6 +81,7 @@ def test_ray_job_submit_of_jobs_serve_answers_over_http(multinode):
     assert body is not None, out.get("logs")
     assert body["choices"][0]["token_ids"] == out["want"] and body["choices"][0]["finish_reason"] == "length"
     assert "ray-moe serve: 'tiny-job' on http://127.0.0.1:" in out["logs"] and "(joined)" in out["logs"]
+    assert out["stop_rc"] == 0  # ray job stop accepted
 
 
 @pytest.mark.timeout(900)

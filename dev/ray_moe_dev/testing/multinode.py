@@ -261,11 +261,12 @@ def job_submit(cluster) -> dict[str, Any]:
         out["status"] = subprocess.run([ray_cli, "job", "status", "--address", address, "ray-moe-mn-job"],
                                        capture_output=True, text=True, timeout=60, env=env).stdout[-500:]
     finally:
-        subprocess.run([ray_cli, "job", "stop", "--address", address, "ray-moe-mn-job"], capture_output=True,
-                       text=True, timeout=120, env=env)
         logs = subprocess.run([ray_cli, "job", "logs", "--address", address, "ray-moe-mn-job"], capture_output=True,
                               text=True, timeout=60, env=env)
         out["logs"] = logs.stdout[-3000:]
+        stop = subprocess.run([ray_cli, "job", "stop", "--no-wait", "--address", address, "ray-moe-mn-job"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        out["stop_rc"] = stop.returncode  # (the job ends with the cluster; not waited for here)
         marks["stopped"] = time.monotonic()
         out["marks"] = {k: round(v - marks["t0"], 1) for k, v in marks.items()}
     return out
@@ -291,8 +292,10 @@ def main(argv: list[str]) -> int:
 
     names = argv or list(SCENARIOS)
     dashboard = _free_port()
+    # a lost node is declared dead in about 2 s (Ray's default health check takes longer: the test waits on it)
+    fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": "job_submit" in names,
-                                                            "dashboard_port": dashboard})
+                                                            "dashboard_port": dashboard, "_system_config": fast})
     cluster.dashboard_port = dashboard
     for tag in ("node_a", "node_b"):
         cluster.add_node(num_cpus=2, resources={tag: 1})

@@ -20,7 +20,7 @@ import pytest
 from ray_moe_bench import available
 
 REPO = Path(__file__).resolve().parents[3]
-EXPECTED = {"cpu_exchange", "direct_profile", "dispatch_combine", "elastic", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate", "serving",
+EXPECTED = {"cpu_exchange", "cpu_memory", "direct_profile", "dispatch_combine", "elastic", "eplb", "fp8_dispatch", "layer_step", "migration", "moe_layer", "generate", "serving",
             "overlap", "rebalance_memory", "runners", "skinny", "step_profile", "host_profile", "graph_relaunch",
             "start_profile"}
 
