@@ -234,10 +234,15 @@ def job_submit(cluster) -> dict[str, Any]:
             pass
         time.sleep(0.5)
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    sub = subprocess.run([ray_cli, "job", "submit", "--no-wait", "--address", address, "--working-dir", REPO,
-                          "--submission-id", "ray-moe-mn-job", "--", sys.executable, "jobs/serve.py", folder,
-                          "--data-parallel-size", "2", "--port", str(port), "--name", "mn-job", "--kv-tokens", "256"],
-                         capture_output=True, text=True, timeout=180, env=env)
+    deadline = time.monotonic() + 90
+    while True:  # the job server answers before its agents register ("No available agent"): ask again
+        sub = subprocess.run([ray_cli, "job", "submit", "--no-wait", "--address", address, "--working-dir", REPO,
+                              "--submission-id", "ray-moe-mn-job", "--", sys.executable, "jobs/serve.py", folder,
+                              "--data-parallel-size", "2", "--port", str(port), "--name", "mn-job", "--kv-tokens",
+                              "256"], capture_output=True, text=True, timeout=180, env=env)
+        if sub.returncode == 0 or "No available agent" not in sub.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
     marks["submitted"] = time.monotonic()
     out: dict[str, Any] = {"submit_rc": sub.returncode, "submit": (sub.stdout + sub.stderr)[-1500:]}
     if sub.returncode != 0:
