@@ -15,6 +15,7 @@ generation as stale (after a publish); per-step generation pins live on the shar
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -24,22 +25,18 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import numpy as np
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_moe.control.drivers import DriverLoad
 from ray_moe.ray.coordinator import coordinator_name
-from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.ray.remote import call
-from ray_moe.ray.launch import topology_from_nodes
-from ray_moe.ray.healer import RankHealer
+from ray_moe.ray.members import MembershipView, topology_from_nodes
 from ray_moe.ray.executor import LayerExecutor
-from ray_moe.ray.scaler import RankScaler, start_scaler
+from ray_moe.ray.follower import MembershipFollower
 from ray_moe.ray.transport import RayTransport, fetch_outputs
 from ray_moe.shard.records import ExpertOnlyInput, StepKind, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.routes import RouteBatch
 from ray_moe.core.env import EnvSettings, read_env
-from ray_moe.model.source import weight_source
 from ray_moe.core.errors import (
     ExchangeTimeoutError,
     RequestError,
@@ -47,7 +44,6 @@ from ray_moe.core.errors import (
 )
 from ray_moe.moe.experts.weights import parse_dtype
 from ray_moe.placement.manifest import PlacementManifest
-from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.driver.books import RuntimeStats, StepBooks
 from ray_moe.core.telemetry.metrics import Telemetry, TelemetrySnapshot, merge_snapshots
 from ray_moe.core.types import Phase
@@ -57,28 +53,27 @@ from ray_moe.moe.experts.weights import experts_from_wire
 if TYPE_CHECKING:
     from ray_moe.driver.loop import GenerationLoop
 
+log = logging.getLogger("ray_moe")
+
 # the driver's background telemetry export (Prometheus + the shared snapshot) runs at most this often: an export
 # holds the driver's GIL for milliseconds, which every fourth step paid when it ran per load flush
 TELEMETRY_EXPORT_INTERVAL_S = 1.0
 
 
 class Runtime:
-    """A ray-moe deployment seen from the driver."""
+    """A ray-moe deployment seen from one driver. The coordinator owns the deployment (its members, their target,
+    the loop that reconciles them); a Runtime steps it and follows its membership (``MembershipFollower``)."""
 
-    def __init__(self, cfg: RuntimeConfig, coordinator: Any, shards: dict[int, Any], group: ProcessGroupSpec,
-                 topology: Topology, pg: Any | None, env: EnvSettings, owns_ray: bool) -> None:
+    def __init__(self, cfg: RuntimeConfig, coordinator: Any, view: MembershipView, env: EnvSettings,
+                 owns_ray: bool) -> None:
         self.cfg = cfg
         self.coordinator = coordinator
-        self.topology = topology
-        self._pg = pg
         self._env = env
-        self._owns_ray = owns_ray
+        self.owns_ray = owns_ray  # this driver started the local Ray instance (its shutdown stops it)
         # ask every shard for host timestamps of its step stages (ExpertOnlyOutput.marks): profiling only
         self.record_marks = False
         self._lock = threading.Lock()
         self.dtype = parse_dtype(cfg.dtype)
-        self._node_infos: list[dict[str, Any]] = []
-        self._extra_pgs: dict[int, Any] = {}
         self.telemetry = Telemetry(f"driver-{uuid.uuid4().hex[:6]}")
         self.books = StepBooks(cfg.num_layers, cfg.num_experts, self.telemetry, release_id=cfg.name)
         self._exporter = None
@@ -86,29 +81,37 @@ class Runtime:
         self._published_at = float("-inf")  # when the last background export ended (monotonic)
         self._publish_timer: threading.Timer | None = None
         self._engine = None  # the generation loop (serving)
-        self._membership = threading.Lock()  # add_rank / remove_rank: one membership change at a time
-        # how steps reach the ranks: shard handles, the process group, the cached ACTIVE generation
-        self.transport = RayTransport(cfg, coordinator, shards, group, self.books, self._account)
-        self.healer = RankHealer(self.add_rank, retries=cfg.heal_retries) if cfg.heal_retries else None
-        self.transport.on_lost = None if self.healer is None else self.healer.lost
-        self.scaler: RankScaler | None = None  # load-driven scaling (cfg.scaling; started by ``start``)
+        # how steps reach the ranks (shard handles, the process group, the cached ACTIVE generation), as the
+        # coordinator last said; the follower keeps it current and reports this driver's load with every poll
+        self.transport = RayTransport(cfg, coordinator, view, self.books, self._account)
+        poll_s = min(1.0, cfg.scaling.tick_s) if cfg.scaling.enabled else 1.0
+        self.transport.follower = MembershipFollower(coordinator, self.transport, load=self.load, poll_s=poll_s)
 
-    # the transport's state, as the deployment's own
+    # the transport's state, as the deployment's own (read-only: the coordinator changes membership)
     shards = property(lambda self: self.transport.shards)
     lost_ranks = property(lambda self: self.transport.lost_ranks)
-
-    @property
-    def group(self) -> ProcessGroupSpec:
-        return self.transport.group
-
-    @group.setter
-    def group(self, group: ProcessGroupSpec) -> None:
-        self.transport.group = group
+    group = property(lambda self: self.transport.group)
+    topology = property(lambda self: self.transport.topology)
 
     _generation = property(lambda self: self.transport.generation,
                            lambda self, generation: setattr(self.transport, "generation", generation))
 
     _step_lock = property(lambda self: self.transport.gate)
+
+    @property
+    def engine(self) -> "GenerationLoop | None":
+        """The generation loop, once ``serving`` started it (None before)."""
+        return self._engine
+
+    def load(self) -> DriverLoad:
+        """What this driver reports to the coordinator (the scaler's signals): its generation loop's queue, else
+        the forward steps it ran."""
+        engine = self._engine
+        if engine is None:
+            return DriverLoad(steps=int(self.books.stats.steps))
+        sig = engine.signals()
+        return DriverLoad(waiting=sig.waiting, running=sig.running, oldest_wait_s=sig.oldest_wait_s, steps=sig.steps,
+                          since_work_s=sig.since_work_s)
 
     # ================================================================ lifecycle
     @classmethod
@@ -122,7 +125,10 @@ class Runtime:
         naming the stage and the root cause. ``timeout_s`` bounds the wait for resources (a placement group
         that cannot be placed raises ``ResourcesUnavailableError`` naming what is missing and who holds it)
         and for the shards to start. ``detached``: the actors and placement group outlive this driver (a
-        new driver reattaches with ``Runtime.connect(name)``; stop it with ``shutdown``)."""
+        new driver reattaches with ``Runtime.connect(name)``; stop it with ``shutdown``).
+
+        Healing follows ``cfg.heal_retries`` (``ray-moe serve`` heals twice by default); with 0, as the library's
+        default, a dead shard is not replaced: the start says so (a warning)."""
         from ray_moe.ray import launch
 
         cfg, source = launch.validate_start(cfg)  # checkpoint shapes and headers checked here, before any actor
@@ -140,26 +146,25 @@ class Runtime:
 
         def finish(attempt: "launch.Launch", shards: dict[int, Any], infos: list[dict[str, Any]]) -> "Runtime":
             attempt.stage = "connecting the exchange"
-            topology = topology_from_nodes(infos)
-            group = ProcessGroupSpec(group_id="ep-group-0", peer_order=tuple(range(cfg.num_ranks)), epoch=0)
-            ray.get([h.set_topology.remote(topology.model_dump_json()) for h in shards.values()])
-            rt = cls(cfg, attempt.coordinator, shards, group, topology, attempt.pg, env, owns)
-            rt._node_infos = list(infos)
-            rt.transport.connect(group)
+            expert_bytes = 3 * cfg.hidden_size * cfg.ffn_size * torch.tensor([], dtype=parse_dtype(cfg.dtype)).element_size()
+            ray.get(attempt.coordinator.attach.remote(shards, infos, attempt.pg, expert_bytes, detached=detached,
+                                                      autoscale=not owns))
             attempt.stage = "deploying generation 0"
-            expert_bytes = 3 * cfg.hidden_size * cfg.ffn_size * torch.tensor([], dtype=rt.dtype).element_size()
-            ray.get(attempt.coordinator.attach.remote(shards, topology.model_dump_json(), group.model_dump_json(),
-                                                      expert_bytes))
-            rt._generation = ray.get(attempt.coordinator.deploy.remote())
-            return rt
+            ray.get(attempt.coordinator.deploy.remote())
+            return cls(cfg, attempt.coordinator, ray.get(attempt.coordinator.view.remote()), env, owns)
 
         try:
             attempt = launch.Launch(cfg, ns, source=source, timeout_s=timeout_s, detached=detached)
-            return start_scaler(attempt.run(finish))
+            rt = attempt.run(finish)
         except BaseException:
             if owns:
                 ray.shutdown()
             raise
+        if cfg.heal_retries == 0:
+            log.warning("ray-moe: deployment %r: healing is off (heal_retries=0): a shard that dies is not replaced and "
+                        "the deployment runs one rank short (RuntimeConfig(heal_retries=2) heals, as ray-moe serve "
+                        "does by default)", cfg.name)
+        return rt
 
     @classmethod
     def connect(cls, name: str = "default", *, address: str | None = None, timeout_s: float = 60.0) -> "Runtime":
@@ -183,13 +188,7 @@ class Runtime:
             raise ValueError(f"name={name!r}: deployment has no ACTIVE generation (a start that is in progress or "
                              f"failed{why})")
         cfg = RuntimeConfig.model_validate_json(cls._coord_call(coord, "config_json", timeout_s=timeout_s))
-        shards = cls._coord_call(coord, "shard_handles", timeout_s=timeout_s)
-        group = ProcessGroupSpec.model_validate_json(cls._coord_call(coord, "group_json", timeout_s=timeout_s))
-        topo_json = cls._coord_call(coord, "topology", timeout_s=timeout_s)
-        topology = Topology.model_validate_json(topo_json) if topo_json else Topology.single_node(cfg.num_ranks)
-        rt = cls(cfg, coord, shards, group, topology, None, env, False)
-        rt._generation = cls._coord_call(coord, "active_generation", timeout_s=timeout_s)
-        return rt
+        return cls(cfg, coord, cls._coord_call(coord, "view", timeout_s=timeout_s), env, False)
 
     @staticmethod
     def _coord_call(coord: Any, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
@@ -204,15 +203,21 @@ class Runtime:
                     raise
                 time.sleep(0.1)
 
+    def close(self) -> None:
+        """Stop following the deployment (it runs on; ``shutdown`` stops it); the coordinator forgets this driver. (A
+        driver process that ends says so too, at exit; one killed outright is waited for by a membership change until
+        its lease passes, 30 s.)"""
+        self.transport.follower.close()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
     def shutdown(self) -> None:
         """Stop every actor of the deployment and free its placement groups, its durable coordinator record
-        and its name (waited for, bounded)."""
+        and its name (waited for, bounded). The coordinator's loop stops first (a change under way finishes)."""
         from ray_moe.ray import launch
 
-        if self.scaler is not None:  # (a change under way finishes first)
-            self.scaler.close()
-        if self.healer is not None:  # (a replacement starting now finishes first, then is torn down)
-            self.healer.close()
+        self.transport.follower.close()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -220,11 +225,14 @@ class Runtime:
             self._publish_timer.cancel()  # a scheduled export would find the deployment gone
 
         if ray.is_initialized():
+            try:
+                handles, pgs = ray.get(self.coordinator.stop_members.remote(), timeout=180)
+            except Exception:  # noqa: BLE001 - a coordinator already gone: what this driver knows
+                handles, pgs = dict(self.shards), []
             launch.teardown(self.cfg.name, ray.get_runtime_context().namespace, coordinator=self.coordinator,
-                            shards=self.shards, pgs=[self._pg, *self._extra_pgs.values()])
+                            shards={**self.shards, **handles}, pgs=pgs)
         self.transport.shards = {}
-        self._extra_pgs = {}
-        if self._owns_ray:
+        if self.owns_ray:
             ray.shutdown()
 
     # ================================================================ data path
@@ -350,64 +358,44 @@ class Runtime:
             raise RouteValidationError(f"topk_ids: k={ids.shape[2]} but the deployment has top_k={cfg.top_k}")
         return ids.to(torch.int64).contiguous(), gates.to(torch.float32).contiguous()
 
-    # ================================================================ elastic ranks
+    # ================================================================ elastic ranks (asked of the coordinator)
     def add_rank(self, *, rebalance: bool = True) -> int:
-        """Scale out: start one more ExpertShardActor, regroup, and (with load observed) rebalance onto it.
-        Returns the new rank id. Membership changes (the healer's, the scaler's, a caller's) run one at a time."""
-        with self._membership:
-            return self._add_rank(rebalance)
-
-    def _add_rank(self, rebalance: bool) -> int:
-        cfg = self.cfg
-        rank = self.topology.num_ranks
-        gpus = 1 if cfg.device == "cuda" else 0
-        pg = placement_group([{"CPU": cfg.actor_cpus, **({"GPU": 1} if gpus else {})}])
-        ray.get(pg.ready(), timeout=300)
-        actor = shard_actor_class(cfg).options(
-            num_cpus=cfg.actor_cpus, num_gpus=gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(rank, cfg.model_dump_json(), weight_source(cfg))
-        info = call(actor.node_info.remote())
+        """Scale out: ask the coordinator for one more rank (a new target its loop converges to: a shard started in a
+        free or fresh bundle, regrouped in, and with load observed an EPLB placement onto it). Returns the new rank
+        id once it serves; this driver follows the new membership before it returns."""
         self.flush_load()
-        with self._step_lock:
-            self._node_infos.append(info)
-            self.topology = topology_from_nodes(self._node_infos)
-            self.shards[rank] = actor
-            self._extra_pgs[rank] = pg
-            call([h.set_topology.remote(self.topology.model_dump_json()) for h in self.shards.values()])
-            group = self.transport.regroup([*self.group.peer_order, rank])
-            rep = call(self.coordinator.regroup.remote(
-                {r: self.shards[r] for r in group.peer_order}, self.topology.model_dump_json(),
-                group.model_dump_json(), rebalance))
-            self.group = group
-            self._generation = rep["new_generation"]
+        rank = call(self.coordinator.add_rank.remote(bool(rebalance)))
+        self._follow()
         return rank
 
     def remove_rank(self, rank: int) -> int:
-        """Scale in: move ``rank``'s slots away while traffic flows, then (quiesced) regroup without it and
-        stop its actor. Returns the new generation id."""
-        with self._membership:
-            return self._remove_rank(rank)
+        """Scale in: ask the coordinator to take ``rank`` out (its slots moved away while traffic flows, then the
+        group regrouped without it and its actor stopped). Returns the new generation id."""
+        g = call(self.coordinator.remove_rank.remote(rank))
+        self._follow()
+        return g
 
-    def _remove_rank(self, rank: int) -> int:
-        if rank not in self.group.peer_order:
-            raise RequestError(f"rank={rank} is not a live member of the group {list(self.group.peer_order)}")
-        if len(self.group.peer_order) == 1:
-            raise RequestError(f"rank={rank} is the last rank; shut the deployment down instead")
-        call(self.coordinator.evacuate_rank.remote(rank))
+    def _follow(self) -> None:
+        """Adopt the coordinator's membership now (the follower would within a poll)."""
+        view = call(self.coordinator.view.remote())
         with self._step_lock:
-            survivors = [r for r in self.group.peer_order if r != rank]
-            group = self.transport.regroup(survivors)
-            rep = call(self.coordinator.regroup.remote(
-                {r: self.shards[r] for r in survivors}, self.topology.model_dump_json(), group.model_dump_json(), False))
-            self.group = group
-            self._generation = rep["new_generation"]
-            handle = self.shards.pop(rank)
-        ray.kill(handle)
-        pg = self._extra_pgs.pop(rank, None)
-        if pg is not None:
-            remove_placement_group(pg)
-        return self._generation
+            self.transport.adopt(view)
+
+    def members(self) -> dict[str, Any]:
+        """The coordinator's view of the deployment: ``target`` (ranks, ranks asked out, who set it and why),
+        ``members`` (per rank: state, bundle, node, lineage), ``healer`` / ``scaler`` (their policy and events),
+        ``drivers``, the ``changes`` its loop made last."""
+        st = call(self.coordinator.status.remote())
+        return {k: st.get(k) for k in ("target", "members", "converged", "healer", "scaler", "drivers", "fence",
+                                       "changes", "group", "group_epoch")}
+
+    def heal_events(self) -> list[dict[str, Any]]:
+        """The healer's outcomes (``HealPolicy.events``): replacements, failed starts, lines left out."""
+        return list((self.members()["healer"] or {}).get("events", []))
+
+    def scale_events(self) -> list[dict[str, Any]]:
+        """The scaler's decisions and outcomes (empty when scaling is off)."""
+        return list((self.members()["scaler"] or {}).get("events", []))
 
     def _account(self, results: dict[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int, ms: float) -> None:
         """Book one served step (``StepBooks.record``); ship the load window and telemetry when due."""

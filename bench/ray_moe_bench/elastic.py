@@ -9,7 +9,7 @@ and stream ``Runtime.forward`` steps from a driver thread the whole time; every 
 reference MoE of the same weights (a step served by the wrong expert counts as an error).
 
 (a) heal: 3 ranks, E=6, slots_per_rank=3, ``heal_retries=2``. After ``--warm-s`` of traffic rank 2 is killed
-    (``ray.kill``); the healer starts a replacement (``ray_moe.ray.healer``). Reported (MEASURED, wall clock):
+    (``ray.kill``); the coordinator's healer starts a replacement (``ray_moe.control.healing``, ``ray_moe.ray.reconciler``). Reported (MEASURED, wall clock):
     seconds from the kill to full strength (the group has 3 live ranks again and the new rank hosts slots), the
     healer's own seconds (from the loss being handled to the replacement serving), steps/s before the kill
     (over ``--warm-s`` after the first 5 steps, which a fresh deployment serves slowly),
@@ -121,7 +121,7 @@ def run_heal(warm_s: float, after_s: float, timeout_s: float = 120.0) -> dict[st
             ray.kill(rt.shards[2])
             full = None
             while time.monotonic() - t_kill < timeout_s and not tr.errors:
-                healed = [e for e in rt.healer.events if "replacement" in e]
+                healed = [e for e in rt.heal_events() if "replacement" in e]
                 if healed and len(rt.group.peer_order) == HEAL["num_ranks"] \
                         and rt.placement().rank_slots(healed[0]["replacement"]):
                     full = time.monotonic()
@@ -131,7 +131,7 @@ def run_heal(warm_s: float, after_s: float, timeout_s: float = 120.0) -> dict[st
             time.sleep(after_s)
             t_end = time.monotonic()
         stats = rt.stats()
-        events = [dict(e) for e in rt.healer.events]
+        events = [dict(e) for e in rt.heal_events()]
         healed = [e for e in events if "replacement" in e]
         return {
             "config": {k: v for k, v in HEAL.items() if k != "name"},

@@ -10,7 +10,8 @@
     ray-moe rebalance [--name N]              live EPLB rebalance from the load window
     ray-moe demo                              serve a small MoE on a local Ray instance, checked
     ray-moe drill rollback [--json]           promote a candidate under traffic, inject a fault, roll back
-    ray-moe bench [NAME [args...]]            list the benchmarks, or run one (python -m ray_moe_bench.NAME)
+    ray-moe bench [NAME [args...]]            list the benchmarks, or run one (python -m ray_moe_bench NAME, in its
+                                              own process: the product never imports the benchmarks)
 
 status, scale and rebalance reach the deployment a ray-moe serve on this machine runs (its state file in
 ~/.ray-moe, or $RAY_MOE_STATE_DIR; --name, else the only one), never another cluster's; with --address
@@ -26,7 +27,6 @@ operation), 2 bad input (an unknown deployment, expert, benchmark, ...).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -36,7 +36,7 @@ from typing import Sequence
 
 from ray_moe.apps.connect import BadInput, connect_deployment
 from ray_moe.apps.serve_flags import DEFAULT_RANKS, add_serve_arguments, normalize_serve_args
-from ray_moe.apps.status_lines import autopilot_lines, operation_lines
+from ray_moe.apps.status_lines import autopilot_lines, members_lines, operation_lines
 
 RETIRED_SHOWN = 3  # ray-moe status lists the last few RETIRED generations (--all: every generation)
 
@@ -132,6 +132,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "shards": shard_lines(rt.shard_status()),
         "autopilot": ctl.get("eplb"),
         "operation": ctl.get("operation"),
+        "members": {k: ctl.get(k) for k in ("target", "members", "converged", "healer", "scaler", "changes")},
     }
     if args.json:
         print(json.dumps(body, indent=2, default=str))
@@ -158,7 +159,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     tel = rt.telemetry_table()
     if tel:
         print(tel)
-    for line in autopilot_lines(body["autopilot"]) + operation_lines(body["operation"]):
+    for line in members_lines(ctl) + autopilot_lines(body["autopilot"]) + operation_lines(body["operation"]):
         print(line)
     print("recent control events:")
     for e in body["timeline"]:
@@ -250,53 +251,33 @@ def cmd_drill(args: argparse.Namespace) -> int:
     return run_drill_cli(args)
 
 
-def bench_package():
-    """The benchmarks (``ray_moe_bench``, in the repository's ``bench/`` folder beside ``bench/results/``): not
-    part of the installed package. Found on the import path, or beside this package in a checkout (``pip
-    install -e .``), whose ``bench/`` and ``dev/`` folders are then put on the path; else BadInput says how to
-    get them."""
-    try:
-        return importlib.import_module("ray_moe_bench")
-    except ImportError:
-        pass
+BENCH_HOW = ("the benchmarks ship with the repository, not with the installed package: clone it and install from "
+             "the checkout (git clone <ray-moe repository> && cd ray-moe && pip install -e .), then run ray-moe bench "
+             "there (or python -m ray_moe_bench NAME with its bench/ and dev/ folders on PYTHONPATH)")
+
+
+def bench_folder() -> Path | None:
+    """The checkout's ``bench/`` folder (beside this package when it was installed with ``pip install -e .``), where
+    the benchmarks (``ray_moe_bench``) live; None in an installed package."""
     root = Path(__file__).resolve().parents[2]
-    if (root / "bench" / "ray_moe_bench" / "__init__.py").is_file():
-        for folder in (root / "bench", root / "dev"):
-            if str(folder) not in sys.path:
-                sys.path.insert(0, str(folder))
-        return importlib.import_module("ray_moe_bench")
-    raise BadInput("the benchmarks ship with the repository, not with the installed package: clone it and "
-                   "install from the checkout (git clone <ray-moe repository> && cd ray-moe && pip install -e .), "
-                   "then run ray-moe bench there")
-
-
-def bench_listing() -> str:
-    try:
-        benches = bench_package().available()
-    except BadInput as exc:
-        return str(exc)
-    width = max(map(len, benches), default=0)
-    lines = ["benchmarks (ray-moe bench NAME --help for a benchmark's options):"]
-    lines += [f"  {name:<{width}}  {doc}" for name, doc in benches.items()]
-    lines += ["", "Each writes its result JSON to --out DIR (default: $RAY_MOE_RESULTS_DIR, else ./ray-moe-results)."]
-    return "\n".join(lines)
+    return root / "bench" if (root / "bench" / "ray_moe_bench" / "__init__.py").is_file() else None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench is None:
-        print(bench_listing())
-        return 0
-    names = bench_package().available()
-    if args.bench not in names:
-        raise BadInput(f"bench={args.bench!r} is not a benchmark; choose one of: {', '.join(names)}")
-    module = importlib.import_module(f"ray_moe_bench.{args.bench}")
-    argv0 = sys.argv[0] if sys.argv else "ray-moe"
-    sys.argv = [f"ray-moe bench {args.bench}", *args.rest]  # the benchmark's usage line names the command
-    try:
-        module.main(list(args.rest))
-    finally:
-        sys.argv = [argv0]
-    return 0
+    """``python -m ray_moe_bench [NAME args]`` in its own process (the product never imports the benchmarks), the
+    checkout's ``bench/`` and ``dev/`` first on its path; its exit code is the command's."""
+    import importlib.util
+    import subprocess
+
+    folder = bench_folder()
+    paths = [] if folder is None else [str(folder), str(folder.parent / "dev")]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if folder is None and importlib.util.find_spec("ray_moe_bench") is None:  # located, not imported
+        raise BadInput(BENCH_HOW)
+    sys.stdout.flush()
+    return subprocess.call([sys.executable, "-m", "ray_moe_bench", "--prog", "ray-moe bench",
+                            *([args.bench] if args.bench else []), *args.rest], env=env)
 
 
 def exit_code(exc: BaseException) -> int:
@@ -374,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", allow_abbrev=False, help="list the benchmarks, or run one", usage="ray-moe bench [NAME [args ...]]",
                        description="Without NAME, list the benchmarks; with NAME, run one (its options follow NAME).",
-                       epilog=bench_listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog="The benchmarks live in the repository's bench/ folder (a checkout installed with "
+                              "pip install -e .); each runs as python -m ray_moe_bench NAME, in its own process.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("bench", nargs="?", metavar="NAME", help="benchmark to run")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments (NAME --help lists them)")
     b.set_defaults(fn=cmd_bench)

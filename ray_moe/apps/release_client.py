@@ -24,22 +24,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ray_moe.ray.remote import call
+from ray_moe.shard.fault_wrappers import ShardFault  # the one definition (re-exported: the drill names it here)
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.release.bundle import ReleaseBundle
 from ray_moe.release.gate import GateVerdict
 from ray_moe.release.lifecycle import ReleaseRecord, TransitionEvent
 from ray_moe.core.types import ReleaseState
-
-
-class ShardFault(str, Enum):
-    """Data-path faults a shard can arm for its next steps (``ExpertShardActor.inject_fault``)."""
-
-    COUNT = "count"  # peer route counts disagree (abort before payload exchange)
-    SCALE = "scale"  # FP8 scale count differs (reject payload before expert compute)
-    INVERSE = "inverse"  # corrupt inverse permutation (reject output before publish)
-    PARITY = "parity"  # runner output drifts from its reference (x1.01)
-    CRASH = "crash"  # the step raises while serving the generation
-    GRAPH_KEY = "graph_key"  # decode graph key differs (explicit eager fallback)
 
 
 class StageKind(str, Enum):

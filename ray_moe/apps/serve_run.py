@@ -359,7 +359,7 @@ def _teardown(state: dict, *, owned: bool) -> bool:
     rt = state["rt"]
     if rt is not None:
         rt.shutdown()
-    if state["started_ray"] or (owned and rt is not None and rt._owns_ray):
+    if state["started_ray"] or (owned and rt is not None and rt.owns_ray):
         ray.shutdown()
     return False
 

@@ -287,7 +287,7 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             if err is not None:
                 return err
             # without max_tokens: CHAT_DEFAULT_MAX_TOKENS, or what fits the context and one rank's KV budget
-            room = min(self.context, self.engine.scheduler.kv_blocks * self.engine.scheduler.block_size)
+            room = min(self.context, self.engine.rank_kv_tokens)
             limit = req.limit() or max(1, min(CHAT_DEFAULT_MAX_TOKENS, room - len(ids)))
             choices = [self._choice(s, s, ids, limit, req) for s in range(req.n)]
             return await self._generate(Endpoint.CHAT, req, choices, "messages", arrived)
@@ -364,11 +364,10 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
                 except ValueError as exc:  # too long for the context or the KV budget, bad token ids
                     self._cancel(choices)
                     msg = client_message(str(exc), prompt_field)
-                    sched = self.engine.scheduler
                     if str(exc).startswith("logit_bias"):
                         param = "logit_bias"
                     elif "max_new_tokens" in str(exc):  # the prompt fits alone: it is max_tokens that does not
-                        alone = len(c.prompt) < min(self.context, sched.kv_blocks * sched.block_size)
+                        alone = len(c.prompt) < min(self.context, self.engine.rank_kv_tokens)
                         param = "max_tokens" if alone else prompt_field
                     else:
                         param = prompt_field if "prompt" in str(exc) else None

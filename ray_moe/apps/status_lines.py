@@ -1,11 +1,12 @@
 """Lines ``ray-moe status`` (and the demo) print for the coordinator's autopilot and elastic operations, from
-the JSON of its ``status()``: ``eplb`` (``control/autopilot.py``) and ``operation`` (``control/operations.py``)."""
+the JSON of its ``status()``: ``eplb`` (``control/autopilot.py``), ``operation`` (``control/operations.py``) and the
+target and members (``ray/reconciler.py``)."""
 
 from __future__ import annotations
 
 import time
 
-__all__ = ["autopilot_lines", "operation_lines"]
+__all__ = ["autopilot_lines", "members_lines", "operation_lines"]
 
 
 def autopilot_lines(eplb: dict | None, *, now: float | None = None) -> list[str]:
@@ -75,3 +76,43 @@ def operation_lines(op: dict | None) -> list[str]:
         out.append(f"  {d['outcome'].upper():<8} {d['reason']} (generation {d['generation']}) at stage {d['stage'] or 'start'} "
                    f"after {d['elapsed_s']:.2f}s{late}{why}")
     return out
+
+
+def members_lines(ctl: dict | None) -> list[str]:
+    """The deployment's target and members from the coordinator's ``status()`` (``ray/reconciler.py``): the target
+    (ranks, ranks asked out, who set it last and why, converged or not), each rank's state, bundle and node, the
+    healer's last outcomes and the scaler's last change."""
+    if not ctl or not ctl.get("target"):
+        return []
+    t = ctl["target"]
+    out = [f"target: {t['ranks']} ranks" + (f", ranks {t['remove']} asked out" if t.get("remove") else "")
+           + f" (version {t['version']}, set by {t['set_by']}: {t['reason']}); "
+           + ("converged" if ctl.get("converged") else "converging")]
+    for r, m in sorted((ctl.get("members") or {}).items(), key=lambda kv: int(kv[0])):
+        bundle = m.get("bundle")
+        where = f"bundle {bundle[1]} of {bundle[0][:8]}" if bundle else "no bundle"
+        note = f", replaced rank {m['replaces']}" if m.get("replaces") is not None else ""
+        out.append(f"  rank {r}: {m['state']}{' (died)' if m.get('died') else ''}, {where}, node "
+                   f"{(m.get('node') or '?')[:8]}{note}")
+    healer = ctl.get("healer") or {}
+    heal = "off" if not healer.get("retries") else f"{healer['retries']} attempts per lost rank"
+    events = healer.get("events") or []
+    out.append(f"healing: {heal}" + (f"; replacing {healer['healing']}" if healer.get("healing") else "")
+               + ("; last: " + "; ".join(_heal_event(e) for e in events[-3:]) if events else ""))
+    scaler = ctl.get("scaler")
+    if scaler:
+        changes = [e for e in scaler.get("events") or [] if e.get("action") != "hold" or e.get("error")]
+        pol = scaler.get("policy") or {}
+        out.append(f"scaling: {pol.get('min_ranks')}..{pol.get('max_ranks')} ranks"
+                   + (f"; last change: {changes[-1].get('action')} ({changes[-1].get('reason')})"
+                      + (f", rank {changes[-1]['rank']}" if changes[-1].get("rank") is not None else "")
+                      if changes else "; no change yet"))
+    return out
+
+
+def _heal_event(e: dict) -> str:
+    if "replacement" in e:
+        return f"rank {e['lost']} -> {e['replacement']} in {e['seconds']}s"
+    if e.get("left_out"):
+        return f"rank {e['lost']} left out ({e['reason']})"
+    return f"rank {e['lost']} attempt {e.get('attempt')} failed"

@@ -309,4 +309,4 @@ def _abandon(plane: Any, generation: int, why: str) -> None:
     except Exception:  # noqa: BLE001 - the abort itself must end
         pass
     plane.log("abort", generation, why)
-    plane._end()
+    plane.end_op()

@@ -1,7 +1,7 @@
 """ControlPlane: the coordinator's logic, over an abstract fleet of shards (no Ray here).
 
 The coordinator actor is a thin shell around one ControlPlane and a ``RayFleet``; tests can run the
-same logic over ``LocalFleet`` (ShardCores in this process). The control path never sits on the
+same logic over ``LocalFleet`` (ShardCores in this process; both in ``fleet.py``). The control path never sits on the
 per-token data path:
 
     load window -> candidate manifest (EPLB / scale) -> migration plan (admission) -> reserve
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from ray_moe.control.fleet import Fleet, LocalFleet
 from ray_moe.control.operations import (OperationStage, OperationTracker, RankTimeoutError, StageDeadlineError,
                                         abort_stage, roll_back_publish)
 from ray_moe.control.recovery import RETIRED_KEPT, PendingOp, PlaneState
@@ -37,46 +37,6 @@ from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.core.types import GenerationState
 
 Key = tuple[int, int]  # (layer, logical expert)
-
-
-class Fleet(ABC):
-    """The shards a control plane drives. ``call`` runs one method on several ranks concurrently."""
-
-    @abstractmethod
-    def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
-        """Run ``method(*args[rank])`` on every listed rank; results by rank (first error re-raised)."""
-
-    @abstractmethod
-    def copy_experts(self, dst: int, src: int, keys: Sequence[Key]) -> dict[Key, str]:
-        """Copy weights of ``keys`` from rank ``src`` to rank ``dst``; digests of what arrived."""
-
-    def ranks(self) -> list[int]:
-        raise NotImplementedError
-
-    def call_within(self, method: str, args: Mapping[int, tuple], timeout_s: float | None) -> dict[int, Any]:
-        """``call`` that raises ``RankTimeoutError`` naming the ranks that did not answer in ``timeout_s``
-        seconds (None: no limit). A fleet that cannot time out a call (in-process cores) just calls."""
-        return self.call(method, args)
-
-    def copy_within(self, dst: int, src: int, keys: Sequence[Key], timeout_s: float | None) -> dict[Key, str]:
-        """``copy_experts`` within ``timeout_s`` seconds (``RankTimeoutError`` naming ``dst`` otherwise)."""
-        return self.copy_experts(dst, src, keys)
-
-
-class LocalFleet(Fleet):
-    """ShardCores in this process (tests, single-process tools)."""
-
-    def __init__(self, cores: Mapping[int, Any]) -> None:
-        self.cores = dict(cores)
-
-    def ranks(self) -> list[int]:
-        return sorted(self.cores)
-
-    def call(self, method: str, args: Mapping[int, tuple]) -> dict[int, Any]:
-        return {r: getattr(self.cores[r], method)(*a) for r, a in args.items()}
-
-    def copy_experts(self, dst: int, src: int, keys: Sequence[Key]) -> dict[Key, str]:
-        return self.cores[dst].import_experts(self.cores[src].export_experts(list(keys)))
 
 
 @dataclass(frozen=True)
@@ -124,9 +84,9 @@ class ControlPlane:
         self._clock = clock
         self._timeline: deque[TimelineEvent] = deque(maxlen=10_000)  # bounded: the control path runs for days
         self._seq = 0
-        self._lock = threading.RLock()  # one control operation at a time
+        self.lock = threading.RLock()  # one control operation at a time (a restore holds it too)
         self._tl_lock = threading.Lock()
-        self._next_generation = 0
+        self.next_generation = 0
         # replica floors set by a manual ``scale``: EPLB keeps at least this many copies of (layer, expert)
         self.floors = ReplicaFloors(cfg.num_layers, cfg.num_experts)
         # durability (see recovery.py): ``on_change`` is called after every change of the plane's own state
@@ -144,11 +104,11 @@ class ControlPlane:
         if self.on_change is not None:
             self.on_change()
 
-    def _begin(self, kind: str, generation: int | None, detail: str = "") -> None:
+    def begin_op(self, kind: str, generation: int | None, detail: str = "") -> None:
         self.op = PendingOp(kind=kind, generation=generation, detail=detail)
         self._changed()
 
-    def _end(self) -> None:
+    def end_op(self) -> None:
         self.op = None
         self._changed()
 
@@ -158,7 +118,7 @@ class ControlPlane:
         for g in self.registry.generations():
             if self.registry.state(g) == GenerationState.RETIRED:
                 retired.add(g)
-        return PlaneState(next_generation=self._next_generation, retired=sorted(retired)[-RETIRED_KEPT:],
+        return PlaneState(next_generation=self.next_generation, retired=sorted(retired)[-RETIRED_KEPT:],
                           floors=self.floors.triples(),
                           dead_ranks=sorted(set(self.dead_ranks)), expert_bytes=self.expert_bytes, op=self.op,
                           retire_pending=sorted(set(self.retire_pending)))
@@ -201,7 +161,7 @@ class ControlPlane:
         return PlacementPlanner(cfg.num_layers, cfg.num_experts, cfg.slots_per_rank, self.topology,
                                 num_groups=cfg.num_groups)
 
-    def _call_live(self, method: str, per_rank: Callable[[int], tuple], *, timed: bool = False) -> dict[int, Any]:
+    def call_live(self, method: str, per_rank: Callable[[int], tuple], *, timed: bool = False) -> dict[int, Any]:
         """``fleet.call`` on the live ranks; a rank found dead is recorded and skipped (control-path reads).
         ``timed``: within the seconds the operation's stage has left (``StageDeadlineError`` past them)."""
         for _ in range(8):
@@ -222,7 +182,7 @@ class ControlPlane:
             st = self.registry.state(g)
             if st == GenerationState.RETIRED:
                 continue
-            shard = self._call_live("refcount", lambda r: (g,))
+            shard = self.call_live("refcount", lambda r: (g,))
             out[g] = self.registry.refcount(g) + sum(shard.values())
         return out
 
@@ -242,7 +202,7 @@ class ControlPlane:
     def scale(self, expert: int, replicas: int, layer: int | None = None, *,
               drain_timeout_s: float | None = None) -> ApplyReport:
         """Give ``expert`` exactly ``replicas`` copies (live) and record that count as its replica floor."""
-        with self._lock:
+        with self.lock:
             new = self.propose_scale(expert, replicas, layer)
             rep = self.apply(new, reason=f"scale expert {expert} to {replicas} replicas", drain_timeout_s=drain_timeout_s)
             self.set_floor(expert, replicas, layer)
@@ -252,22 +212,22 @@ class ControlPlane:
     def _new_manifest(self, a: Assignment) -> PlacementManifest:
         if a.notes:
             self.log("floor-clipped", None, "; ".join(a.notes))
-        self._next_generation += 1
+        self.next_generation += 1
         self._changed()  # the id is spent even if the change never publishes
         digests = {(l, e): d for (l, e), d in self.digests.items()}
         return manifest_from_assignment(
-            generation=self._next_generation - 1,
+            generation=self.next_generation - 1,
             phy2log=a.phy2log, slot_rank=a.slot_rank, num_experts=self.cfg.num_experts, topology=self.topology,
             process_group_id=self.group.group_id, checkpoint_version=self.checkpoint_version, digests=digests,
         )
 
     def deploy_initial(self) -> int:
         """Generation 0: spread placement, each rank loads only its experts, digests agreed, published."""
-        with self._lock:
+        with self.lock:
             initial = self.planner.initial(self.live_ranks())
             need = initial.keys_by_rank()
             t0 = self._clock()
-            self._begin("deploy", 0)
+            self.begin_op("deploy", 0)
             got = self.fleet.call("load_experts", {u: (sorted(keys),) for u, keys in need.items()})
             for u, digs in got.items():
                 for key, d in digs.items():
@@ -281,7 +241,7 @@ class ControlPlane:
             self.log("load", 0, f"{sum(len(k) for k in need.values())} expert copies loaded in {self._clock() - t0:.2f}s")
             manifest = self._new_manifest(initial)
             self._publish_first(manifest)
-            self._end()
+            self.end_op()
             return manifest.generation
 
     def _publish_first(self, manifest: PlacementManifest) -> None:
@@ -324,7 +284,7 @@ class ControlPlane:
               sources_alive: Callable[[int], bool] | None = None) -> ApplyReport:
         """Reserve, materialise, verify, publish, drain, retire (spec 0x08G). Traffic keeps flowing. Each stage
         within its deadline (``cfg.deadlines``; ``drain_timeout_s`` overrides the drain's)."""
-        with self._lock, self.ops.operation(reason, new.generation):
+        with self.lock, self.ops.operation(reason, new.generation):
             staged = self.stage(new, reason=reason, sources_alive=sources_alive)
             old_g = staged.old_generation
             timings = dict(staged.timings_s)
@@ -351,18 +311,18 @@ class ControlPlane:
                                timings["drain_retire"], retired, timings)
 
     def _publish(self, generation: int, *, timed: bool = False) -> None:
-        self._begin("publish", generation)
-        self._call_live("publish", lambda r: (generation,), timed=timed)
+        self.begin_op("publish", generation)
+        self.call_live("publish", lambda r: (generation,), timed=timed)
         if self.registry.state(generation) == GenerationState.DRAINING:
             self.registry.reactivate(generation)
         else:
             self.registry.publish(generation)
-        self._end()
+        self.end_op()
 
     def promote(self, generation: int, *, retire_prior: bool = True, drain_timeout_s: float | None = None) -> int:
         """A staged candidate becomes ACTIVE; the prior goes DRAINING (and is retired once drained unless
         ``retire_prior`` is False, which keeps it loaded as the rollback fallback). Returns the prior id."""
-        with self._lock:
+        with self.lock:
             prior = self.registry.active()
             if retire_prior and prior is not None:
                 self.retire_pending.add(prior)
@@ -375,28 +335,28 @@ class ControlPlane:
 
     def stop_dispatch(self, generation: int) -> None:
         """Stop fence: no new step pins ``generation`` (a candidate is revoked; an ACTIVE one drains)."""
-        with self._lock:
-            self._begin("stop_dispatch", generation)
-            self._call_live("stop_dispatch", lambda r: (generation,))
+        with self.lock:
+            self.begin_op("stop_dispatch", generation)
+            self.call_live("stop_dispatch", lambda r: (generation,))
             if self.registry.state(generation) == GenerationState.ACTIVE:
                 self.registry.mark_draining(generation)
-            self._end()
+            self.end_op()
             self.log("stop-dispatch", generation, "no new dispatch may pin it")
 
     def activate(self, generation: int) -> None:
         """Make a loaded generation (ACTIVE, DRAINING) take new dispatch again (rollback's second step)."""
-        with self._lock:
+        with self.lock:
             if self.registry.state(generation) != GenerationState.ACTIVE:
                 self._publish(generation)
             self.log("activate", generation, "takes new dispatch")
 
     def release_graphs(self, generation: int) -> int:
-        freed = sum(self._call_live("release_graphs", lambda r: (generation,)).values())
+        freed = sum(self.call_live("release_graphs", lambda r: (generation,)).values())
         self.log("release-graphs", generation, f"{freed} captured graphs freed")
         return freed
 
     def shard_refcount(self, generation: int) -> int:
-        shard = self._call_live("refcount", lambda r: (generation,))
+        shard = self.call_live("refcount", lambda r: (generation,))
         try:
             own = self.registry.refcount(generation)
         except Exception:  # noqa: BLE001
@@ -408,7 +368,7 @@ class ControlPlane:
         """Steps 1-4 of publication (plan with admission, reserve, materialise, verify): the candidate is
         PENDING and verified on every shard ("LOADED"); with ``serve_candidate`` it may serve steps that
         name it (shadow, canary). A stage past its deadline raises ``StageDeadlineError`` after the abort."""
-        with self._lock, self.ops.operation(reason, new.generation):
+        with self.lock, self.ops.operation(reason, new.generation):
             timings: dict[str, float] = {}
             old_g = self.registry.active()
             if old_g is None:
@@ -426,7 +386,7 @@ class ControlPlane:
             if self.rebuild_report is not None:
                 self._sweep_orphans()
             # 2. reserve: register PENDING (nothing else moves until materialisation)
-            self._begin("stage", new.generation, reason)
+            self.begin_op("stage", new.generation, reason)
             self.registry.register(new)
             self.log("reserve", new.generation, f"{plan.ledger.reserved_bytes} B reserved for non-retained copies")
             staged: dict[int, set[Key]] = defaultdict(set)
@@ -470,9 +430,9 @@ class ControlPlane:
                 abort_stage(self, new.generation, staged, exc)
                 raise
             if serve_candidate:
-                self._call_live("allow_candidate", lambda r: (new.generation,))
+                self.call_live("allow_candidate", lambda r: (new.generation,))
                 self.log("candidate", new.generation, "serves steps that name it (shadow / canary)")
-            self._end()
+            self.end_op()
             return ApplyReport(old_g, new.generation, reason, plan, copies, loads, 0.0, False, timings)
 
     def _check_deadline(self, generation: int, what: str) -> None:
@@ -487,7 +447,7 @@ class ControlPlane:
         """After a restart: a prepare sent by the dead incarnation may land on a shard after the rebuild read
         it. A PENDING, non-candidate generation this registry does not know is such an orphan: abandon it."""
         known = set(self.registry.generations())
-        for r, snap in self._call_live("registry_snapshot", lambda r: ()).items():
+        for r, snap in self.call_live("registry_snapshot", lambda r: ()).items():
             for g, info in snap["generations"].items():
                 if int(g) not in known and info["state"] == GenerationState.PENDING.value and not info["candidate"]:
                     self.fleet.call("retire", {r: (int(g),)})
@@ -502,7 +462,7 @@ class ControlPlane:
             done = self._drain_and_retire(generation, timeout_s, timed)
         except StageDeadlineError as exc:  # past publish: the new generation serves; a later change retires it
             self.log("deadline", generation, f"{exc}; not retired")
-            self._end()
+            self.end_op()
             return False
         except Exception:
             self.retire_pending.discard(generation)
@@ -531,7 +491,7 @@ class ControlPlane:
         if timed:
             self.ops.enter(OperationStage.DRAIN, deadline_s=timeout_s)
         while True:
-            shard = self._call_live("refcount", lambda r: (generation,), timed=timed)
+            shard = self.call_live("refcount", lambda r: (generation,), timed=timed)
             total = self.registry.refcount(generation) + sum(shard.values())
             if total == 0:
                 break
@@ -542,17 +502,17 @@ class ControlPlane:
                 return False
             time.sleep(0.002)
         self.log("drained", generation, "refcount 0 on coordinator and every shard")
-        self._begin("retire", generation)
+        self.begin_op("retire", generation)
         if timed:
             self.ops.enter(OperationStage.RETIRE)
-        done = self._call_live("retire", lambda r: (generation,), timed=timed)
+        done = self.call_live("retire", lambda r: (generation,), timed=timed)
         if not all(done.values()):
-            self._end()
+            self.end_op()
             self.log("retire-refused", generation, f"shards still pinned: {[r for r, ok in done.items() if not ok]}")
             return False
         self.retired_with_refcount.append((generation, total))
         self.registry.retire(generation)
-        self._end()
+        self.end_op()
         self.log("retire", generation, "metadata and unreferenced copies freed")
         return True
 
@@ -573,7 +533,7 @@ class ControlPlane:
         Experts whose only copies lived on dead ranks are re-materialised from the checkpoint (every rank
         can read it); if there is none, ``ExpertUnavailableError`` names the expert and nothing changes.
         """
-        with self._lock:
+        with self.lock:
             self.dead_ranks.update(int(r) for r in dead)
             live = list(new_group.peer_order)
             self.planner.require_survivors(self.manifest(), live, can_rebuild=self._has_checkpoint())
@@ -582,6 +542,26 @@ class ControlPlane:
             new = self.propose_without(dead)
             self.log("rank-lost", None, f"ranks {sorted(dead)} removed; group epoch {new_group.epoch}")
             return self.apply(new, reason=f"lost ranks {sorted(dead)}", sources_alive=lambda r: r in live)
+
+    def regroup(self, fleet: Fleet, topology: Topology, group: ProcessGroupSpec, *, rebalance: bool) -> ApplyReport:
+        """Switch to a new process group (a rank joined or left; every member's exchange already built for it, no
+        step in flight): the active slots of the members, or an EPLB placement over them when ``rebalance`` and
+        load was observed, published as a generation of the new group."""
+        with self.lock:
+            before, active = (self.fleet, self.topology, self.group), self.registry.active()
+            self.fleet, self.topology, self.group = fleet, topology, group
+            self._changed()
+            try:
+                if rebalance and len(self.load):
+                    return self.apply(self.propose_rebalance(migration_aware=True),
+                                      reason=f"regroup to ranks {list(group.peer_order)} + EPLB")
+                gone = [r for r in self.manifest().slots_ranks() if r not in group.members]
+                return self.apply(self.propose_without(gone), reason=f"regroup to ranks {list(group.peer_order)}")
+            except BaseException:
+                if self.registry.active() == active:  # nothing published: the prior group serves on
+                    self.fleet, self.topology, self.group = before
+                    self._changed()
+                raise
 
     def _has_checkpoint(self) -> bool:
         """Seeded weights and a safetensors folder are both checkpoints every rank can read; a deployment can

@@ -6,7 +6,8 @@ The coordinator keeps two kinds of state:
   state (PENDING / ACTIVE / DRAINING), candidate flags and per-step refcounts (each ShardCore mirrors
   the registry). The digests follow from the manifests. A rebuilt coordinator reads these back
   (``ShardCore.registry_snapshot``) instead of trusting any copy of its own.
-* **own** state that nothing else holds: the shard handles, topology and process group, the expert
+* **own** state that nothing else holds: the shard handles and the members (each rank's state and
+  placement-group bundle, the placement groups), the deployment's target, topology and process group, the expert
   size, the next generation id (ids are never reused, and the newest ids may have been retired or
   abandoned everywhere), replica floors set by ``scale`` (in set order), ranks known dead, NCCL unique
   ids, generations a change means to retire once drained, the release registry and the load window
@@ -83,6 +84,7 @@ class DurableRecord(BaseModel):
     group_json: str | None = None
     nccl_ids: dict[int, str] = Field(default_factory=dict, description="group epoch -> unique id (hex)")
     plane: PlaneState | None = None
+    target_json: str | None = Field(default=None, description="the deployment's target (``control/target.py``)")
     updated_at: float = 0.0
 
 

@@ -10,7 +10,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ray_moe.control.plane import ControlPlane, Fleet
+from ray_moe.control.fleet import Fleet
+from ray_moe.control.plane import ControlPlane
 from ray_moe.control.recovery import PlaneState, ShardRegistrySnapshot, next_generation_id, plan_rebuild
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.placement.floors import ReplicaFloors
@@ -36,8 +37,8 @@ def restore_plane(cfg: RuntimeConfig, fleet: Fleet, topology: Topology, group: P
                               generation=int(row["generation"]), checkpoint=row["checkpoint"], step=int(row["step"]))
         except (KeyError, ValueError, TypeError):  # a malformed row loses load history, not the restart
             continue
-    with plane._lock:
-        raw = plane._call_live("registry_snapshot", lambda r: ())
+    with plane.lock:
+        raw = plane.call_live("registry_snapshot", lambda r: ())
         snaps = {r: ShardRegistrySnapshot.model_validate(v) for r, v in raw.items()}
         plan = plan_rebuild(plane.live_ranks(), snaps, state.op, state.retire_pending)
         # 1. undo: never-published generations and the weights staged for them
@@ -45,7 +46,7 @@ def restore_plane(cfg: RuntimeConfig, fleet: Fleet, topology: Topology, group: P
             done = plane.fleet.call("retire", {r: (g,) for r in ranks if r in plan.live})
             if not all(done.values()):
                 plan.notes.append(f"generation {g}: abandon refused on ranks {[r for r, ok in done.items() if not ok]}")
-        dropped = plane._call_live("drop_unreferenced", lambda r: ())
+        dropped = plane.call_live("drop_unreferenced", lambda r: ())
         # 2. the registry: manifests from one holder each, states as planned
         by_holder: dict[int, list[int]] = defaultdict(list)
         for g, r in plan.holder.items():
@@ -67,7 +68,7 @@ def restore_plane(cfg: RuntimeConfig, fleet: Fleet, topology: Topology, group: P
         if state.op is not None and state.op.kind == "retire" and state.op.generation not in plan.states:
             plane.retired_before.append(int(state.op.generation))  # its retire had reached every live shard
         plane.retired_before = sorted(set(plane.retired_before) | set(plan.abandon))
-        plane._next_generation = next_generation_id(state.next_generation, plan, plane.retired_before)
+        plane.next_generation = next_generation_id(state.next_generation, plan, plane.retired_before)
         # 3. finish interrupted work so that every live shard agrees with the registry
         if plan.publish_on:
             plane.fleet.call("publish", {r: (plan.active,) for r in plan.publish_on})
@@ -82,7 +83,7 @@ def restore_plane(cfg: RuntimeConfig, fleet: Fleet, topology: Topology, group: P
             "active": plan.active, "generations": dict(plan.states), "abandoned": sorted(plan.abandon),
             "published_on": plan.publish_on, "retired": retired_now, "dropped_weights": int(sum(dropped.values())),
             "interrupted_op": None if state.op is None else state.op.model_dump(), "notes": list(plan.notes),
-            "next_generation": plane._next_generation, "live_ranks": plan.live,
+            "next_generation": plane.next_generation, "live_ranks": plan.live,
             "dead_ranks": sorted(plane.dead_ranks), "rebuild_s": time.perf_counter() - t0,
         }
         plane.log("rebuild", plan.active, f"coordinator restarted: {len(plan.states)} generations from "

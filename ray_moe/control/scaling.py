@@ -1,6 +1,7 @@
 """Load-driven scaling: the policy that decides, from the serving signals, whether to add a rank, remove one or
-hold. Pure: no Ray. ``decide`` is the policy; the scaler thread that samples the signals and acts on a
-decision (``Runtime.add_rank`` / ``remove_rank``) is ``ray_moe.ray.scaler.RankScaler``.
+hold. Pure: no Ray. ``decide`` is the policy; the scaler that samples the signals (what the drivers' generation
+loops report to the coordinator) and acts on a decision (a new target for the coordinator's reconcile loop) is
+``ray_moe.ray.scaler.RankScaler``, ticked by that loop.
 
     floor = rank_floor(policy, num_experts=8, num_layers=2, slots_per_rank=3, floors=rt.floors())
     d = decide(signals, ranks=4, now=time.monotonic(), last_change=None, policy=policy, floor=floor)

@@ -308,6 +308,11 @@ class GenerationLoop:
         return LoopSignals(waiting=len(waiting), running=running, oldest_wait_s=max(0.0, oldest), steps=steps,
                            since_work_s=None if not self._last_done else max(0.0, t - self._last_done))
 
+    @property
+    def rank_kv_tokens(self) -> int:
+        """The tokens one rank's KV cache holds (blocks x block size): the most one sequence can ever use."""
+        return self.scheduler.kv_blocks * self.scheduler.block_size
+
     def cancel(self, request_id: str) -> None:
         with self._lock:
             self.scheduler.cancel(request_id)

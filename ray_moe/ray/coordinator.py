@@ -1,8 +1,9 @@
-"""CoordinatorActor: named, one per deployment. A thin shell over ``ControlPlane``.
-
-It owns placement generations, refcount fences, digests, the load window, NCCL unique ids and the
-control timeline. It is never on the per-token path: drivers ask it for the active generation only
-when a shard tells them theirs went stale.
+"""CoordinatorActor: named, one per deployment: the deployment's one owner. A thin shell over ``ControlPlane``
+(placement generations, refcount fences, digests, the load window, the control timeline) and ``Reconciler``
+(``reconciler.py``: the members, their placement-group bundles, the target and the one loop that converges to it;
+the healer, the scaler and the autopilot are policies that loop runs). It is never on the per-token path: drivers
+ask it for the active generation only when a shard tells them theirs went stale, and follow its membership
+(``watch`` / ``fence_ack`` / ``rank_lost``: ``follower.py``); ``add_rank`` / ``remove_rank`` only set a new target.
 
 It survives being killed: Ray restarts it (``max_restarts=-1``) and its ``__init__`` rebuilds the
 control plane from the shards' registry mirrors plus a durable record it writes to Ray's GCS KV on
@@ -12,7 +13,7 @@ are declarative (a target replica count; a placement for the current load): the 
 completes or abandons the interrupted attempt, the retry then runs once more.
 
 With ``cfg.eplb.mode`` not OFF the autopilot (``control/autopilot.py``) evaluates its policy every ``eplb.tick_s``
-seconds on a thread and takes ``rebalance()``'s path when it says so; decisions: ``status()``, Prometheus.
+seconds on the reconcile loop and takes ``rebalance()``'s path when it says so; decisions: ``status()``, Prometheus.
 
 Every elastic operation runs its stages within ``cfg.deadlines`` (``control/operations.py``): shard calls wait
 with ``ray.wait(refs, timeout=...)`` (``fleet.py``), so a hung shard aborts the operation instead of hanging
@@ -38,7 +39,9 @@ from ray_moe.control.recovery import DurableRecord, load_summary, registry_from_
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.core.types import ExchangeKind, ReleaseState
 from ray_moe.placement.topology import ProcessGroupSpec, Topology
+from ray_moe.ray.durable import DurableStore
 from ray_moe.ray.fleet import RayFleet
+from ray_moe.ray.reconciler import Hooks, Reconciler
 from ray_moe.ray.prometheus import AutopilotExporter
 
 if TYPE_CHECKING:
@@ -50,46 +53,7 @@ def coordinator_name(deployment: str) -> str:
     return f"ray-moe-coordinator-{deployment}"
 
 
-_KV_NAMESPACE = "ray-moe"
 _LOAD_PERSIST_S = 5.0  # the load window (summed) is written at most every 5 s: it only steers EPLB
-
-
-class DurableStore:
-    """One deployment's durable coordinator record in Ray's GCS KV (``ray.experimental.internal_kv``).
-
-    Keys ``<ray namespace>/<deployment>/<part>`` in KV namespace ``ray-moe``; parts: ``record`` (JSON
-    ``DurableRecord``), ``handles`` (pickled shard actor handles), ``releases`` (pickled release
-    registry), ``load`` (JSON load window). The coordinator is the only writer; ``Runtime.start`` clears
-    it for a fresh deployment and ``Runtime.shutdown`` deletes it.
-    """
-
-    PARTS = ("record", "handles", "releases", "load")
-
-    def __init__(self, namespace: str, deployment: str) -> None:
-        self.prefix = f"{namespace}/{deployment}/"
-
-    def _key(self, part: str) -> bytes:
-        return (self.prefix + part).encode()
-
-    def put(self, part: str, value: bytes) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_put(self._key(part), value, overwrite=True, namespace=_KV_NAMESPACE)
-
-    def get(self, part: str) -> bytes | None:
-        from ray.experimental import internal_kv
-
-        return internal_kv._internal_kv_get(self._key(part), namespace=_KV_NAMESPACE)
-
-    def clear(self) -> None:
-        from ray.experimental import internal_kv
-
-        for part in self.PARTS:
-            internal_kv._internal_kv_del(self._key(part), namespace=_KV_NAMESPACE)
-
-    def record(self) -> DurableRecord | None:
-        raw = self.get("record")
-        return None if raw is None else DurableRecord.model_validate_json(raw)
 
 
 def _retried(fn):
@@ -103,9 +67,7 @@ class CoordinatorActor:
     def __init__(self, cfg_json: str, namespace: str | None = None) -> None:
         self.cfg = RuntimeConfig.model_validate_json(cfg_json)
         self.plane: ControlPlane | None = None
-        self.handles: dict[int, Any] = {}
         self.nccl_ids: dict[int, bytes] = {}
-        self.topology_json: str | None = None
         self.extra: dict[str, Any] = {}
         self.restarts = 0
         self.rebuild_error: str | None = None
@@ -116,6 +78,10 @@ class CoordinatorActor:
         self.autopilot = Autopilot(self.cfg.eplb)  # automatic rebalance: load steps, decisions, last rebalance
         self._rebalance_lock = threading.Lock()  # one rebalance at a time (manual or automatic)
         self._autopilot_metrics: Any = None
+        # the deployment's members and the one loop that reconciles them to the target (it ticks the autopilot)
+        self.members = Reconciler(self.cfg, Hooks(plane=lambda: self.plane, persist=lambda: self._persist(handles=True),
+                                                  put_nccl_id=self._put_nccl_id, autopilot_tick=self._autopilot_tick,
+                                                  log=lambda event, detail: self.log(event, None, detail)))
         if namespace is None or not ray.is_initialized():
             return  # constructed outside a Ray actor (tools, tests): no durable record
         ctx = ray.get_runtime_context()
@@ -132,8 +98,6 @@ class CoordinatorActor:
         else:
             self.store.clear()  # a record of an earlier deployment under this name is not ours
             self._persist()
-        if self.cfg.eplb.mode is not EplbMode.OFF:
-            self.autopilot.start(self._autopilot_tick, lambda exc: self.log("autopilot-error", None, repr(exc)))
 
     # ---------------------------------------------------------------- durability
     def _persist(self, *, handles: bool = False) -> None:
@@ -144,14 +108,17 @@ class CoordinatorActor:
         try:
             with self._persist_lock:
                 plane = self.plane
+                topo = self.members.topology
                 rec = DurableRecord(
                     deployment=self.cfg.name, actor_id=self.actor_id, restarts=self.restarts,
-                    topology_json=self.topology_json, group_json=None if plane is None else plane.group.model_dump_json(),
+                    topology_json=None if topo is None else topo.model_dump_json(),
+                    group_json=None if plane is None else plane.group.model_dump_json(),
                     nccl_ids={int(k): v.hex() for k, v in dict(self.nccl_ids).items()},
-                    plane=None if plane is None else plane.durable_state(), updated_at=time.time())
+                    plane=None if plane is None else plane.durable_state(),
+                    target_json=self.members.target.model_dump_json(), updated_at=time.time())
                 self.store.put("record", rec.model_dump_json().encode())
                 if handles:
-                    self.store.put("handles", pickle.dumps(dict(self.handles)))
+                    self.store.put("handles", pickle.dumps(self.members.durable()))
         except Exception as exc:  # noqa: BLE001
             if self.plane is not None:
                 self.plane.log("durable-write-failed", None, f"{type(exc).__name__}: {exc}")
@@ -192,41 +159,56 @@ class CoordinatorActor:
                 self._persist()
                 return
             self.restarts = rec.restarts + 1
-            self.topology_json = rec.topology_json
             self.nccl_ids = {int(k): bytes.fromhex(v) for k, v in rec.nccl_ids.items()}
             raw = self.store.get("handles")
-            self.handles = pickle.loads(raw) if raw else {}
+            blob = pickle.loads(raw) if raw else {}
             raw = self.store.get("releases")
             if raw:
                 from ray_moe.release.lifecycle import ReleaseRegistry
 
                 self.extra["releases"] = registry_from_bytes(ReleaseRegistry, raw)
-            if rec.plane is not None and rec.group_json is not None and self.handles and self.topology_json:
+            if rec.plane is not None and rec.group_json is not None and blob and rec.topology_json:
                 raw = self.store.get("load")
+                topology = Topology.model_validate_json(rec.topology_json)
+                group = ProcessGroupSpec.model_validate_json(rec.group_json)
+                self.members.restore(blob, topology, group, rec.target_json)
+                fleet = {r: h for r, h in self.members.handles.items() if r in group.peer_order}
                 self.plane = restore_plane(
-                    self.cfg, RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL),
-                    Topology.model_validate_json(self.topology_json), ProcessGroupSpec.model_validate_json(rec.group_json),
+                    self.cfg, RayFleet(fleet, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL), topology, group,
                     rec.plane, load_rows=json.loads(raw) if raw else ())
                 self.plane.on_change = self._persist
-            self._persist()
+                self.members.start()
+            self._persist(handles=True)
         except Exception as exc:  # noqa: BLE001 - an __init__ that raises would leave the deployment without one
             self.rebuild_error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
             self.plane = None
 
     # ---------------------------------------------------------------- setup
-    def attach(self, handles: Mapping[int, Any], topology_json: str, group_json: str, expert_bytes: int) -> None:
+    def attach(self, handles: Mapping[int, Any], infos: Sequence[Mapping[str, Any]], pg: Any, expert_bytes: int,
+               *, detached: bool = False, autoscale: bool = False) -> None:
+        """The start's shards (rank r in bundle r of ``pg``; ``infos``: where each runs): the topology on every
+        shard, the exchange of group epoch 0, the control plane. ``detached``: shards started later outlive their
+        creator too; ``autoscale``: a cluster's autoscaler may be asked for bundles."""
         if self.plane is not None:
             raise RuntimeError(f"deployment {self.cfg.name!r} already has shards attached")
-        self.handles = dict(handles)
-        self.topology_json = topology_json
-        self.plane = ControlPlane(self.cfg, RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL), Topology.model_validate_json(topology_json),
-                                  ProcessGroupSpec.model_validate_json(group_json))
+        self.members.configure(detached=detached, autoscale=autoscale)
+        group = ProcessGroupSpec(group_id="ep-group-0", peer_order=tuple(sorted(handles)), epoch=0)
+        topology = self.members.attach(dict(handles), list(infos), pg, group)
+        self.plane = ControlPlane(self.cfg, RayFleet(dict(handles), nccl=self.cfg.exchange_kind is ExchangeKind.NCCL),
+                                  topology, group)
         self.plane.set_expert_bytes(expert_bytes)
         self.plane.on_change = self._persist
         self._persist(handles=True)
 
     def deploy(self) -> int:
-        return self._plane().deploy_initial()
+        """Generation 0; then the reconcile loop runs."""
+        g = self._plane().deploy_initial()
+        self.members.start()
+        return g
+
+    def _put_nccl_id(self, epoch: int, uid: bytes) -> None:
+        self.nccl_ids[int(epoch)] = uid
+        self._persist()
 
     def _plane(self) -> ControlPlane:
         if self.plane is None:
@@ -240,7 +222,7 @@ class CoordinatorActor:
 
     @_retried
     def shard_handles(self) -> dict[int, Any]:
-        return dict(self.handles)
+        return dict(self.members.handles)
 
     @_retried
     def group_json(self) -> str:
@@ -248,12 +230,12 @@ class CoordinatorActor:
 
     @_retried
     def topology(self) -> str | None:
-        return self.topology_json
+        topo = self.members.topology
+        return None if topo is None else topo.model_dump_json()
 
     @_retried
     def put_nccl_id(self, epoch: int, uid: bytes) -> None:
-        self.nccl_ids[epoch] = uid
-        self._persist()
+        self._put_nccl_id(epoch, uid)
 
     @_retried
     def nccl_id(self, epoch: int) -> bytes | None:
@@ -307,6 +289,8 @@ class CoordinatorActor:
                        dead_ranks=sorted(plane.dead_ranks), rebuild=plane.rebuild_report)
             out["operation"] = plane.ops.status(4)  # in flight (stage, elapsed, bytes copied), the last 4 ended
         out["eplb"] = self.autopilot.status(8)  # mode, policy, last rebalance, the last 8 decisions
+        out["eplb"]["running"] = self.members.running and self.cfg.eplb.mode is not EplbMode.OFF  # (the loop ticks it)
+        out.update(self.members.status())  # target, members, healer, scaler, drivers, fence, recent changes
         return out
 
     @_retried  # a batch in flight at the kill may count twice; losing every batch of the restart is worse
@@ -381,40 +365,39 @@ class CoordinatorActor:
 
         return _report(self._plane().apply(PlacementManifest.model_validate_json(manifest_json), reason=reason))
 
+    # ---------------------------------------------------------------- membership (the reconcile loop's)
     @_retried
-    def remove_ranks(self, dead: Sequence[int], group_json: str) -> dict[str, Any]:
-        """A rank died: publish a generation on the rebuilt group without it (survivors already regrouped)."""
-        plane = self._plane()
-        for r in dead:
-            self.handles.pop(int(r), None)
-        plane.fleet = RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL)
-        self._persist(handles=True)
-        return _report(plane.remove_ranks(dead, ProcessGroupSpec.model_validate_json(group_json)))
+    def view(self):
+        """The membership drivers step with (``MembershipView``)."""
+        return self.members.view()
+
+    def add_rank(self, rebalance: bool = True, timeout_s: float = 600.0) -> int:
+        """A new target (one more rank); returns the new rank once it serves (not retried: it is not idempotent)."""
+        return self.members.ask_add(rebalance=rebalance, timeout_s=timeout_s)
+
+    def remove_rank(self, rank: int, timeout_s: float = 600.0) -> int:
+        """A new target without ``rank``; returns the generation published without it."""
+        return self.members.ask_remove(int(rank), timeout_s=timeout_s)
+
+    @_retried  # a driver's report: idempotent (a rank already known dead or gone is not taken twice)
+    def rank_lost(self, driver: str, ranks: Sequence[int], timeout_s: float = 600.0):
+        return self.members.rank_lost(driver, [int(r) for r in ranks], timeout_s)
+
+    def watch(self, driver: str, known_epoch: int, load: Any = None, stepping: bool = False,
+              timeout_s: float = 1.0) -> dict[str, Any]:
+        return self.members.watch(driver, int(known_epoch), load, bool(stepping), float(timeout_s))
 
     @_retried
-    def evacuate_rank(self, rank: int) -> dict[str, Any]:
-        """Scale in, step 1: publish a generation with no slot on ``rank`` (it still takes part, with zero rows)."""
-        plane = self._plane()
-        return _report(plane.apply(plane.propose_without([rank]), reason=f"evacuate rank {rank}"))
+    def fence_ack(self, driver: str, fence_id: int, timeout_s: float = 600.0):
+        return self.members.fence_ack(driver, int(fence_id), timeout_s)
 
-    @_retried
-    def regroup(self, handles: Mapping[int, Any], topology_json: str, group_json: str, rebalance: bool) -> dict[str, Any]:
-        """Switch to a new process group (scale in or out) at a quiescent point: publish the active slots (or an
-        EPLB placement over the new members when ``rebalance``) as a new generation under the new group."""
-        plane = self._plane()
-        self.handles = dict(handles)
-        self.topology_json = topology_json
-        plane.fleet = RayFleet(self.handles, nccl=self.cfg.exchange_kind is ExchangeKind.NCCL)
-        plane.topology = Topology.model_validate_json(topology_json)
-        plane.group = ProcessGroupSpec.model_validate_json(group_json)
-        self._persist(handles=True)
-        if rebalance and len(plane.load):
-            new = plane.propose_rebalance(migration_aware=True)
-            reason = f"regroup to ranks {list(plane.group.peer_order)} + EPLB"
-        else:
-            new = plane.propose_without([r for r in plane.manifest().slots_ranks() if r not in plane.group.members])
-            reason = f"regroup to ranks {list(plane.group.peer_order)}"
-        return _report(plane.apply(new, reason=reason))
+    def leave(self, driver: str) -> None:
+        self.members.roster.leave(driver)
+
+    def stop_members(self) -> tuple[dict[int, Any], list[Any]]:
+        """Stop the reconcile loop (teardown); every shard handle and placement group it holds."""
+        self.members.stop()
+        return self.members.owned()
 
     def drain_and_retire(self, generation: int, timeout_s: float = 60.0) -> bool:
         return self._plane().drain_and_retire(generation, timeout_s=timeout_s)
@@ -460,7 +443,7 @@ class CoordinatorActor:
         return self._plane().shard_refcount(generation)
 
     def inject_fault(self, rank: int, kind: str, count: int = 1, generation: int | None = None) -> None:
-        ray.get(self.handles[rank].inject_fault.remote(kind, count, generation))
+        ray.get(self.members.handles[rank].inject_fault.remote(kind, count, generation))
         self._plane().log("fault-armed", generation, f"{kind} x{count} on rank {rank}")
 
     def log(self, event: str, generation: int | None, detail: str) -> None:

@@ -29,10 +29,11 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_moe.ray.coordinator import DurableStore, coordinator_class, coordinator_name
+from ray_moe.ray.coordinator import coordinator_class, coordinator_name
+from ray_moe.ray.durable import DurableStore
+from ray_moe.ray.members import PG_PREFIX, pg_name, shard_bundle
 from ray_moe.ray.shard_actor import shard_actor_class
 from ray_moe.model.config import RuntimeConfig
-from ray_moe.placement.topology import NodeInfo, RankInfo, Topology
 from ray_moe.core.errors import (
     ConfigError,
     DeploymentExistsError,
@@ -41,16 +42,7 @@ from ray_moe.core.errors import (
     root_cause,
 )
 
-PG_PREFIX = "ray-moe-pg-"
 DEFAULT_START_TIMEOUT_S = 60.0
-
-
-def pg_name(deployment: str) -> str:
-    return f"{PG_PREFIX}{deployment}"
-
-
-def shard_bundle(cfg: RuntimeConfig) -> dict[str, float]:
-    return {"CPU": cfg.actor_cpus, **({"GPU": 1} if cfg.device == "cuda" else {})}
 
 
 # ================================================================ 1. validation (driver, no actors)
@@ -131,12 +123,15 @@ def wait_dead(handles: list[Any], timeout_s: float) -> list[Any]:
 
 
 def deployment_pgs(deployment: str) -> list[dict[str, Any]]:
-    """Placement groups (not removed) named after ``deployment``."""
+    """Placement groups (not removed) named after ``deployment``: the start's, and the one-bundle groups its
+    coordinator's loop created since (``<name>-rank<r>``)."""
     try:
         table = placement_group_table()
     except Exception:  # noqa: BLE001
         return []
-    return [p for p in table.values() if p.get("name") == pg_name(deployment) and p.get("state") != "REMOVED"]
+    name = pg_name(deployment)
+    return [p for p in table.values() if p.get("state") != "REMOVED"
+            and (p.get("name") == name or (p.get("name") or "").startswith(name + "-rank"))]
 
 
 def remove_pg_id(pg_id: str) -> None:
@@ -412,26 +407,6 @@ class Launch:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise self.failed(exc) from (root_cause(exc) if root_cause(exc) is not exc else exc)
-
-
-def topology_from_nodes(infos: Sequence[dict[str, Any]]) -> Topology:
-    """Ranks grouped by the Ray node their actor runs on; local rank in rank order; first rank relays."""
-    order: list[str] = []
-    for info in sorted(infos, key=lambda i: i["rank"]):
-        if info["node_id"] not in order:
-            order.append(info["node_id"])
-    names = {nid: f"node-{i}" for i, nid in enumerate(order)}
-    members: dict[str, list[int]] = {names[n]: [] for n in order}
-    ranks = []
-    for info in sorted(infos, key=lambda i: i["rank"]):
-        name = names[info["node_id"]]
-        local = len(members[name])
-        members[name].append(info["rank"])
-        ranks.append(RankInfo(rank=info["rank"], node_id=name, local_rank=local, intra_domain=f"{name}-fabric",
-                              nic=f"{name}-nic", nic_via_rank=None if local == 0 else members[name][0],
-                              ray_node_id=info["node_id"]))
-    nodes = tuple(NodeInfo(node_id=n, ranks=tuple(rs), relay_rank=rs[0]) for n, rs in members.items())
-    return Topology(version="topology-v0", ranks=tuple(ranks), nodes=nodes)
 
 
 __all__ = ["DEFAULT_START_TIMEOUT_S", "Launch", "claim_name", "deployment_pgs", "pg_name", "resource_report",

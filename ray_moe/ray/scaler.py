@@ -1,14 +1,14 @@
 # ======================================================================================================
-#  LOAD-DRIVEN SCALING (the driver side of a deployment)
+#  LOAD-DRIVEN SCALING: A POLICY OF THE COORDINATOR (ticked by its reconcile loop, ray/reconciler.py)
 #
-#   every tick_s: sample the signals (the generation loop's queue: oldest wait, waiting / running; steps/s;
-#   seconds since the last step with work) ──> control.scaling.decide (pure)
-#     ADD    ──> resources for one shard's bundle? yes: Runtime.add_rank() (new actor, regroup, EPLB onto it)
-#                no: on a cluster ray.autoscaler.sdk.request_resources(bundles=[bundle]) and wait for the next
-#                tick; locally the decision is recorded as no_resources
-#     REMOVE ──> Runtime.remove_rank(highest live rank): its slots evacuated under traffic, then regrouped away
+#   every tick_s: sample the signals (what the drivers' generation loops report: oldest wait, waiting / running;
+#   steps/s; seconds since the last step with work) ──> control.scaling.decide (pure)
+#     ADD    ──> room for one shard's bundle (a free bundle of the deployment, or free resources)? yes: a new target
+#                (one more rank) the loop converges to now; no: on a cluster
+#                ray.autoscaler.sdk.request_resources(bundles=[bundle]); locally recorded as no_resources
+#     REMOVE ──> a new target without the highest live rank: its slots evacuated under traffic, then regrouped away
 #     HOLD   ──> recorded
-#   while the healer replaces a dead rank the scaler holds its hand (the rank count is in flux)
+#   while the loop is not converged (a dead rank being replaced) the scaler holds its hand
 # ======================================================================================================
 """RankScaler: adds and removes ranks from the serving load (``RuntimeConfig.scaling``)."""
 
@@ -37,12 +37,13 @@ from ray_moe.driver.loop import LoopSignals
 
 @dataclass(frozen=True)
 class ScalerHooks:
-    """What the scaler reads and does, as callables (``RankScaler.for_runtime`` binds them to a Runtime; a test
+    """What the scaler reads and does, as callables (``RankScaler.for_reconciler`` binds them to the coordinator's
+    loop; a test
     may inject its own). ``sample``: the load now; ``ranks``: live rank ids; ``floor``: the fewest ranks allowed
     (``control.scaling.rank_floor``); ``add_rank() -> new rank``; ``remove_rank(rank)``; ``bundle``: one new
     shard's resources ({"CPU": c, "GPU": 1}); ``free``: the cluster's available resources; ``request``: ask the
     autoscaler for bundles (None: a local instance, nothing to ask); ``busy``: another change is under way
-    (the healer replacing a dead rank)."""
+    (the loop converging: a dead rank being replaced)."""
 
     sample: Callable[[], LoopSignals]
     ranks: Callable[[], list[int]]
@@ -79,33 +80,36 @@ class RankScaler:
             self._thread.start()
 
     @classmethod
-    def for_runtime(cls, rt: Any) -> "RankScaler":
-        """The scaler of ``rt`` (``RuntimeConfig.scaling``): the generation loop's queue when serving, else the
-        forward steps the driver books; a cluster that Ray did not start here is asked for resources."""
-        cfg = rt.cfg
+    def for_reconciler(cls, loop: Any, *, autoscale: bool = False) -> "RankScaler":
+        """The scaler of a deployment's coordinator (``RuntimeConfig.scaling``), ticked by its reconcile loop: the
+        signals are what the drivers' generation loops report (``DriverRoster.load``), a change asks the loop for a
+        new target (``Reconciler.ask_add`` / ``ask_remove``); ``autoscale``: a cluster Ray did not start here is
+        asked for the bundle when none is free."""
+        cfg = loop.cfg
 
         def sample() -> LoopSignals:
-            engine = rt._engine
-            if engine is not None:
-                return engine.signals()
-            return LoopSignals(waiting=0, running=0, oldest_wait_s=0.0, steps=int(rt.books.stats.steps),
-                               since_work_s=None)
+            x = loop.roster.load()
+            return LoopSignals(waiting=x.waiting, running=x.running, oldest_wait_s=x.oldest_wait_s, steps=x.steps,
+                               since_work_s=x.since_work_s)
 
         def floor() -> int:
             return rank_floor(cfg.scaling, num_experts=cfg.num_experts, num_layers=cfg.num_layers,
-                              slots_per_rank=cfg.slots_per_rank, floors=rt.floors())
-
-        def request(bundles: list[dict[str, float]]) -> None:
-            from ray.autoscaler.sdk import request_resources
-
-            request_resources(bundles=bundles)
+                              slots_per_rank=cfg.slots_per_rank, floors=loop.hooks.plane().floor_list())
 
         bundle = {"CPU": float(cfg.actor_cpus), **({"GPU": 1.0} if cfg.device == "cuda" else {})}
-        hooks = ScalerHooks(sample=sample, ranks=lambda: list(rt.group.peer_order), floor=floor,
-                            add_rank=rt.add_rank, remove_rank=rt.remove_rank, bundle=bundle,
-                            free=ray.available_resources, request=None if rt._owns_ray else request,
-                            busy=lambda: rt.healer is not None and rt.healer.healing)
-        return cls(cfg.scaling, hooks)
+
+        def free() -> dict[str, float]:  # a free bundle of the deployment's own counts as room
+            return dict(bundle) if loop.free_bundle() is not None else ray.available_resources()
+
+        hooks = ScalerHooks(sample=sample, ranks=lambda: list(loop.hooks.plane().group.peer_order), floor=floor,
+                            add_rank=lambda: loop.ask_add(set_by="scaler"),
+                            remove_rank=lambda r: loop.ask_remove(r, set_by="scaler"), bundle=bundle, free=free,
+                            request=request_bundles if autoscale else None, busy=lambda: not loop.converged)
+        return cls(cfg.scaling, hooks, start=False)
+
+    def status(self) -> dict[str, Any]:
+        """The policy and the decisions kept (``policy.history``) with their outcomes (JSON-able)."""
+        return {"policy": self.policy.model_dump(mode="json"), "events": list(self.events)}
 
     def close(self) -> None:
         self._stop.set()
@@ -189,10 +193,11 @@ class RankScaler:
                 self.events.append({"error": f"{type(exc).__name__}: {exc}"[:300], "t": self.clock()})
 
 
-def start_scaler(rt: Any) -> Any:
-    """Give ``rt`` (a ``ray_moe.Runtime``) its scaler when ``rt.cfg.scaling.enabled`` (``rt.scaler``, else None); returns ``rt``."""
-    rt.scaler = RankScaler.for_runtime(rt) if rt.cfg.scaling.enabled else None
-    return rt
+def request_bundles(bundles: list[dict[str, float]]) -> None:
+    """Ask a cluster's autoscaler for ``bundles`` (an empty list drops the standing request)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)
 
 
-__all__ = ["RankScaler", "ScalerHooks", "start_scaler"]
+__all__ = ["RankScaler", "ScalerHooks", "request_bundles"]

@@ -1,8 +1,10 @@
 """The step transport over a deployment's shard actors (``ray_moe.driver.transport.StepTransport``).
 
-It owns what a step needs to reach the ranks: the shard handles, the process group (members and epoch), the
-cached ACTIVE generation and the step ids; it regroups the exchange when a rank dies or the membership
-changes. The coordinator is asked only when a shard reports the cached generation stale.
+It holds what a step needs to reach the ranks, as the coordinator last said (``adopt`` of a ``MembershipView``):
+the shard handles, the process group (members and epoch), the topology, the cached ACTIVE generation; and the
+step ids. It never changes membership: a rank found dead is reported (``MembershipFollower.report_dead``) and the
+step runs again on the membership the coordinator's loop settles. The coordinator is asked for the generation
+only when a shard reports the cached one stale.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ import numpy as np
 import ray
 
 from ray_moe.core.errors import RankDeadError, StaleGenerationError, root_cause
-from ray_moe.core.types import ExchangeKind, Phase
+from ray_moe.core.types import Phase
 from ray_moe.driver.books import StepBooks
 from ray_moe.driver.transport import StepTransport
 from ray_moe.model.config import RuntimeConfig
-from ray_moe.placement.topology import ProcessGroupSpec
-from ray_moe.ray.remote import call
+from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.shard.records import StepRequest, StepResult
 
 
@@ -30,19 +31,34 @@ class RayTransport(StepTransport):
     they complete; a failed or dead rank releases its peers (``abort_step``) instead of letting them wait
     for the exchange watchdog. ``on_step(results, ranks, phase, tokens, ms)`` books a served step."""
 
-    def __init__(self, cfg: RuntimeConfig, coordinator: Any, shards: dict[int, Any], group: ProcessGroupSpec,
-                 books: StepBooks, on_step: Callable[..., None]) -> None:
+    def __init__(self, cfg: RuntimeConfig, coordinator: Any, view: Any, books: StepBooks,
+                 on_step: Callable[..., None]) -> None:
         super().__init__()
         self.cfg = cfg
         self.coordinator = coordinator
-        self.shards = shards
-        self.group = group
         self.books = books
         self.on_step = on_step
+        self.shards: dict[int, Any] = {}
+        self.group: ProcessGroupSpec | None = None
+        self.topology: Topology | None = None
         self.generation: int | None = None
+        self.epoch = -1
         self.lost_ranks: list[int] = []
-        self.on_lost: Callable[[Sequence[int]], None] | None = None  # told after dead ranks were removed
+        self.follower: Any = None  # the driver's MembershipFollower (joins on the first step, reports the dead)
         self._step_ids = itertools.count()
+        self.adopt(view)
+
+    def adopt(self, view: Any) -> None:
+        """The membership the coordinator settled (a ``MembershipView``); an older one than held is ignored."""
+        if view is None or view.epoch < self.epoch:
+            return
+        self.shards = dict(view.handles)
+        self.group = view.group
+        self.topology = view.topology
+        self.epoch = view.epoch
+        self.lost_ranks = list(view.lost)
+        if view.generation is not None:
+            self.generation = view.generation
 
     # ---------------------------------------------------------------- StepTransport
     def members(self) -> list[int]:
@@ -58,6 +74,8 @@ class RayTransport(StepTransport):
         return ray.get([self.shards[r].status.remote() for r in ranks]) if ranks else []
 
     def next_step(self, pinned: int | None = None) -> tuple[list[int], int, str]:
+        if self.follower is not None and not self.follower.stepping:
+            self.follower.join()  # (the caller holds the gate) every membership change waits for this driver now
         if self.generation is None:
             self.refresh_generation()
         gen = self.generation if pinned is None else pinned
@@ -106,12 +124,14 @@ class RayTransport(StepTransport):
             self.books.count("stale_retries")
             if pinned is not None:
                 raise exc
+            if attempt >= 2:  # still refused: this driver may have missed a membership change (evicted from a fence)
+                self.adopt(ray.get(self.coordinator.view.remote()))
             self.refresh_generation(backoff=attempt > 0)
             return
         dead = self.dead_ranks()
-        if not dead:
+        if not dead or self.follower is None:
             raise exc
-        self.handle_dead(dead)
+        self.follower.report_dead(dead)  # back once the coordinator regrouped them away
 
     def account(self, results: Mapping[int, StepResult], ranks: Sequence[int], phase: Phase, tokens: int,
                 ms: float) -> None:
@@ -142,26 +162,6 @@ class RayTransport(StepTransport):
                 return seen.pop()
 
     # ---------------------------------------------------------------- membership
-    def connect(self, group: ProcessGroupSpec) -> None:
-        """Build every member's exchange endpoint for ``group`` (NCCL ids through the coordinator)."""
-        handles = {r: self.shards[r] for r in group.peer_order}
-        if self.cfg.exchange_kind is ExchangeKind.NCCL:
-            first = handles[group.peer_order[0]]
-            uid, mid = call([first.nccl_unique_id.remote(), first.nccl_unique_id.remote()])
-            call(self.coordinator.put_nccl_id.remote(group.epoch, uid))
-            call([h.init_nccl.remote(uid, group.model_dump_json(), mid) for h in handles.values()])
-        elif self.cfg.exchange_kind is ExchangeKind.GLOO:
-            endpoint = call(handles[group.peer_order[0]].gloo_endpoint.remote())
-            call([h.init_gloo.remote(endpoint, group.model_dump_json()) for h in handles.values()])
-        else:
-            call([h.set_peers.remote(handles, group.model_dump_json()) for h in handles.values()])
-
-    def regroup(self, members: Sequence[int]) -> ProcessGroupSpec:
-        """A new process group (next epoch) over ``members``; their exchange endpoints are rebuilt."""
-        group = ProcessGroupSpec(group_id=self.group.group_id, peer_order=tuple(members), epoch=self.group.epoch + 1)
-        self.connect(group)
-        return group
-
     def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
         """Ranks of the current group whose actor no longer answers."""
         refs = {r: self.shards[r].ping.remote() for r in self.group.peer_order}
@@ -172,20 +172,6 @@ class RayTransport(StepTransport):
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 dead.append(r)
         return dead
-
-    def handle_dead(self, dead: Sequence[int]) -> None:
-        """A shard died mid-serving: regroup the survivors and publish a generation without the dead ranks
-        (experts left with no copy are rebuilt from the checkpoint, or the error names the expert)."""
-        survivors = [r for r in self.group.peer_order if r not in set(dead)]
-        group = self.regroup(survivors)
-        rep = call(self.coordinator.remove_ranks.remote(list(dead), group.model_dump_json()))
-        for r in dead:
-            self.shards.pop(r, None)
-        self.lost_ranks.extend(dead)
-        self.group = group
-        self.generation = rep["new_generation"]
-        if self.on_lost is not None:
-            self.on_lost(list(dead))
 
 
 def fetch_outputs(results: dict[int, StepResult], ranks: list[int]) -> list[np.ndarray]:

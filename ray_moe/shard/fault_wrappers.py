@@ -44,16 +44,17 @@ if TYPE_CHECKING:
 
 
 class ShardFault(str, Enum):
-    """Faults a shard can inject into its own data path (the ten of 0x0E are composed from these and from
-    control-path faults injected at the coordinator)."""
+    """Faults a shard can arm for its next steps (``ExpertShardActor.inject_fault``; the ten of 0x0E are composed
+    from these and from control-path faults injected at the coordinator). The one definition: the release client
+    and the rollback drill name these (``apps/release_client.py`` re-exports it)."""
 
-    COUNT = "count"
-    SCALE = "scale"
-    INVERSE = "inverse"
-    PARITY = "parity"
-    CRASH = "crash"
-    GRAPH_KEY = "graph_key"
-    HANG_COPY = "hang_copy"
+    COUNT = "count"  # peer route counts disagree (abort before payload exchange)
+    SCALE = "scale"  # FP8 scale count differs (reject payload before expert compute)
+    INVERSE = "inverse"  # corrupt inverse permutation (reject output before publish)
+    PARITY = "parity"  # runner output drifts from its reference (x1.01)
+    CRASH = "crash"  # the step raises while serving the generation
+    GRAPH_KEY = "graph_key"  # decode graph key differs (explicit eager fallback)
+    HANG_COPY = "hang_copy"  # an expert copy stalls past its deadline (a control-path fault: ``CONTROL_FAULTS``)
 
 
 #: faults of the control path: taken by the call they stall (``ShardFaults.stall``), never by a step

@@ -1,6 +1,6 @@
 """Shared fixtures of the app tests. ``serve_port``: one HTTP port for every ``ray-moe serve`` the app tests start:
 Serve keeps one HTTP address per Ray cluster (the tests share one), and ``run_server`` refuses a --host/--port the
-running Serve instance would not honour. ``serve_running``: runs ``run_server(args)`` on a thread until the API
+running Serve instance would not honour. ``serve_running``: runs ``run_server(args, config_fields=...)`` on a thread until the API
 answers ``/health`` (the replica started its generation loop), yields the base URL, then stops it. Every server
 these tests start records itself in a temporary state directory (``RAY_MOE_STATE_DIR``), never ``~/.ray-moe``."""
 
@@ -37,7 +37,7 @@ def serve_port() -> int:
 
 
 @contextlib.contextmanager
-def _serve_running(args: Any) -> Iterator[str]:
+def _serve_running(args: Any, config_fields: dict | None = None) -> Iterator[str]:
     import httpx
 
     from ray_moe.apps.server import run_server
@@ -47,7 +47,7 @@ def _serve_running(args: Any) -> Iterator[str]:
 
     def run():
         try:
-            run_server(args, ready=ready, stop=stop)
+            run_server(args, ready=ready, stop=stop, config_fields=config_fields)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
             ready.set()
@@ -71,5 +71,5 @@ def _serve_running(args: Any) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def serve_running() -> Callable[[Any], ContextManager[str]]:
+def serve_running() -> Callable[..., ContextManager[str]]:
     return _serve_running

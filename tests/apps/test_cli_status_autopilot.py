@@ -121,3 +121,27 @@ def test_operation_lines_show_the_stage_in_flight_and_an_abort():
     assert lines[1].startswith("  ABORTED  rebalance (generation 4) at stage copy after 2.25s, rank(s) [2] did not "
                                "answer: StageDeadlineError: stage copy of generation 4 passed its 2s deadline")
     assert cli.operation_lines(None) == [] and cli.autopilot_lines(None) == []
+
+
+def test_members_lines_say_the_target_each_rank_and_what_healed():
+    from ray_moe.apps.status_lines import members_lines
+
+    ctl = {"target": {"ranks": 2, "remove": [], "version": 3, "set_by": "healer", "reason": "rank 1 lost"},
+           "converged": False,
+           "members": {"0": {"state": "live", "bundle": ["abcdef0123", 0], "node": "n0aaaaaaaa", "replaces": None},
+                       "1": {"state": "gone", "died": True, "bundle": ["abcdef0123", 1], "node": "n1bbbbbbbb",
+                             "replaces": None},
+                       "2": {"state": "live", "bundle": ["abcdef0123", 1], "node": "n1bbbbbbbb", "replaces": 1}},
+           "healer": {"retries": 2, "healing": [], "events": [{"lost": 1, "replacement": 2, "attempts": 1,
+                                                                "seconds": 4.2}]},
+           "scaler": {"policy": {"min_ranks": 1, "max_ranks": 3},
+                      "events": [{"action": "add", "reason": "queue_wait", "rank": 3, "done": True},
+                                 {"action": "hold", "reason": "cooldown"}]}}
+    assert members_lines(ctl) == [
+        "target: 2 ranks (version 3, set by healer: rank 1 lost); converging",
+        "  rank 0: live, bundle 0 of abcdef01, node n0aaaaaa",
+        "  rank 1: gone (died), bundle 1 of abcdef01, node n1bbbbbb",
+        "  rank 2: live, bundle 1 of abcdef01, node n1bbbbbb, replaced rank 1",
+        "healing: 2 attempts per lost rank; last: rank 1 -> 2 in 4.2s",
+        "scaling: 1..3 ranks; last change: add (queue_wait), rank 3"]
+    assert members_lines(None) == [] and members_lines({"eplb": {}}) == []

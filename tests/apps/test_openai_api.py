@@ -275,9 +275,14 @@ def test_penalties_change_the_output_as_transformers_does_and_ignore_eos_runs_to
 
 
 def test_serve_refuses_a_host_port_the_running_serve_would_not_honour(server):
+    import socket
+
     _, _, _, args = server
-    other = argparse.Namespace(**{**vars(args), "port": args.port + 1, "name": "http-bl-2"})
-    with pytest.raises(ConfigError, match=rf"listening on 127\.0\.0\.1:{args.port}.*--port {args.port + 1}"):
+    with socket.socket() as s:  # a free port (port + 1 may be anyone's on a shared machine)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    other = argparse.Namespace(**{**vars(args), "port": port, "name": "http-bl-2"})
+    with pytest.raises(ConfigError, match=rf"listening on 127\.0\.0\.1:{args.port}.*--port {port}"):
         run_server(other, ready=threading.Event(), stop=threading.Event())
     bad = argparse.Namespace(**{**vars(args), "api_key_file": "/nonexistent/key", "name": "http-bl-3"})
     with pytest.raises(ConfigError, match="api-key-file"):

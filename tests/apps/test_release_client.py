@@ -79,7 +79,10 @@ def test_arguments_are_refused_before_the_actor():
         client.register({"release_id": "x"})
     with pytest.raises(ValueError):
         ReleaseClient(None)
-    assert [k.value for k in ShardFault] == ["count", "scale", "inverse", "parity", "crash", "graph_key"]
+    assert [k.value for k in ShardFault] == ["count", "scale", "inverse", "parity", "crash", "graph_key", "hang_copy"]
+    from ray_moe.shard.fault_wrappers import ShardFault as Shards
+
+    assert ShardFault is Shards  # one definition: what the client arms is what the shard takes
 
 
 def test_candidate_stage_promote_and_roll_back(rt):

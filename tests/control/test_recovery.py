@@ -106,7 +106,7 @@ def test_restore_gives_back_generations_digests_floors_and_next_id():
     g1 = p.scale(3, 2).new_generation
     g2 = p.apply(p.propose_rebalance(), reason="rebalance").new_generation
     before = {"active": p.active_generation(), "states": p.generation_states(), "digests": dict(p.digests),
-              "manifest": p.manifest().content_digest(), "floors": p.floor_list(), "next": p._next_generation}
+              "manifest": p.manifest().content_digest(), "floors": p.floor_list(), "next": p.next_generation}
     assert (g1, g2) == (1, 2) and before["floors"] == [{"layer": 0, "expert": 3, "replicas": 2},
                                                         {"layer": 1, "expert": 3, "replicas": 2}]
     p.record_load(LOAD * 2, phase="prefill", generation=2)
@@ -117,7 +117,7 @@ def test_restore_gives_back_generations_digests_floors_and_next_id():
     assert q.digests == before["digests"]
     assert q.manifest().content_digest() == before["manifest"]
     assert q.floor_list() == before["floors"]
-    assert q._next_generation == before["next"] == 3
+    assert q.next_generation == before["next"] == 3
     assert np.array_equal(q.load.snapshot().weight, window)  # the window's sum: the same EPLB input
     assert q.rebuild_report["abandoned"] == [] and q.op is None
     assert q.timeline()[-1].event == "rebuild"

@@ -88,6 +88,12 @@ def test_status_json(deployed, capsys):
     assert set(body["shards"]) == {"0", "1", "2"}
     assert all(sh["steps"] >= 6 and sh["generate_steps"] == 0 and sh["capture_error"] is None
                for sh in body["shards"].values())
+    # the coordinator's target and members: three live ranks, each in its bundle of the start's placement group
+    m = body["members"]
+    assert m["target"]["ranks"] == 3 and m["target"]["set_by"] == "start" and m["converged"]
+    assert {r: x["state"] for r, x in m["members"].items()} == {"0": "live", "1": "live", "2": "live"}
+    assert [x["bundle"][1] for x in m["members"].values()] == [0, 1, 2]
+    assert m["healer"]["retries"] == 0 and m["scaler"] is None
 
 
 def test_status_table(deployed, capsys):
@@ -95,6 +101,8 @@ def test_status_table(deployed, capsys):
     out = capsys.readouterr().out
     assert "ACTIVE" in out and "moe_remote_route_ratio" in out and "publish" in out
     assert "rank 2:" in out and "no generation" in out and "CAPTURE FAILED" not in out
+    assert "target: 3 ranks (version 0, set by start: start); converged" in out
+    assert "  rank 1: live, bundle 1 of " in out and "healing: off" in out
 
 
 def test_scale_and_rebalance_commands(deployed, capsys):

@@ -328,7 +328,7 @@ def test_shutdown_frees_actors_gpus_and_name(ray_session):
     n = min(2, torch.cuda.device_count())
     rt = _start(num_ranks=n, slots_per_rank=8, num_layers=1, dtype="bfloat16", name="gpu-teardown")
     handles = list(rt.shards.values())
-    pg_id = rt._pg.id.hex()
+    pg_id = rt.members()["members"]["0"]["bundle"][0]  # the start's placement group (rank 0 in its bundle 0)
     assert ray.get([h.ping.remote() for h in handles]) == list(range(n))
     _check(rt, 4, 1, "decode", BF16_TOL)
     rt.shutdown()

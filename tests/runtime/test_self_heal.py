@@ -1,5 +1,7 @@
-"""A killed shard is replaced without an operator (``heal_retries``): traffic keeps flowing with correct
-outputs, the deployment is back to full strength (a new rank hosting slots), nothing lost."""
+"""A killed shard is replaced without an operator (``heal_retries``: the coordinator's healer keeps the target's
+rank count, its reconcile loop starts the replacement): traffic keeps flowing with correct outputs, the deployment is
+back to full strength (a new rank hosting slots, in the dead rank's own placement-group bundle), nothing lost. With
+healing off (the library's default) the deployment runs one rank short, and the start said so."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def test_killed_shard_is_replaced_under_traffic(ray_session):
         time.sleep(1.0)
         ray.kill(rt.shards[2])
         deadline = time.time() + 90
-        while not any("replacement" in e for e in rt.healer.events) and time.time() < deadline and not errors:
+        while not any("replacement" in e for e in rt.heal_events()) and time.time() < deadline and not errors:
             time.sleep(0.2)
         before = steps[0]
         time.sleep(1.0)  # traffic on the healed deployment
@@ -59,11 +61,14 @@ def test_killed_shard_is_replaced_under_traffic(ray_session):
         th.join(timeout=60)
     try:
         assert not errors, errors
-        healed = [e for e in rt.healer.events if "replacement" in e]
-        assert healed and healed[0]["lost"] == 2, list(rt.healer.events)
+        healed = [e for e in rt.heal_events() if "replacement" in e]
+        assert healed and healed[0]["lost"] == 2, rt.heal_events()
         new = healed[0]["replacement"]
         assert rt.lost_ranks == [2]
         assert sorted(rt.group.peer_order) == sorted([0, 1, new]) and len(rt.group.peer_order) == 3
+        members = rt.members()["members"]
+        assert members[str(new)]["bundle"] == members["2"]["bundle"]  # the dead rank's bundle, its node alive
+        assert members[str(new)]["replaces"] == 2 and members["2"]["state"] == "gone" and members["2"]["died"]
         # full strength: load was observed, so the regroup rebalanced onto the new rank
         assert rt.placement().rank_slots(new), rt.placement()
         assert worst[0] < 1e-4 and after > before, (worst, before, after)
@@ -102,12 +107,39 @@ def test_generation_through_a_healed_kill_is_token_equal(ray_session, tmp_path):
         th.join(timeout=300)
         assert out["t"] == want  # nothing lost or duplicated through the kill
         deadline = time.time() + 90
-        while not any("replacement" in e for e in rt.healer.events) and time.time() < deadline:
+        while not any("replacement" in e for e in rt.heal_events()) and time.time() < deadline:
             time.sleep(0.2)
-        healed = [e for e in rt.healer.events if "replacement" in e]
-        assert healed and healed[0]["lost"] == 1, list(rt.healer.events)
+        healed = [e for e in rt.heal_events() if "replacement" in e]
+        assert healed and healed[0]["lost"] == 1, rt.heal_events()
+        deadline = time.time() + 30  # (this driver follows the membership within a poll)
+        while healed[0]["replacement"] not in rt.group.peer_order and time.time() < deadline:
+            time.sleep(0.1)
         assert len(rt.group.peer_order) == 3 and healed[0]["replacement"] in rt.group.peer_order
         assert rt.generate(prompts, max_new_tokens=12) == want  # on the healed group (the new rank loads the model)
         assert healed[0]["replacement"] in engine.scheduler.ranks
+    finally:
+        rt.shutdown()
+
+
+def test_healing_off_is_said_at_start_and_the_target_follows_the_loss(ray_session, caplog):
+    """The library's default (``heal_retries=0``; ``ray-moe serve`` heals twice): the start says healing is off, and a
+    killed shard is left out: the healer lowers the target (3 ranks -> 2, with the reason) and traffic goes on."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="ray_moe"):
+        rt = ray_moe.Runtime.start(ray_moe.RuntimeConfig(**{**BASE, "name": "heal-off", "heal_retries": 0}))
+    try:
+        assert any("healing is off (heal_retries=0)" in r.getMessage() and "'heal-off'" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        src = weight_source(rt.cfg)
+        assert _step(rt, src, 0) < 1e-4
+        ray.kill(rt.shards[1])
+        assert _step(rt, src, 1) < 1e-4  # the step finds rank 1 dead, runs again on the survivors
+        assert sorted(rt.group.peer_order) == [0, 2] and rt.lost_ranks == [1]
+        m = rt.members()
+        assert m["target"]["ranks"] == 2 and m["target"]["set_by"] == "healer" and "healing is off" in m["target"]["reason"]
+        assert rt.heal_events() == [{"lost": 1, "left_out": True, "reason": "healing is off (heal_retries=0)"}]
+        time.sleep(2.5)  # a health check later: still two ranks, nothing started
+        assert sorted(rt.members()["group"]) == [0, 2] and rt.members()["converged"]
     finally:
         rt.shutdown()

@@ -292,7 +292,7 @@ def test_coordinator_restart_under_traffic_and_driver_reattach(ray_session):
             capture_output=True, text=True, timeout=180, cwd=REPO,
             env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_MOE_NAMESPACE": ctx.namespace,
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
-        assert child.returncode == 0, child.stderr[-2000:]
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
         child_gen, child_err = child.stdout.split()[-2:]
         assert int(child_gen) == gen + 1 and float(child_err) < 1e-4
         assert _check(rt2, src, 1002) < 1e-4  # the first driver keeps serving after the other one left

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ray_moe.apps.drill import probes
+from ray_moe.apps.drill.probes import bundle_faults, data_path_faults, stale_handle
 from ray_moe.apps.drill.context import DrillContext, DrillRelease
 from ray_moe.apps.drill.progress import Progress
 from ray_moe.apps.drill.releases import (
@@ -64,9 +64,9 @@ class Drill:
         return (
             ("warm up and publish under traffic", self.step_warmup),
             ("register the initial release", self.step_initial_release),
-            ("stale handle (fault 5)", lambda: probes.stale_handle(self.ctx)),
-            ("bundle and schedule faults (1, 2, 9)", lambda: probes.bundle_faults(self.ctx)),
-            ("data-path faults (3, 4, 7, 6)", lambda: probes.data_path_faults(self.ctx)),
+            ("stale handle (fault 5)", lambda: stale_handle(self.ctx)),
+            ("bundle and schedule faults (1, 2, 9)", lambda: bundle_faults(self.ctx)),
+            ("data-path faults (3, 4, 7, 6)", lambda: data_path_faults(self.ctx)),
             ("parity-faulted candidate (fault 8)", self.step_parity_candidate),
             ("rollback rehearsal (fault 10 for the gate)", self.step_rehearsal),
             ("healthy candidate: shadow, canary, gate", self.step_candidate),
