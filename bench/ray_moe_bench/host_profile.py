@@ -130,7 +130,7 @@ def instrument(clock: PhaseClock, standins: bool = True) -> None:
     phase ``replay_copy``)."""
     import ray_moe.model.attention as attn
     import ray_moe.model.paged_decode as paged
-    import ray_moe.shard.generation as gen
+    import ray_moe.shard.token_steps as gen
     import ray_moe.shard.graph_runner as graph_runner
     import ray_moe.shard.pipeline as pipeline
     from ray_moe.model.host import ModelHost
@@ -152,7 +152,7 @@ def instrument(clock: PhaseClock, standins: bool = True) -> None:
         attn.flash_varlen = attn.sequence_reference
         paged.paged_decode = paged.paged_decode_reference
     # 2. the phases
-    ex = gen.GenerationExecutor
+    ex = gen.TokenStepExecutor
     full, pieces = (EagerCapture, EagerPiecewise) if standins else (CapturedStep, PiecewiseGraph)
     for owner, name, phase in [
             (ex, "_launch", "launch"), (ex, "_launch_one", "launch_one"), (StepBatcher, "_resolve", "resolve"),

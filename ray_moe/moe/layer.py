@@ -61,7 +61,7 @@ def run_experts(runner: ExpertRunner, out: DispatchOutput, weights: SlotWeights 
 
 
 @dataclass(frozen=True)
-class GenerationView:
+class PlacementView:
     """What a step needs of one pinned generation: a snapshot and this rank's stacked weights per layer."""
 
     generation: int
@@ -78,7 +78,7 @@ class MoEStep:
     row_valid: [T] bool or None; rows marked False are padding of a static-shape step (route id -1)
     """
 
-    def __init__(self, *, rank: int, view: GenerationView, dispatcher: Dispatcher, runner: ExpertRunner,
+    def __init__(self, *, rank: int, view: PlacementView, dispatcher: Dispatcher, runner: ExpertRunner,
                  dtype: torch.dtype, hidden_size: int, tag: str, status: ControlStatus = ControlStatus.OK,
                  path: str | None = None, fallback_reason: str | None = None,
                  row_valid: torch.Tensor | None = None) -> None:
@@ -185,7 +185,7 @@ class MoEStep:
         return self.finish(np.sum(summaries, axis=0), verify=False)
 
 
-__all__ = ["LayerStats", "MoEStep", "GenerationView", "RouteRecorder", "SplitMoE", "expert_counts", "layer_stats",
+__all__ = ["LayerStats", "MoEStep", "PlacementView", "RouteRecorder", "SplitMoE", "expert_counts", "layer_stats",
            "merge_layer_stats", "run_experts"]
 
 

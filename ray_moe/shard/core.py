@@ -40,7 +40,7 @@ from ray_moe.moe.experts.runners.fp8 import fast_path_reason
 from ray_moe.moe.experts.weights import ExpertWeights, WeightSource, parse_dtype
 from ray_moe.moe.router import Router
 from ray_moe.model.routers import checkpoint_router
-from ray_moe.moe.layer import GenerationView
+from ray_moe.moe.layer import PlacementView
 from ray_moe.placement.manifest import PlacementManifest
 from ray_moe.placement.registry import GenerationRegistry
 from ray_moe.placement.selector import make_selector
@@ -49,14 +49,14 @@ from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.core.types import GenerationState
 
 if TYPE_CHECKING:
-    from ray_moe.shard.generation import GenerationExecutor
+    from ray_moe.shard.token_steps import TokenStepExecutor
     from ray_moe.shard.pending import PendingStep
 
 
 @dataclass
 class _Generation:
     manifest: PlacementManifest
-    view: GenerationView
+    view: PlacementView
     keys: frozenset[Key] = field(default_factory=frozenset)
 
 
@@ -95,7 +95,7 @@ class ShardCore:
         self._candidates: set[int] = set()
         self._candidate_pins: dict[int, int] = {}
         self._staging = PinnedStaging()
-        self.generator: "GenerationExecutor | None" = None  # the hosted model (load_model)
+        self.generator: "TokenStepExecutor | None" = None  # the hosted model (load_model)
         self._order = StepOrder()  # steps run in launch order (a request names the one it follows)
         self._gen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ray-moe-gen-r{rank}")
         self._gen_slots = threading.BoundedSemaphore(2)
@@ -166,7 +166,7 @@ class ShardCore:
             weights, keys = self.store.stack(manifest)  # verifies every slot's parameter digest
             if manifest.generation not in self._gens:
                 self.registry.register(manifest)
-            view = GenerationView(manifest.generation, snaps, weights)
+            view = PlacementView(manifest.generation, snaps, weights)
             self._gens[manifest.generation] = _Generation(manifest, view, keys)
             return {"rank": self.rank, "generation": manifest.generation, "slots": sum(
                 w.num_slots for w in weights if w is not None), "verified": True}
@@ -313,7 +313,7 @@ class ShardCore:
         return self._expert_only_step(req, t0, publish)
 
     @contextmanager
-    def _pinned(self, generation: int, step_id: str) -> Iterator[tuple[ControlStatus, GenerationView, DataPaths]]:
+    def _pinned(self, generation: int, step_id: str) -> Iterator[tuple[ControlStatus, PlacementView, DataPaths]]:
         """Pin ``generation`` for one step (exact refcount) and yield (status, view, the step's data paths
         with any fired fault installed). A refused generation still yields a view (the active one) so the
         rank takes part in the step's first control round and every peer aborts together."""
@@ -387,19 +387,19 @@ class ShardCore:
         config dict ``random_model``); routed experts stay this shard's slots. ``fused_kernels``: the model's
         RMSNorm layers and rotary embedding take fused kernels on CUDA (``models.norms``, ``models.rotary``).
         ``attention``: an ``AttentionBackend`` value. ``kv_tokens`` None: the cache is sized from the memory
-        ``memory_fraction`` of the GPU leaves after the weights (``GenerationExecutor.load``). ``prefix_caching``:
+        ``memory_fraction`` of the GPU leaves after the weights (``TokenStepExecutor.load``). ``prefix_caching``:
         KV blocks of identical prompt prefixes shared (``shard/prefix.py``). ``rank_running`` / ``step_tokens``:
         the deployment's step lattice (``shard/lattice.py``: sequences per rank, prompt tokens per step; the
         decode bucket follows the running sequences unless the config names its capacity), captured by
         ``prepare_steps``. Returns the model's limits and how each step kind runs here."""
-        from ray_moe.shard.generation import GenerationExecutor
+        from ray_moe.shard.token_steps import TokenStepExecutor
         from ray_moe.shard.lattice import StepLattice
 
         lattice = None if rank_running is None or step_tokens is None else StepLattice.build(rank_running, step_tokens)
         with self._step_lock:
             if self.generator is None:
                 cfg = self.cfg
-                self.generator = GenerationExecutor.load(
+                self.generator = TokenStepExecutor.load(
                     self.rank, checkpoint=cfg.checkpoint, random_model=random_model, num_layers=cfg.num_layers,
                     hidden_size=cfg.hidden_size, top_k=cfg.top_k, seed=cfg.seed, device=self.device,
                     dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels,
@@ -485,7 +485,7 @@ class ShardCore:
         stack.close()  # the generation's pin is released with the step
         return res
 
-    def _decode_key(self, view: GenerationView) -> int:
+    def _decode_key(self, view: PlacementView) -> int:
         return self.decode_keys(view, self.paths.bucket)
 
     def _any_generation(self) -> _Generation | None:

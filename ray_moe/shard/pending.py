@@ -132,7 +132,7 @@ class MultiPending:
 
     def __init__(self, req: StepRequest, parts: list[PendingStep]) -> None:
         self.req, self.parts = req, parts
-        for p in parts[:-2]:  # a rank keeps the last two samples of a sequence (``GenerationExecutor.sampled``)
+        for p in parts[:-2]:  # a rank keeps the last two samples of a sequence (``TokenStepExecutor.sampled``)
             p.remember = False
 
     @property

@@ -4,7 +4,7 @@
 #   ShardCore.step(StepRequest): the declared StepKind checked ──> its turn (the step it follows launched)
 #   ──> pin the generation (exact refcount) ──> faults armed? wrap the step's components
 #   ──> the front the kind names: EXPERT_ONLY: StepExecutor (hidden + routes in, hidden out) or
-#       GENERATION: GenerationExecutor (token ids in, sampled token ids out, the model host around the MoE layers)
+#       GENERATION: TokenStepExecutor (token ids in, sampled token ids out, the model host around the MoE layers)
 #   ──> StepPipeline, the one sequence both fronts take for a step with a decode unit:
 #       1. ONE agreed decode round (generation, epoch, digest, status, tokens, bucket key, graphs ready)
 #          ──> the bucket path (agreed token cap) or a named fallback to the normal dispatcher
@@ -47,7 +47,7 @@ from ray_moe.moe.decode.graphs import (
     decode_round,
     generation_digest,
 )
-from ray_moe.moe.layer import GenerationView, MoEStep
+from ray_moe.moe.layer import PlacementView, MoEStep
 from ray_moe.moe.stats import LayerStats
 from ray_moe.shard.records import StepRequest
 from ray_moe.core.types import DispatchPath, Phase
@@ -109,7 +109,7 @@ class DecodeKeys:
         self.cfg, self.dtype = cfg, dtype
         self._keys: dict[int, int] = {}
 
-    def __call__(self, view: GenerationView, bucket: BucketDispatcher) -> int:
+    def __call__(self, view: PlacementView, bucket: BucketDispatcher) -> int:
         key = self._keys.get(view.generation)
         if key is None:
             cfg = self.cfg
@@ -179,7 +179,7 @@ class StepPipeline:
         return "; ".join(f"{u}: {e}" for u, e in sorted(self.capture_errors.items())) or None
 
     # 1. ------------------------------------------------------------ the decode round
-    def agree_decode(self, exchange: Exchange, view: GenerationView, status: ControlStatus, tokens: int, key: int,
+    def agree_decode(self, exchange: Exchange, view: PlacementView, status: ControlStatus, tokens: int, key: int,
                      token_cap: int, tag: str, *, ready: int = 0, local_error: Exception | None = None):
         """This rank's decode record against every peer's (one all-gather) -> the agreed ``DecodeDecision``:
         the bucket's token cap, whether every rank holds the graph (``ready``: this rank's mask of captured
@@ -235,7 +235,7 @@ class StepExecutor:
 
     def __init__(self, rank: int, *, dtype: torch.dtype, hidden_size: int, num_layers: int, residual: bool,
                  device: torch.device, router: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                 decode_key: Callable[[GenerationView], int], pipeline: StepPipeline | None = None) -> None:
+                 decode_key: Callable[[PlacementView], int], pipeline: StepPipeline | None = None) -> None:
         self.rank = rank
         self.dtype = dtype
         self.hidden_size = hidden_size
@@ -251,7 +251,7 @@ class StepExecutor:
         self.counters[key] = self.counters.get(key, 0) + n
 
     # ------------------------------------------------------------------ entry
-    def run(self, req: StepRequest, view: GenerationView, paths: DataPaths, status: ControlStatus,
+    def run(self, req: StepRequest, view: PlacementView, paths: DataPaths, status: ControlStatus,
             marks: Marks) -> tuple[torch.Tensor, tuple[LayerStats, ...], list]:
         """(output [T, d] on the device, layer statistics, routes used when asked) of an expert-only request."""
         inp = req.input

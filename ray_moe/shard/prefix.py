@@ -68,7 +68,7 @@ class ShardPrefixes:
 
     def trim(self, kv: PagedKVCache, items: Sequence[WorkItem], fills: list) -> PrefixTrim:
         """Steps 1 and 2 for the step's (resolved) ``items``; ``fills``: (item index, tensor, index) of deferred
-        tokens still on the device (``GenerationExecutor._resolve``), re-indexed to the cut items."""
+        tokens still on the device (``TokenStepExecutor._resolve``), re-indexed to the cut items."""
         if not self.enabled or not any(_prefill(it) for it in items):
             return PrefixTrim(tuple(items), fills, {}, 0)
         B = kv.block_size

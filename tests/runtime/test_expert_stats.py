@@ -95,7 +95,7 @@ def test_unmarked_requests_record_nothing(tmp_path, eager_capture, monkeypatch, 
     recorded, reduced = [], []
     real_rec, real_red = RouteRecorder.__init__, expert_counts
     monkeypatch.setattr(RouteRecorder, "__init__", lambda self, *a, **k: (recorded.append(1), real_rec(self, *a, **k))[1])
-    from ray_moe.shard import generation
+    from ray_moe.shard import token_steps as generation
 
     monkeypatch.setattr(generation, "expert_counts", lambda *a: (reduced.append(1), real_red(*a))[1])
     handles, steps, _ = _run(dep, [(p, SamplingParams(max_new_tokens=5, ignore_eos=True)) for p in _prompts(1, (4, 11))],

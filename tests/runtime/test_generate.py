@@ -56,7 +56,7 @@ def test_pipelined_generation_feeds_deferred_tokens_and_stays_token_equal(tmp_pa
 def test_a_deferred_token_never_sampled_is_refused_on_every_rank(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from ray_moe.shard.generation import DeferredTokenError
+    from ray_moe.shard.token_steps import DeferredTokenError
 
     from ray_moe.shard.records import GenerationInput, StepKind, StepRequest, WorkItem
 
@@ -519,21 +519,21 @@ def test_other_families_stay_token_equal_across_rebalance_and_scale(ray_session,
 def test_a_multi_step_request_agrees_its_decode_path_once(tmp_path, monkeypatch):
     """Every rank agrees the generation, the path and the token bucket once per request: the sub-steps after
     the first take no control round of their own (one round per call, however many sub-steps)."""
-    import ray_moe.shard.generation as engine
+    import ray_moe.shard.token_steps as engine
     import ray_moe.shard.pipeline as pipeline
 
     model, folder = tiny_model("mixtral", tmp_path / "m")
     model.eval()
     dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=2, decode_token_capacity=8))
     rounds, calls = [], []
-    real_round, real_launch = pipeline.decode_round, engine.GenerationExecutor.launch
+    real_round, real_launch = pipeline.decode_round, engine.TokenStepExecutor.launch
     monkeypatch.setattr(pipeline, "decode_round", lambda *a, **k: rounds.append(1) or real_round(*a, **k))
 
     def launch(self, req, *a, **k):
         calls.append((req.input.units[1], req.input.steps))
         return real_launch(self, req, *a, **k)
 
-    monkeypatch.setattr(engine.GenerationExecutor, "launch", launch)
+    monkeypatch.setattr(engine.TokenStepExecutor, "launch", launch)
     prompts = _prompts(15, (5, 9, 3, 7))
     assert generate_inprocess(dep, prompts, 10, decode_steps=4) == _reference(model, prompts, 10)
     decode_calls = [steps for want_decode, steps in calls if want_decode]

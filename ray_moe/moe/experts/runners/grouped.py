@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from ray_moe.moe.experts.runners import skinny
+import ray_moe.moe.experts.runners.skinny as skinny
 from ray_moe.moe.experts.runners.base import ExpertRunner, RunnerLedger, down_operand, gate_up_operands, swiglu_act
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.core.types import RunnerKind

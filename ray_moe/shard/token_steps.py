@@ -35,7 +35,7 @@ from ray_moe.model.sampling import logprobs_tensor, sample_tensor
 from ray_moe.moe.decode.admission import FallbackReason
 from ray_moe.moe.dispatch.bucket import token_buckets
 from ray_moe.moe.dispatch.protocol import ControlStatus
-from ray_moe.moe.layer import GenerationView, MoEStep, RouteRecorder, SplitMoE, expert_counts
+from ray_moe.moe.layer import PlacementView, MoEStep, RouteRecorder, SplitMoE, expert_counts
 from ray_moe.shard.graph_runner import RunKind, StepGraphRunner
 from ray_moe.shard.lattice import StepLattice
 from ray_moe.shard.pending import GraphPending, MultiPending, PendingStep
@@ -52,7 +52,7 @@ WORKSPACE_SHARE = 0.05
 CPU_KV_TOKENS = 8192  # kv_tokens=None on a CPU: no device memory to size from
 
 
-class GenerationExecutor:
+class TokenStepExecutor:
     """Runs generation steps for one shard over its ModelHost: the batch stage (``batcher``), the captured
     step shapes (``graph_runner``), the forward, sampling and the pending step."""
 
@@ -80,7 +80,7 @@ class GenerationExecutor:
              top_k: int, seed: int, device: torch.device, dtype: torch.dtype, kv_tokens: int | None,
              block_size: int, fused_kernels: bool = True, attention: AttentionBackend = AttentionBackend.AUTO,
              memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline: StepPipeline | None = None,
-             prefix_caching: bool = True) -> "GenerationExecutor":
+             prefix_caching: bool = True) -> "TokenStepExecutor":
         """A shard's model: the non-expert modules (transformers classes) from ``checkpoint``, or seeded random
         ones of the transformers config dict ``random_model`` (benchmarks). Routed experts stay the shard's
         slots. ``num_layers`` must equal the model's MoE layer count. ``fused_kernels``: the model's RMSNorm layers
@@ -155,13 +155,13 @@ class GenerationExecutor:
                                     local=bucket is not None and bucket.mode is DispatchMode.LOCAL, why_not=why,
                                     decode_cap=bucket.max_token_cap if bucket is not None else 1)
 
-    def capture(self, view: GenerationView, paths: Any, *, at_start: bool) -> dict[str, Any]:
+    def capture(self, view: PlacementView, paths: Any, *, at_start: bool) -> dict[str, Any]:
         """Capture the lattice of ``view``'s generation (every rank of the group at once: a decode warm-up of
         an expert-parallel group exchanges); returns what it took."""
         rep = self.graph_runner.capture(view.generation, paths, self._context_factory(view, paths), at_start=at_start)
         return vars(rep)
 
-    def _context_factory(self, view: GenerationView, paths: Any):
+    def _context_factory(self, view: PlacementView, paths: Any):
         def make(row_valid: torch.Tensor, dispatcher: Any, tag: str) -> MoEStep:
             label = "local-graph" if dispatcher.mode is DispatchMode.LOCAL and row_valid.numel() else "bucket-graph"
             return MoEStep(rank=self.rank, view=view, dispatcher=dispatcher, runner=paths.runner, dtype=self.dtype,
@@ -174,7 +174,7 @@ class GenerationExecutor:
         return self.pipeline.graphs
 
     # ------------------------------------------------------------------ launch
-    def launch(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+    def launch(self, req: StepRequest, view: PlacementView, paths: Any, status: ControlStatus,
                decode_key: int) -> "PendingStep | MultiPending":
         """Run a step up to its sampled tokens. A graph step of a group of one returns with its graph (and
         sampling) still running on the device: the next step can be launched before this one is completed
@@ -199,7 +199,7 @@ class GenerationExecutor:
                                f"({held:.1f} GiB still allocated): {str(exc).splitlines()[0][:200]}",
                                rank=self.rank, step_id=req.step_id)
 
-    def _launch(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+    def _launch(self, req: StepRequest, view: PlacementView, paths: Any, status: ControlStatus,
                 decode_key: int) -> "PendingStep | MultiPending":
         work = req.input
         if work.steps == 1:
@@ -241,7 +241,7 @@ class GenerationExecutor:
         start, self._start = self._start, None
         return start
 
-    def _launch_one(self, req: StepRequest, view: GenerationView, paths: Any, status: ControlStatus,
+    def _launch_one(self, req: StepRequest, view: PlacementView, paths: Any, status: ControlStatus,
                     decode_key: int, agreed: Any = None, ahead: int = 1) -> "PendingStep":
         """One step (or sub-step). ``agreed``: the decode decision of the request's first sub-step (the
         generation, the path and the token bucket hold for every sub-step: no control round of its own).
@@ -361,7 +361,7 @@ class GenerationExecutor:
                                lambda inp: self.graph_runner.piecewise(view.generation, rows, inp, plan))
         return launch(staged, [it.sample for it in sampled_items(batch.items)])
 
-    def _sampler(self, items: tuple[WorkItem, ...], view: GenerationView, run):
+    def _sampler(self, items: tuple[WorkItem, ...], view: PlacementView, run):
         """``launch(inputs, specs, greedy=False) -> GraphPending``: ``run(inputs)`` (a replay: ((logits, device
         summary, routes), MoEStep)), then sampling on the device and the outputs' host copies queued right behind
         (the marked items' expert counts, reduced from the routes on the device, too)."""
@@ -471,4 +471,4 @@ def sampled_items(items: tuple[WorkItem, ...]) -> tuple[WorkItem, ...]:
     return tuple(it for it in items if it.sample is not None)
 
 
-__all__ = ["GenerationExecutor", "DeferredTokenError", "KVBudgetError"]
+__all__ = ["TokenStepExecutor", "DeferredTokenError", "KVBudgetError"]
