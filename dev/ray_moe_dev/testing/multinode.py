@@ -299,8 +299,12 @@ def main(argv: list[str]) -> int:
     dashboard = _free_port()
     # a lost node is declared dead in about 2 s (Ray's default health check takes longer: the test waits on it)
     fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500}
+    # the head's dashboard agent on a free port: at Ray's default (52365) it may find the port held by another Ray
+    # instance on the machine (the test session's own), fail to start, and the job server then answers every
+    # submission "No available agent" (a fresh-clone CI run failed so)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": "job_submit" in names,
-                                                            "dashboard_port": dashboard, "_system_config": fast})
+                                                            "dashboard_port": dashboard, "_system_config": fast,
+                                                            "dashboard_agent_listen_port": _free_port()})
     cluster.dashboard_port = dashboard
     for tag in ("node_a", "node_b"):
         cluster.add_node(num_cpus=2, resources={tag: 1})
