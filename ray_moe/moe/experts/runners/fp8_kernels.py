@@ -77,6 +77,13 @@ def _kernels():
         return v.to(tl.float8e4nv)
 
     @triton.jit
+    def _div_rows(v, s):
+        """v [M, N] / s [M] per row, rounded as IEEE division (``torch``'s): Triton's ``/`` is the GPU's
+        approximate division (~2 ulp), which moves a bf16 activation's exact e4m3 rounding ties (common: a bf16
+        value over its group's bf16 amax x 448) to either side, away from ``quantize_groups``' codes."""
+        return tl.math.div_rn(v, tl.zeros_like(v) + s[:, None])
+
+    @triton.jit
     def _tile(bounds_ptr, Q, CAP, t, BLOCK_M: tl.constexpr, QP: tl.constexpr, CAPACITY: tl.constexpr):
         """Program tile t -> (slot, first row, end row) from the per-slot bounds; slot >= Q: no tile.
         1. rows per slot (offsets: end - previous end; capacity: min(valid, CAP)) and first rows
@@ -102,7 +109,7 @@ def _kernels():
 
     # the kernels call the two helpers by name: Triton resolves names in the module's globals, not in this
     # closure, so the helpers are published there before any kernel is compiled (or interpreted)
-    globals().update(_e4m3=_e4m3, _tile=_tile)
+    globals().update(_e4m3=_e4m3, _div_rows=_div_rows, _tile=_tile)
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, s_ptr, D, NG, G: tl.constexpr, NGP: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -112,8 +119,8 @@ def _kernels():
         cols = g[:, None] * G + tl.arange(0, G)[None, :]
         m = cols < D
         v = tl.load(x_ptr + r * D + cols, mask=m, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX, SCALE_MIN)
-        tl.store(q_ptr + r * D + cols, _e4m3(v / s[:, None], FP8_MAX, EMULATE), mask=m)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), FP8_MAX), SCALE_MIN)
+        tl.store(q_ptr + r * D + cols, _e4m3(_div_rows(v, s), FP8_MAX, EMULATE), mask=m)
         tl.store(s_ptr + r * NG + g, s, mask=g < NG)
 
     @triton.jit
@@ -163,8 +170,8 @@ def _kernels():
             acc_g += tl.dot(a, bg) * a_s[:, None] * s_g[None, :]
             acc_u += tl.dot(a, bu) * a_s[:, None] * s_u[None, :]
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) * u in FP32 (masked columns: 0)
-        s = tl.maximum(tl.max(tl.abs(h), axis=1) / FP8_MAX, SCALE_MIN)  # this program's columns: one group
-        tl.store(hq_ptr + rows[:, None] * F + cols[None, :], _e4m3(h / s[:, None], FP8_MAX, EMULATE),
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=1), FP8_MAX), SCALE_MIN)  # one group per program
+        tl.store(hq_ptr + rows[:, None] * F + cols[None, :], _e4m3(_div_rows(h, s), FP8_MAX, EMULATE),
                  mask=rmask[:, None] & cmask[None, :])
         tl.store(hs_ptr + rows * NGF + pid_n, s, mask=rmask)
 
