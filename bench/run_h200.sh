@@ -35,7 +35,7 @@ for what in "$@"; do
       sys=${what#serving-}; half=${sys#*-}; sys=${sys%%-*}; [ "$half" = "$sys" ] && half=both
       sys=${sys/ray/ray_moe}
       extra=(); [ "$sys" = vllm ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')
-      common=(--config-only --layers 48 --systems "$sys" "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys")
+      common=(--config-only --layers "${LAYERS:-48}" --systems "$sys" "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys")
       [ "$sys" = vllm ] && box=(300 270) || box=(320 290)
       if [ "$half" != online ]; then
         run "${box[0]}" python3 -m ray_moe_bench.serving "${common[@]}" --workloads mixed decode-heavy chat long \
