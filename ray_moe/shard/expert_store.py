@@ -184,11 +184,14 @@ class ExpertStore:
         self._digests[key] = self._views(key).digest()
         return self._digests[key]
 
-    def _write_all(self, items: Iterable[tuple[Key, Any]], resolve) -> None:
-        """Write every (key, item) (keys not held); ``resolve(key, item)`` gives its ExpertWeights. The rows a
-        layer needs are reserved at its first item (one grow at most per layer and call)."""
-        items = list(items)
-        need = Counter(k[0] for k, _ in items)
+    def _write_all(self, keys: Sequence[Key], items: Iterable[tuple[Key, Any]], resolve) -> None:
+        """Write every (key, item) of ``items`` (keys not held, in the order of ``keys``), consumed as it is
+        written: a reader's weights are released once copied into their row, so a load never holds more than
+        the reader's read-ahead (materialised first, a 48-layer model's seeded experts were all held on the
+        GPU beside their slot buffers: twice the experts' bytes at the peak). ``resolve(key, item)`` gives its
+        ExpertWeights. The rows a layer needs are reserved at its first item (one grow at most per layer and
+        call)."""
+        need = Counter(k[0] for k in keys)
         for key, item in items:
             w = resolve(key, item)
             if need[key[0]]:
@@ -204,9 +207,9 @@ class ExpertStore:
         missing = [k for k in keys if k not in self._rows]
         threads = min(LOAD_THREADS, len(missing)) if getattr(source, "concurrent_reads", False) else 1
         if threads <= 1:
-            self._write_all([(k, None) for k in missing], lambda k, _: source.expert(*k))
+            self._write_all(missing, ((k, None) for k in missing), lambda k, _: source.expert(*k))
         else:
-            self._write_all(_prefetched(missing, source, threads), lambda _, w: w)
+            self._write_all(missing, _prefetched(missing, source, threads), lambda _, w: w)
         return {k: self._digests[k] for k in keys}
 
     def put(self, weights: Mapping[Sequence[int], ExpertWeights]) -> dict[Key, str]:
@@ -231,7 +234,7 @@ class ExpertStore:
                     raise ValueError(f"weights: rank {self.rank} already holds expert {k} with digest "
                                      f"{self._digests[k][:12]}; the arriving copy's is {got[:12]} (drop it first)")
         new = [(k, w) for k, w in items.items() if k not in self._rows]
-        self._write_all(new, lambda _, w: w)
+        self._write_all([k for k, _ in new], new, lambda _, w: w)
         return {k: self._digests[k] for k in items}
 
     # ---------------------------------------------------------------- out

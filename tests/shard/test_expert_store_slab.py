@@ -249,3 +249,40 @@ def test_parallel_load_equals_one_at_a_time(tmp_path):
         a, b = par.get(k), seq.get(k)
         assert torch.equal(a.w_gate, b.w_gate) and torch.equal(a.w_down, b.w_down)
     assert 1 <= par_src.peak <= es.LOAD_THREADS
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_a_load_holds_no_more_than_the_read_ahead(concurrent):
+    """Weights read from a source are released once written into their rows: a load of many experts never
+    holds more than the readers' read-ahead (the source counts its weights still alive at each read; a load
+    that gathered every expert before writing held all 96 here, on the GPU twice the experts' bytes)."""
+    import threading
+    import weakref
+
+    from ray_moe.shard import expert_store as es
+
+    class Tracking(SeededWeightSource):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.lock, self.alive, self.peak = threading.Lock(), 0, 0
+
+        def _gone(self):
+            with self.lock:
+                self.alive -= 1
+
+        def expert(self, layer, expert):
+            w = super().expert(layer, expert)
+            with self.lock:
+                self.alive += 1
+                self.peak = max(self.peak, self.alive)
+            weakref.finalize(w.w_gate, self._gone)
+            return w
+
+    src = Tracking(num_layers=4, num_experts=24, hidden_size=16, ffn_size=8, seed=5)
+    src.concurrent_reads = concurrent
+    keys = [(layer, e) for layer in range(4) for e in range(24)]
+    st = es.ExpertStore(0, torch.device("cpu"), torch.float32)
+    digests = st.load(keys, src)
+    assert list(digests) == keys and st.get((3, 23)).w_gate.shape == (8, 16)
+    bound = 2 * es.LOAD_THREADS + 2 if concurrent else 2
+    assert 1 <= src.peak <= bound, f"{src.peak} experts' weights alive at once (read-ahead bound {bound})"

@@ -39,13 +39,14 @@ def quantize(x: torch.Tensor, fmt: PayloadFormat) -> tuple[torch.Tensor, torch.T
     xf = x.to(torch.float32)
     if fmt is PayloadFormat.FP8_ROW:
         amax = xf.abs().amax(dim=1, keepdim=True)
-        scale = (amax / FP8_MAX).clamp_min(1e-12)
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(1e-12)  # correctly rounded, as the kernel
         q = (xf / scale).to(FP8_DTYPE)
         return q, scale
     pad = s * BLOCK - d
     xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
     blocks = xp.view(n, s, BLOCK)
-    scale = (blocks.abs().amax(dim=2) / FP8_MAX).clamp_min(1e-12)
+    amax = blocks.abs().amax(dim=2)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(1e-12)  # correctly rounded, as the kernel
     q = (blocks / scale[:, :, None]).view(n, s * BLOCK)[:, :d].to(FP8_DTYPE)
     return q, scale
 

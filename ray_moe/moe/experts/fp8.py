@@ -94,7 +94,10 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     ng = -(-d // group)
     xf = x.to(torch.float32)
     pad = torch.nn.functional.pad(xf, (0, ng * group - d)).view(n, ng, group)
-    scale = (pad.abs().amax(dim=2) / FP8_MAX).clamp_min(ACT_SCALE_MIN)
+    amax = pad.abs().amax(dim=2)
+    # a correctly rounded division on every device (a Python-number divisor makes CUDA multiply by its rounded
+    # reciprocal, an ulp off at times: bf16 activations' exact e4m3 ties then round the other way)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(ACT_SCALE_MIN)
     codes = (pad / scale[:, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(n, ng * group)[:, :d].to(FP8_DTYPE)
     return codes, scale
 
