@@ -556,7 +556,8 @@ def shape_config(shape: Shape, *, folder: str, seed: int, device_type: str, laye
 # ================================================================ command line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fp8_checkpoint", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", type=Shape, choices=list(Shape), default=Shape.QWEN3_30B_A3B)
+    p.add_argument("--shape", type=Shape, choices=list(Shape), default=Shape.QWEN3_30B_A3B,
+                   metavar="{" + ",".join(s.value for s in Shape) + "}")
     p.add_argument("--config-json", help="a transformers config dict (JSON file) instead of --shape")
     p.add_argument("--layers", type=int, help="decoder layers (default: Qwen3 48; DeepSeek-V3: as many as fit)")
     p.add_argument("--dir", help=f"the checkpoint folder (default {FP8_ROOT}/<shape>)")

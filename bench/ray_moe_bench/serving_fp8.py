@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the FP8 checkpoint's folder (default {FP8_ROOT}/<shape>; reused when it holds this "
                         f"config's checkpoint)")
     p.add_argument("--shape", type=Shape, choices=list(Shape), default=Shape.QWEN3_30B_A3B,
-                   help="the random model's shape (deepseek-v3: --quantization fp8 only; its --layers default: "
+                   metavar="{" + ",".join(s.value for s in Shape) + "}", help="the random model's shape (deepseek-v3: --quantization fp8 only; its --layers default: "
                         "as many as one GPU holds in FP8, leaving 25%% for KV cache and activations)")
     p.set_defaults(layers=None)
 
