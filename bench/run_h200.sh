@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|layer|generate|serving-ray|serving-vllm|serving-tf|profile|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|profile|rebalance
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -50,6 +50,36 @@ for what in "$@"; do
     serving-tf)
       run 330 python3 -m ray_moe_bench.serving --config-only --layers 48 --systems transformers --no-warmup \
         --workloads mixed decode-heavy --timeout 310 --out "$RAY_MOE_RESULTS_DIR/transformers" ;;
+    # FP8 (issue 41 item 7): ray-moe and vLLM on the same random block-FP8 checkpoint (e4m3 codes + float32 scales
+    # per 128 x 128 block, the Qwen3-30B-A3B-FP8 / DeepSeek-V3 layout), each in its own process with its own
+    # defaults. fp8-ray / fp8-vllm: the whole 48-layer Qwen3-30B-A3B shape (~31 GB of tensors), mixed, decode-heavy
+    # and chat. fp8-ds-ray / fp8-ds-vllm: a DeepSeek-V3 slice (MLA, 256 routed + 1 shared experts, grouped top-8,
+    # 3 dense layers first) at as many layers as one GPU holds leaving 25% for KV cache and activations, and the
+    # disk takes (printed and in the JSON's model.layers_fit: ~11.5 GB per MoE layer, so the 64 GB disk, not the
+    # H200's 141 GB, bounds it), mixed and decode-heavy. The checkpoint of a shape is written once under
+    # $FP8_ROOT/<shape> (drawn on the GPU in its own process) and reused by every later step (its marker):
+    # fp8-write / fp8-ds-write write it in a box of their own (then the timed steps only check it), else the first
+    # timed step writes it inside its box. The other shape's checkpoint is removed first (the disk holds one).
+    # JSON: $RAY_MOE_RESULTS_DIR/fp8-<shape>/<system>/<workload>/ (the write: .../fp8-<shape>/checkpoint.json).
+    # Each step one box under 600 s (the driver's --timeout per worker: the writer, then the system). vLLM as
+    # serving-vllm (Qwen: attention_backend FLASH_ATTN; DeepSeek: its own MLA default)
+    fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm)
+      sys=${what##*-}; sys=${sys/ray/ray_moe}
+      fp8_root=${FP8_ROOT:-/tmp/ray-moe-fp8}
+      case $what in
+        fp8-ds-*) shape=deepseek-v3; other=qwen3-30b-a3b; works=(mixed decode-heavy) ;;
+        *)        shape=qwen3-30b-a3b; other=deepseek-v3; works=(mixed decode-heavy chat) ;;
+      esac
+      rm -rf "${fp8_root:?}/$other" "$fp8_root/$other.partial"
+      if [ "$sys" = write ]; then
+        run 590 python3 -m ray_moe_bench.fp8_checkpoint --shape "$shape" --dir "$fp8_root/$shape" \
+          --report "$RAY_MOE_RESULTS_DIR/fp8-$shape/checkpoint.json"
+      else
+        extra=(); [ "$sys" = vllm ] && [ "$shape" = qwen3-30b-a3b ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')
+        run 590 python3 -m ray_moe_bench.serving --config-only --quantization fp8 --shape "$shape" \
+          --fp8-dir "$fp8_root/$shape" --systems "$sys" "${extra[@]}" --workloads "${works[@]}" --timeout 440 \
+          --out "$RAY_MOE_RESULTS_DIR/fp8-$shape/$sys"
+      fi ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
     rebalance) run 200 python3 -m ray_moe_bench.rebalance_memory --layers 48 --stall-dump 150 ;;
   esac

@@ -12,7 +12,8 @@ import ast
 import importlib.resources
 import re
 
-_NOT_BENCHMARKS = frozenset({"__init__", "common", "dispatch_prototypes"})  # helpers, not benchmarks
+#: helpers, not benchmarks (fp8_checkpoint: the serving benchmark's FP8 checkpoint writer, serving_fp8: its FP8 mode)
+_NOT_BENCHMARKS = frozenset({"__init__", "common", "dispatch_prototypes", "fp8_checkpoint", "serving_fp8"})
 
 
 def summary(doc: str | None) -> str:

@@ -213,6 +213,12 @@ def latency_summary_ms(samples_s: list[float]) -> dict[str, float | int] | None:
 
 def nvidia_smi_used_mib() -> list[int] | None:
     """Used memory of every GPU in MiB as nvidia-smi reports it (all processes); None without nvidia-smi."""
+    return nvidia_smi_mib("memory.used")
+
+
+def nvidia_smi_mib(field: str) -> list[int] | None:
+    """``field`` (memory.used, memory.total) of every GPU in MiB as nvidia-smi reports it, without touching CUDA
+    in this process; None without nvidia-smi."""
     import shutil
     import subprocess
 
@@ -220,7 +226,7 @@ def nvidia_smi_used_mib() -> list[int] | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True,
+        out = subprocess.run([exe, f"--query-gpu={field}", "--format=csv,noheader,nounits"], capture_output=True,
                              text=True, timeout=10, check=True).stdout
         return [int(float(x)) for x in out.split()]
     except (OSError, subprocess.SubprocessError, ValueError):

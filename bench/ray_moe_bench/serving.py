@@ -50,6 +50,11 @@ decoder layers, written with ``save_pretrained`` (and a word-level tokenizer) to
 three load; ``--config-only`` writes the config (and tokenizer) only: ray-moe builds the seeded model in its
 shards, transformers builds it on the device with its own initialisation (``from_config``), vLLM takes
 ``load_format=dummy`` (the same shapes, each system its own random weights: throughput, not token equality).
+``--quantization fp8`` (with ``--config-only``): a random block-FP8 checkpoint of the shape (``--shape``
+qwen3-30b-a3b, or deepseek-v3 at as many layers as one GPU holds), written once under ``--fp8-dir`` and reused
+(``fp8_checkpoint.py``), loaded by ray-moe (``RuntimeConfig.from_pretrained(folder)``) and vLLM (``LLM(model=
+folder)``, no dummy weights) alike; the JSON adds the checkpoint's bytes and seconds and ray-moe's memory after
+start over them (``serving_fp8.py``).
 Workloads: mixed (256 requests, lognormal prompt lengths, mean 480, clipped to [16, 3.2 x mean], 128 new tokens),
 decode-heavy (256 x 32-token prompts, 256 new), prefill-heavy (64, uniform in [2/3, 4/3] x 1536, 16 new), chat
 (1,000 requests, prompts like mixed, lognormal output lengths of mean 160 clipped to [8, 6.4 x mean] = [8, 1024]),
@@ -86,6 +91,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_moe_bench import serving_fp8
 from ray_moe_bench.common import (
     GpuMemorySampler,
     add_output_argument,
@@ -93,7 +99,6 @@ from ray_moe_bench.common import (
     results_dir,
     write_result,
 )
-from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
 
 
 class Workload(str, Enum):
@@ -872,7 +877,8 @@ def _transformers_workload(model: Any, reqs: Requests, warm: Requests | None, sp
 # ================================================================ vLLM (one worker process; imported lazily)
 def vllm_kwargs(spec: dict) -> dict[str, Any]:
     """What vLLM is given: the model / tokenizer folder, dtype, seed, tensor_parallel_size, and ``vllm_args``
-    (``load_format=dummy`` under ``--config-only``, then ``--vllm-args``); everything else its own default
+    (``load_format=dummy`` under ``--config-only`` without ``--quantization``, then ``--vllm-args``); everything
+    else its own default
     (no max_model_len: the model's own context)."""
     return {"model": spec["folder"], "tokenizer": spec["folder"], "dtype": spec["dtype"], "seed": 0,
             "tensor_parallel_size": spec["vllm_tp"], **spec["vllm_args"]}
@@ -1304,6 +1310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-only", action="store_true",
                    help="random model: write no weights (ray-moe builds them in its shards, transformers on "
                         "the device with its own init, vLLM takes load_format=dummy)")
+    serving_fp8.add_arguments(p)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
     p.add_argument("--online", action="store_true", help="HTTP against a running ray-moe serve (--url)")
     p.add_argument("--online-inprocess", action="store_true",
@@ -1338,7 +1345,7 @@ def _check_flags(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[Work
     """Every flag checked before anything runs (``p.error`` names the flag); the workloads in run order."""
     if a.model and a.random_model:
         p.error("--model and --random-model: give one")
-    if a.layers < 1:
+    if a.layers is not None and a.layers < 1:
         p.error(f"--layers={a.layers}: must be >= 1")
     if a.workload is not None and a.workloads:
         p.error("--workload and --workloads: give one")
@@ -1361,6 +1368,7 @@ def _check_flags(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[Work
         p.error("--online and --online-inprocess: give one (HTTP to a running server, or each system in-process)")
     if a.online and (len(kinds) > 1 or a.second_pass):
         p.error("--online (HTTP): one --workload, no --second-pass")
+    serving_fp8.check_flags(a, p)
     return kinds
 
 
@@ -1395,11 +1403,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             p.error(f"--model {a.model}: no readable config.json ({exc})")
         text = cfg_json.get("text_config", {})
-        conf = None
+        conf = fit = None
         vocab = int(cfg_json.get("vocab_size") or text["vocab_size"])
         max_ctx = int(cfg_json.get("max_position_embeddings") or text.get("max_position_embeddings") or 1 << 20)
     else:
-        conf = dict(QUICK if a.quick else QWEN3_30B_A3B, num_hidden_layers=2 if a.quick else a.layers)
+        conf, fit = serving_fp8.random_config(a, device)
         vocab, max_ctx = conf["vocab_size"], conf["max_position_embeddings"]
     try:
         timed, shifts = timed_requests(works, vocab)
@@ -1423,7 +1431,8 @@ def main(argv: list[str] | None = None) -> int:
             "timeout_s": a.timeout, "step_tokens": a.step_tokens,
             "ray_moe_config": cfg_kw, "ray_moe_serving": serving_kw,
             "vllm_tp": a.vllm_tp or ranks,
-            "vllm_args": {**({"load_format": "dummy"} if a.config_only and not a.model else {}), **a.vllm_args}}
+            "vllm_args": {**({"load_format": "dummy"} if a.config_only and not (a.model or a.quantization) else {}),
+                          **a.vllm_args}}
     head: dict[str, Any] = {"mode": mode.value, "quick": a.quick, "in_process": a.in_process, "device": device,
                             "dtype": dtype, "versions": _versions(),
                             "run": {"flags_changed": {k: _plain(v) for k, v in flags.items()},
@@ -1438,6 +1447,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.model:
             folder = a.model
             head["model"] = {"folder": folder, "random": False}
+        elif a.quantization:  # the FP8 checkpoint both systems load (written once, then reused)
+            head["quantization"] = a.quantization
+            head["model"] = serving_fp8.prepare(a, conf, fit, device, workdir, a.timeout, a.in_process)
+            folder = head["model"]["folder"]
         else:
             folder = a.keep_model or os.path.join(workdir, "model")
             built = run_worker(Role.PREPARE, {"model": conf, "folder": folder, "device": device, "dtype": dtype,
@@ -1446,13 +1459,19 @@ def main(argv: list[str] | None = None) -> int:
             if built.get("status") == "error":
                 raise RuntimeError(f"writing the random model failed: {built}")
             head["model"] = {"folder": folder if a.keep_model else None, "random": True, "config": conf, **built}
-        spec.update(folder=folder, random_model=conf if a.config_only and not a.model else None)
+        spec.update(folder=folder, random_model=conf if a.config_only and not (a.model or a.quantization) else None)
         for system in a.systems:
             if system is System.VLLM and importlib.util.find_spec("vllm") is None:
                 results[system.value] = {"status": "skipped", "reason": "vllm is not installed (import vllm fails)"}
                 continue
+            if (why := serving_fp8.skipped(system.value, a)) is not None:
+                results[system.value] = why
+                continue
             print(f"{system.value}: running {', '.join(names)} ({mode.value}) ...", flush=True)
             results[system.value] = run_worker(Role(system.value), spec, workdir, a.timeout, in_process=a.in_process)
+            if a.quantization and system is System.RAY_MOE and "memory_after_start" in results[system.value]:
+                results[system.value]["fp8_memory"] = serving_fp8.memory_check(results[system.value],
+                                                                                head["model"]["checkpoint"])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     failed = False
