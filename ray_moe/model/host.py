@@ -25,6 +25,7 @@ from ray_moe.core.types import AttentionBackend
 from ray_moe.model import attention as attn
 from ray_moe.model import paged_decode as paged
 from ray_moe.model import paged_varlen
+from ray_moe.model.fp8_linear import Fp8Linear
 from ray_moe.model.norms import FusedNorms, fuse_rms_norms
 from ray_moe.model.qkv import FusedQKV, fuse_qkv
 from ray_moe.model.router_topk import FusedRouters, fuse_routers
@@ -86,6 +87,9 @@ class ModelHost:
         self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
         self.routers = FusedRouters()  # which routers take the fused softmax top-k
         self.qkv = FusedQKV()  # which attention modules run one Q/K/V GEMM
+        # an FP8 checkpoint's dense projections kept in FP8 (``_load``): {"modules": n, "reasons": {(out, in): why
+        # not (None: the kernel serves)}}
+        self.fp8_dense: dict[str, Any] = {"modules": 0}
 
     # ------------------------------------------------------------------ construction
     def _pick_attention(self, want: AttentionBackend, kernel: Any) -> tuple[AttentionBackend, str | None]:
@@ -143,16 +147,18 @@ class ModelHost:
 
     @classmethod
     def from_checkpoint(cls, folder: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                        kv_tokens: int = 4096, block_size: int = 16, **kw: Any) -> "ModelHost":
+                        kv_tokens: int = 4096, block_size: int = 16, fp8_dense: bool | None = None,
+                        **kw: Any) -> "ModelHost":
         """Every non-expert tensor read from ``folder`` (names mapped with transformers' own renamings).
-        ``kw``: the attention backend (``attention``, ``varlen_kernel``, ``decode_kernel``)."""
+        ``fp8_dense``: an FP8 checkpoint's dense projections kept in FP8 (``_load``). ``kw``: the attention
+        backend (``attention``, ``varlen_kernel``, ``decode_kernel``)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         host = cls(cls.skeleton(config, dtype), device=torch.device(device), dtype=dtype, kv_tokens=kv_tokens,
                    block_size=block_size, **kw)
         host._materialize()
-        host._load(folder)
+        host._load(folder, fp8_dense)
         if os.path.exists(os.path.join(folder, "generation_config.json")):
             from transformers import GenerationConfig
 
@@ -178,14 +184,16 @@ class ModelHost:
             self.model.initialize_weights()
         self.model.tie_weights()
 
-    def _load(self, folder: str) -> None:
+    def _load(self, folder: str, fp8_dense: bool | None = None) -> None:
         """Every non-expert tensor of the model from the checkpoint's safetensors files. A block-scaled FP8
-        checkpoint (``model.quant``): each float8_e4m3fn tensor (attention projections, shared experts, dense
-        MLPs, a router if stored so) is dequantized here, at load, with its ``*_scale_inv`` block scales into
-        the model dtype: float32(code) x the scale of its block, exactly, then cast (FP8 compute for these
-        layers is a later GPU item; the routed experts keep codes and scales in the shard's slots). A
-        quantization ray-moe does not serve (checked before any tensor is read), or a float8 tensor under a
-        config that declares none, raises ConfigError naming the method / the tensor and the file."""
+        checkpoint (``model.quant``): a swappable projection's float8_e4m3fn weight (``model/fp8_linear.py``:
+        attention projections, shared experts, dense MLPs) keeps its codes and ``*_scale_inv`` block scales in an
+        ``Fp8Linear`` where the FP8 dense kernel serves (``fp8_dense`` None: where ``fp8_linear_reason`` says so,
+        once per shape; True / False: always / never); every other float8 tensor is dequantized here, at load,
+        into the model dtype: float32(code) x the scale of its block, exactly, then cast (the routed experts keep
+        codes and scales in the shard's slots). A quantization ray-moe does not serve (checked before any tensor
+        is read), or a float8 tensor under a config that declares none, raises ConfigError naming the method /
+        the tensor and the file."""
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -198,6 +206,7 @@ class ModelHost:
         wanted = {n for n, p in params.items() if p.numel()}
         files = _safetensors_files(folder)
         loaded: set[str] = set()
+        kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module path -> (codes, scales) of an Fp8Linear
         by_file: dict[str, list[tuple[str, str]]] = {}
         for key, path in files.items():
             name, _ = rename_source_key(key, renamings, [])
@@ -208,7 +217,13 @@ class ModelHost:
                 try:
                     with safe_open(path, framework="pt") as fh:
                         for key, name in pairs:
-                            t = self._dense(key, fh.get_tensor(key), path, files, folder, scheme)
+                            raw = fh.get_tensor(key)
+                            module = self._fp8_swap(name, raw, scheme, fp8_dense)
+                            if module is not None:  # codes and scales kept: swapped after every tensor is read
+                                kept[module] = (raw, self._fp8_scale(key, raw, path, files, scheme))
+                                loaded.add(name)
+                                continue
+                            t = self._dense(key, raw, path, files, folder, scheme)
                             if tuple(t.shape) != tuple(params[name].shape):
                                 raise ConfigError(f"checkpoint {path!r}: tensor {key!r} has shape {list(t.shape)} but "
                                                   f"the model's {name!r} is {list(params[name].shape)}")
@@ -225,6 +240,47 @@ class ModelHost:
                               f"{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)")
         if tied:
             self.model.tie_weights()
+        for path, (codes, scales) in kept.items():  # the modules' dense weights released with them
+            parent, attr = path.rpartition(".")[::2]
+            owner = self.model.get_submodule(parent)
+            bias = getattr(owner, attr).bias
+            setattr(owner, attr, Fp8Linear(codes.to(self.device), scales.to(self.device), scheme.block,
+                                           None if bias is None else bias.detach()))
+        self.fp8_dense["modules"] = len(kept)
+
+    def _fp8_swap(self, name: str, t: torch.Tensor, scheme: Any, fp8_dense: bool | None) -> str | None:
+        """The module path of parameter ``name`` when its FP8 checkpoint tensor ``t`` stays FP8 (an ``Fp8Linear``),
+        else None. The kernel's check runs once per (out, in) shape; a reason not to is kept in ``fp8_dense``."""
+        from ray_moe.model.fp8_linear import SWAPPABLE, fp8_linear_reason
+        from ray_moe.model.quant import is_fp8
+
+        if fp8_dense is False or scheme is None or not is_fp8(t) or t.dim() != 2 or not name.endswith(".weight"):
+            return None
+        path = name[: -len(".weight")]
+        if path.rpartition(".")[2] not in SWAPPABLE or type(self.model.get_submodule(path)) is not torch.nn.Linear:
+            return None
+        if fp8_dense is None:
+            shape = (int(t.shape[0]), int(t.shape[1]))
+            reasons = self.fp8_dense.setdefault("reasons", {})
+            if shape not in reasons:
+                reasons[shape] = fp8_linear_reason(self.device, self.dtype, *shape, scheme.block)
+            if reasons[shape] is not None:
+                return None
+        return path
+
+    @staticmethod
+    def _fp8_scale(key: str, codes: torch.Tensor, path: str, files: dict[str, str], scheme: Any) -> torch.Tensor:
+        """The checked float32 block scales of the FP8 tensor ``key`` (whichever file holds them)."""
+        from safetensors import safe_open
+
+        from ray_moe.model.quant import scale_name, scale_of
+
+        where = files.get(scale_name(key))
+        scale = None
+        if where is not None:
+            with safe_open(where, framework="pt") as fh:
+                scale = fh.get_tensor(scale_name(key))
+        return scale_of(key, codes, scale, path, scheme)
 
     @staticmethod
     def _dense(key: str, t: torch.Tensor, path: str, files: dict[str, str], folder: str, scheme: Any) -> torch.Tensor:

@@ -115,7 +115,8 @@ class TokenStepExecutor:
         executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype, pipeline=pipeline,
                        prefix_caching=prefix_caching)
         for key, n in (("fused_norm_layers", host.norms.modules), ("fused_rotary_modules", len(host.rotary.modules)),
-                       ("fused_router_layers", host.routers.modules), ("fused_qkv_modules", host.qkv.modules)):
+                       ("fused_router_layers", host.routers.modules), ("fused_qkv_modules", host.qkv.modules),
+                       ("fp8_dense_modules", host.fp8_dense["modules"])):
             if n:
                 executor.count(key, n)
         return executor

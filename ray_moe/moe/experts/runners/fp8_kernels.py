@@ -358,6 +358,43 @@ def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, o
                    weight_rows=weight_rows, block_m=block_m, out_dtype=x.dtype, y=y, config=config)
 
 
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block) -> torch.Tensor:
+    """A dense block-FP8 Linear (attention projections, shared experts, dense MLPs of an FP8 checkpoint):
+    x [N, in] (bf16 / fp16 / fp32) quantized per row and b1-column group (``quantize_rows``), then the down
+    kernel over one slot: y = sum over K blocks of (xq . codes^T) * xs * scale -> y [N, out] in x's dtype.
+    codes [out, in] float8_e4m3fn, scales [ceil(out / b0), ceil(in / b1)] float32. Fixed grid (no host read
+    of the data): CUDA-graph capturable. The torch reference is ``fp8_linear_reference`` in ``model/fp8_linear.py``."""
+    b0, b1 = (int(v) for v in block)
+    if codes.dtype != FP8_DTYPE or scales.dtype != torch.float32 or codes.dim() != 2:
+        raise ValueError(f"codes / scales: expected [out, in] float8_e4m3fn and float32 scales, got "
+                         f"{codes.dtype} {tuple(codes.shape)} / {scales.dtype}")
+    out_f, in_f = (int(v) for v in codes.shape)
+    if tuple(scales.shape) != scale_shape(codes.shape, block):
+        raise ValueError(f"scales: expected {scale_shape(codes.shape, block)} for codes {(out_f, in_f)} in "
+                         f"{[b0, b1]} blocks, got {tuple(scales.shape)}")
+    why = supports(block, out_f, in_f)
+    if why is not None:
+        raise ValueError(why)
+    if x.dim() != 2 or int(x.shape[1]) != in_f:
+        raise ValueError(f"x: expected [N, {in_f}], got {tuple(x.shape)}")
+    n = int(x.shape[0])
+    y = torch.empty((n, out_f), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    down = _kernels()[2]
+    xq, xs = quantize_rows(x, b1)
+    bm = row_block(n, 1)
+    tiles = -(-n // bm) + 1  # one slot: its row tiles plus the partial one
+    ngf = -(-in_f // b1)
+    bounds = torch.full((1,), n, dtype=torch.int32, device=x.device)
+    down[(-(-out_f // DOWN_BLOCK_N) * tiles,)](
+        xq, xs, codes.unsqueeze(0), scales.unsqueeze(0), bounds, bounds, y, 1, 0, out_f, in_f, ngf,
+        int(scales.shape[0]), int(scales.shape[1]), B0=b0, BLOCK_M=bm, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=b1, QP=2,
+        ROWS=False, CAPACITY=False, EVEN_K=in_f % b1 == 0, EVEN_N=out_f % DOWN_BLOCK_N == 0,
+        num_warps=launch_config(bm)["down_warps"], num_stages=launch_config(bm)["stages"])
+    return y
+
+
 def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, block, *,
                         block_m: int | None = None) -> torch.Tensor:
     """The decode bucket's capacity layout: x [Q, C, d] (slot q's rows at [q, :valid[q]]), valid [Q] int64
@@ -378,4 +415,4 @@ def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, blo
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SCALE_MIN", "ROW_BLOCKS", "GROUPS", "available", "interpreted", "supports",
-           "row_block", "launch_config", "quantize_rows", "fp8_swiglu", "fp8_swiglu_capacity"]
+           "row_block", "launch_config", "quantize_rows", "fp8_swiglu", "fp8_swiglu_capacity", "fp8_linear"]
