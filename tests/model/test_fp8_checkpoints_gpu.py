@@ -1,7 +1,8 @@
 """FP8 checkpoints served on CUDA (issue 41's GPU tests): a tiny Qwen3-MoE and DeepSeek-V3 (MLA, grouped routing,
 a shared expert, a dense first layer) written with real 128 x 128 block scales (``fp8_model``), served by a Runtime
-on one GPU in float32 with the block-FP8 expert kernels inside the step graphs captured at start, against
-transformers' own forward of the dequantized model (code x scale, float32, on the CPU).
+on one GPU in float32 with the block-FP8 expert kernels and the dense projections' FP8 GEMM (``Fp8Linear``) inside
+the step graphs captured at start, against transformers' own forward of the dequantized model (code x scale,
+float32, on the CPU).
 
 The FP8 path quantizes the experts' activations per 1 x 128 group (e4m3: 3 mantissa bits, ~2-3% per element),
 the dequantized model does not, so the two agree within a tolerance, not bit for bit. Teacher-forced on the
@@ -66,6 +67,7 @@ def test_fp8_kernels_serve_within_tolerance_of_the_dequantized_model(ray_session
         assert compared >= 0.3 * positions, (compared, positions)
         counters = rt.shard_status()[0]["counters"]
         assert not counters.get("graphs_captured_serving"), counters
+        assert counters.get("fp8_dense_modules", 0) >= 4 * ref.config.num_hidden_layers, counters  # kept in FP8
         if family == "qwen3_moe":  # (DeepSeek's MLA attends its gathered contexts eagerly, and says so)
             assert not counters.get("eager_steps") and counters.get("decode_graph_steps", 0) > 0, counters
     finally:
