@@ -160,10 +160,8 @@ class Runtime:
             if owns:
                 ray.shutdown()
             raise
-        if cfg.heal_retries == 0:
-            log.warning("ray-moe: deployment %r: healing is off (heal_retries=0): a shard that dies is not replaced and "
-                        "the deployment runs one rank short (RuntimeConfig(heal_retries=2) heals, as ray-moe serve "
-                        "does by default)", cfg.name)
+        for note in cfg.start_warnings():
+            log.warning("ray-moe: deployment %r: %s", cfg.name, note)
         return rt
 
     @classmethod

@@ -241,6 +241,22 @@ class RuntimeConfig(BaseModel):
                   and self.exchange_schedule is ExchangeSchedule.FLAT)
         return DispatchPath.DIRECT if direct else DispatchPath.ENGINE
 
+    def start_warnings(self) -> list[str]:
+        """What this configuration leaves slower or less protected than a user may assume (said at start):
+        healing off; an FP8 payload format where part or all of the traffic moves native rows (one rank exchanges
+        nothing; decode steps on the bucket path move native rows)."""
+        out = []
+        if self.heal_retries == 0:
+            out.append("healing is off (heal_retries=0): a shard that dies is not replaced and the deployment runs "
+                       "one rank short (RuntimeConfig(heal_retries=2) heals, as ray-moe serve does by default)")
+        if self.payload_format is not PayloadFormat.NATIVE:
+            where = ("a deployment of one rank exchanges no rows: it applies to none" if self.num_ranks == 1 else
+                     "it applies to the engine path's steps only: decode steps on the bucket path move native rows "
+                     "(decode_buckets=False sends them through the engine)" if self.decode_buckets else None)
+            if where:
+                out.append(f"payload_format={self.payload_format.value}: {where}")
+        return out
+
     @property
     def num_slots(self) -> int:
         return self.slots_per_rank * self.num_ranks
