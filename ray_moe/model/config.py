@@ -243,18 +243,14 @@ class RuntimeConfig(BaseModel):
 
     def start_warnings(self) -> list[str]:
         """What this configuration leaves slower or less protected than a user may assume (said at start):
-        healing off; an FP8 payload format where part or all of the traffic moves native rows (one rank exchanges
-        nothing; decode steps on the bucket path move native rows)."""
+        healing off; an FP8 payload format on one rank (which exchanges nothing)."""
         out = []
         if self.heal_retries == 0:
             out.append("healing is off (heal_retries=0): a shard that dies is not replaced and the deployment runs "
                        "one rank short (RuntimeConfig(heal_retries=2) heals, as ray-moe serve does by default)")
-        if self.payload_format is not PayloadFormat.NATIVE:
-            where = ("a deployment of one rank exchanges no rows: it applies to none" if self.num_ranks == 1 else
-                     "it applies to the engine path's steps only: decode steps on the bucket path move native rows "
-                     "(decode_buckets=False sends them through the engine)" if self.decode_buckets else None)
-            if where:
-                out.append(f"payload_format={self.payload_format.value}: {where}")
+        if self.payload_format is not PayloadFormat.NATIVE and self.num_ranks == 1:
+            out.append(f"payload_format={self.payload_format.value}: a deployment of one rank exchanges no rows: it "
+                       f"applies to none")
         return out
 
     @property

@@ -98,7 +98,8 @@ class DataPaths:
                 normal = EngineDispatcher(exchange, selector, payload_format=cfg.payload_format, compute_dtype=dtype)
             if cfg.decode_buckets:
                 bucket = BucketDispatcher(exchange, selector, token_cap=cap, top_k=cfg.top_k,
-                                          hidden_size=cfg.hidden_size, slot_cap=cfg.decode_slot_capacity)
+                                          hidden_size=cfg.hidden_size, slot_cap=cfg.decode_slot_capacity,
+                                          payload_format=cfg.payload_format, compute_dtype=dtype)
         return cls(exchange, normal, bucket, runner, capture)
 
 

@@ -3,7 +3,8 @@
 #
 #   tokens padded to [C_T] (padding: topk id -1 -> slot -1, gate 0: no expert identity)
 #        ──> replica selection on the device ──> pack into fixed peer blocks [G, C_pair]
-#        ──> equal-split all-to-all (static) ──> repack into expert-major capacity [Q_local, C_q]
+#        ──> equal-split all-to-all (static; an FP8 payload format: e4m3 rows + their scales, quantized
+#            once per token, dequantized on arrival) ──> repack into expert-major capacity [Q_local, C_q]
 #        ──> runner (capacity layout) ──> gather back ──> equal-split return
 #        ──> gated FP32 scatter-add into [C_T, d]
 #
@@ -26,13 +27,14 @@ import torch
 
 from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.plan import count_by
+from ray_moe.moe.dispatch.precision import dequantize, quantize
 from ray_moe.moe.dispatch.protocol import ControlStatus, DeferredChecks, Dispatcher, fence
 from ray_moe.moe.dispatch.records import DispatchOutputFormat, DispatchOutput, Handle
 from ray_moe.core.routes import RouteBatch, SemanticRoutes
 from ray_moe.core.errors import RouteValidationError
 from ray_moe.placement.selector import ReplicaSelector
 from ray_moe.placement.snapshot import PlacementSnapshot
-from ray_moe.core.types import DispatchMode
+from ray_moe.core.types import DispatchMode, PayloadFormat
 
 
 @dataclass(frozen=True)
@@ -146,14 +148,19 @@ class BucketDispatcher(Dispatcher):
     """The fixed-capacity decode mode behind the dispatcher contract.
 
     token_cap: C_T tokens per rank; slot_cap: C_q rows per local slot (None: 2x the even share; use
-    ``worst_case_slot_capacity`` for a bucket no routing can overflow).
+    ``worst_case_slot_capacity`` for a bucket no routing can overflow). payload_format: the rows' form on the
+    wire, as the engine path's (an FP8 format: each token quantized once, every route of it carries its codes and
+    scales, dequantized into ``compute_dtype`` (None: the batch's) on arrival).
     """
 
     mode = DispatchMode.BUCKET
 
     def __init__(self, exchange: Exchange, selector: ReplicaSelector, *, token_cap: int, top_k: int,
-                 hidden_size: int, slot_cap: int | None = None) -> None:
+                 hidden_size: int, slot_cap: int | None = None, payload_format: PayloadFormat = PayloadFormat.NATIVE,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.exchange = exchange
+        self.payload_format = PayloadFormat(payload_format)
+        self.compute_dtype = compute_dtype
         self.selector = selector
         self.token_cap = int(token_cap)
         self.max_token_cap = int(token_cap)
@@ -227,17 +234,26 @@ class BucketDispatcher(Dispatcher):
         trash = g * cp
         send_ok = valid & (pos < cp)
         send_index = torch.where(send_ok, peer * cp + pos, torch.full_like(pos, trash))
-        # 4. fill the fixed send blocks (row = its token's hidden state) and exchange them (equal splits)
+        # 4. fill the fixed send blocks (row = its token's hidden state, or its FP8 codes and scales) and exchange
+        #    them (equal splits)
         token = torch.arange(rc, device=dev) // k
-        send = torch.zeros(trash + 1, shape.hidden_size, dtype=h.dtype, device=dev)
-        send[send_index] = h[token]
+        src, src_scales = quantize(h, self.payload_format)
+        send = torch.zeros(trash + 1, shape.hidden_size, dtype=src.dtype, device=dev)
+        send.view(torch.uint8 if src.element_size() == 1 else src.dtype)[send_index] = (
+            src.view(torch.uint8) if src.element_size() == 1 else src)[token]
         send_slot = torch.full((trash + 1,), -1, dtype=torch.int32, device=dev)
         send_slot[send_index] = slots.to(torch.int32)
         send_slot[trash:].fill_(-1)  # a fill kernel: no host-to-device copy (CUDA-graph capturable)
+        payload = {"x": send[:trash], "slot": send_slot[:trash]}
+        if src_scales is not None:
+            send_scales = torch.zeros(trash + 1, src_scales.shape[1], dtype=src_scales.dtype, device=dev)
+            send_scales[send_index] = src_scales[token]
+            payload["scale"] = send_scales[:trash]
         splits = [cp] * g
-        got = self.exchange.all_to_all_v(f"{tag}/bucket-dispatch", {"x": send[:trash], "slot": send_slot[:trash]},
-                                         splits, splits)
+        got = self.exchange.all_to_all_v(f"{tag}/bucket-dispatch", payload, splits, splits)
         recv_slot = got["slot"].to(torch.int64)
+        arrived = got["x"] if src_scales is None else dequantize(got["x"], got["scale"], self.payload_format,
+                                                                 self.compute_dtype or h.dtype)
         # 5. repack into [Q_local, C_q]: position within slot by a running count per local slot
         rvalid = recv_slot >= 0
         local = torch.where(rvalid, maps.slot_local[recv_slot.clamp_min(0)],
@@ -247,8 +263,8 @@ class BucketDispatcher(Dispatcher):
         rtrash = shape.q_local * shape.slot_cap
         recv_ok = rvalid & (pos_in_slot < shape.slot_cap)
         recv_index = torch.where(recv_ok, local * shape.slot_cap + pos_in_slot, torch.full_like(local, rtrash))
-        rows = torch.zeros(rtrash + 1, shape.hidden_size, dtype=got["x"].dtype, device=dev)
-        rows[recv_index] = got["x"]
+        rows = torch.zeros(rtrash + 1, shape.hidden_size, dtype=arrived.dtype, device=dev)
+        rows[recv_index] = arrived
         overflow = (valid & ~send_ok).any() | (rvalid & ~recv_ok).any()
         handle = BucketHandle(
             handle_id=f"bucket-h{snapshot.generation}-r{self.exchange.rank}-{uuid.uuid4().hex[:10]}",
