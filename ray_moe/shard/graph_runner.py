@@ -323,8 +323,7 @@ class StepGraphRunner:
     def _release_warmup(self) -> None:
         """A warm-up's eager activations back to the device before its capture: the graphs allocate from their
         own pool, which cannot take blocks cached in the allocator's default one, so without this the largest
-        size's warm-up and its capture hold their activations twice (on an H100 the 48-layer model's start then
-        ran out of memory with 6 GiB cached and unused)."""
+        size's warm-up and its capture hold their activations twice (memory the KV budget keeps for one)."""
         dev = self.host.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
