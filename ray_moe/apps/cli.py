@@ -207,7 +207,8 @@ def bounded_int(least: int):
 
 
 def serve_config_fields(args: argparse.Namespace) -> dict:
-    """The RuntimeConfig fields ``ray-moe serve``'s flags set: ``quantization`` (--quantization), ``eplb`` (--eplb), ``heal_retries``
+    """The RuntimeConfig fields ``ray-moe serve``'s flags set: ``quantization`` (--quantization), ``payload_format``
+    (--payload-format), ``eplb`` (--eplb), ``heal_retries``
     (--heal-retries) and, when --min-ranks or --max-ranks is given, ``scaling`` (enabled, min 1 and max
     --ranks unless given). Flags that were not parsed (another caller's namespace) set nothing."""
     from ray_moe.model.config import ScalingPolicy
@@ -215,6 +216,8 @@ def serve_config_fields(args: argparse.Namespace) -> dict:
     out: dict = {}
     if getattr(args, "quantization", None) is not None:
         out["quantization"] = args.quantization
+    if getattr(args, "payload_format", None) is not None:
+        out["payload_format"] = args.payload_format
     if getattr(args, "eplb", None) is not None:
         out["eplb"] = args.eplb
     if getattr(args, "heal_retries", None) is not None:

@@ -78,6 +78,10 @@ def add_serve_arguments(sv: argparse.ArgumentParser, bounded_int, eplb_flag) -> 
     sv.add_argument("--quantization", "-q", choices=["fp8"], default=None,
                     help="fp8: quantize an unquantized checkpoint's routed experts at load to block-scaled FP8 (128 x "
                          "128 blocks), as vllm serve --quantization fp8; an FP8 checkpoint is served in FP8 without it")
+    sv.add_argument("--payload-format", choices=["native", "fp8_row", "fp8_block128"], default=None,
+                    help="how routed rows cross ranks (default native: the activation dtype); fp8_block128: e4m3 rows "
+                         "with a float32 scale per 128 values (half the bytes; the engine dispatch path), the format "
+                         "an FP8 checkpoint's experts quantize their inputs to")
     sv.add_argument("--name", default="serve", help="deployment name (ray-moe status/scale/rebalance --name)")
     sv.add_argument("--served-model-name", "--model-name", dest="model_name", default=None, metavar="NAME",
                     help="the model id clients send (default: the folder name)")

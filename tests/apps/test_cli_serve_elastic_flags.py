@@ -46,3 +46,13 @@ def test_the_flags_reach_the_deployments_config(monkeypatch):
     assert cli.main([*BASE, "--heal-retries", "3", "--max-ranks", "4", "--eplb", "periodic:5"]) == 0
     assert seen["heal_retries"] == 3 and seen["scaling"].max_ranks == 4 and seen["scaling"].enabled
     assert seen["eplb"] is not None
+
+
+def test_the_payload_format_flag_sets_the_config_field(capsys):
+    """--payload-format: how routed rows cross ranks (unset: the config's default, native rows)."""
+    assert "payload_format" not in serve_config_fields(build_parser().parse_args(BASE))
+    f = serve_config_fields(build_parser().parse_args([*BASE, "--payload-format", "fp8_block128"]))
+    assert f["payload_format"] == "fp8_block128"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*BASE, "--payload-format", "fp4"])
+    assert "--payload-format" in capsys.readouterr().err
