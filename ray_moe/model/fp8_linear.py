@@ -28,7 +28,7 @@ import torch
 
 from ray_moe.moe.experts.fp8 import dequantize, quantize, quantize_groups
 from ray_moe.moe.experts.runners import fp8_kernels
-from ray_moe.moe.experts.runners.fp8 import CHECK_TOLERANCE
+from ray_moe.moe.experts.runners.fp8 import CHECK_TOLERANCE, kernels_unavailable
 
 # the projections swapped (their modules are only called): attention (Llama / Qwen / Mixtral names, DeepSeek's MLA),
 # dense and shared-expert MLPs (Qwen / DeepSeek ``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral-style w1-w3)
@@ -53,19 +53,9 @@ def fp8_linear_reason(device: torch.device | str, dtype: torch.dtype, out_featur
     the kernel serves it): CUDA, a supported block, Triton, and ``fp8_linear`` reproducing
     ``fp8_linear_reference`` within ``CHECK_TOLERANCE`` on seeded weights of the shape at 1, 37 and 300 rows."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return f"device {device.type}: the FP8 dense kernel needs CUDA"
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"dtype {dtype}: the FP8 dense kernel takes bfloat16 / float16 / float32 activations"
     block = tuple(int(b) for b in block)
-    why = fp8_kernels.supports(block, out_features, in_features)  # type: ignore[arg-type]
-    if why is not None:
-        return why
-    if not fp8_kernels.available():
-        return "Triton is not importable here"
-    if fp8_kernels.interpreted():
-        return "Triton runs its CPU interpreter here (TRITON_INTERPRET)"
-    return check_fp8_linear(device, dtype, out_features, in_features, block)
+    why = kernels_unavailable("the FP8 dense kernels", device, dtype, block, out_features, in_features)
+    return why if why is not None else check_fp8_linear(device, dtype, out_features, in_features, block)
 
 
 def check_fp8_linear(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,

@@ -50,6 +50,17 @@ def _safetensors_files(folder: str) -> dict[str, str]:
     return out
 
 
+def _read_tensor(files: dict[str, str], name: str) -> torch.Tensor | None:
+    """Checkpoint tensor ``name`` from whichever file the index names for it (None: no file holds it)."""
+    from safetensors import safe_open
+
+    where = files.get(name)
+    if where is None:
+        return None
+    with safe_open(where, framework="pt") as fh:
+        return fh.get_tensor(name)
+
+
 class ModelHost:
     """The non-expert modules of one model on one rank, a paged KV cache, and the step forward.
 
@@ -271,16 +282,9 @@ class ModelHost:
     @staticmethod
     def _fp8_scale(key: str, codes: torch.Tensor, path: str, files: dict[str, str], scheme: Any) -> torch.Tensor:
         """The checked float32 block scales of the FP8 tensor ``key`` (whichever file holds them)."""
-        from safetensors import safe_open
-
         from ray_moe.model.quant import scale_name, scale_of
 
-        where = files.get(scale_name(key))
-        scale = None
-        if where is not None:
-            with safe_open(where, framework="pt") as fh:
-                scale = fh.get_tensor(scale_name(key))
-        return scale_of(key, codes, scale, path, scheme)
+        return scale_of(key, codes, _read_tensor(files, scale_name(key)), path, scheme)
 
     @staticmethod
     def _dense(key: str, t: torch.Tensor, path: str, files: dict[str, str], folder: str, scheme: Any) -> torch.Tensor:
@@ -290,17 +294,7 @@ class ModelHost:
 
         if not is_fp8(t):
             return t
-
-        def scale(name: str) -> torch.Tensor | None:
-            from safetensors import safe_open
-
-            where = files.get(name)
-            if where is None:
-                return None
-            with safe_open(where, framework="pt") as fh:
-                return fh.get_tensor(name)
-
-        return dense_tensor(key, t, scale, path, folder, scheme)
+        return dense_tensor(key, t, lambda name: _read_tensor(files, name), path, folder, scheme)
 
     def memory(self) -> dict[str, int]:
         """Bytes this host holds (MEASURED from the tensors): the model's non-expert parameters and buffers

@@ -76,7 +76,7 @@ def test_on_a_cpu_the_automatic_choice_dequantizes_and_says_why(qwen):
     _, folder = qwen
     host = ModelHost.from_checkpoint(folder, kv_tokens=64)
     assert host.fp8_dense["modules"] == 0 and not any(isinstance(m, Fp8Linear) for m in host.model.modules())
-    assert set(host.fp8_dense["reasons"].values()) == {"device cpu: the FP8 dense kernel needs CUDA"}
+    assert set(host.fp8_dense["reasons"].values()) == {"device cpu: the FP8 dense kernels need CUDA"}
     assert "K blocks" in fp8_linear_reason("cuda", torch.bfloat16, 64, 64, (128, 16))
 
 

@@ -144,6 +144,11 @@ class BucketDispatchOutput(DispatchOutput):
     valid: torch.Tensor | None = None
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 codes viewed as uint8 (indexed copies of float8 tensors are not implemented everywhere), else ``t``."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 class BucketDispatcher(Dispatcher):
     """The fixed-capacity decode mode behind the dispatcher contract.
 
@@ -239,8 +244,7 @@ class BucketDispatcher(Dispatcher):
         token = torch.arange(rc, device=dev) // k
         src, src_scales = quantize(h, self.payload_format)
         send = torch.zeros(trash + 1, shape.hidden_size, dtype=src.dtype, device=dev)
-        send.view(torch.uint8 if src.element_size() == 1 else src.dtype)[send_index] = (
-            src.view(torch.uint8) if src.element_size() == 1 else src)[token]
+        _as_bytes(send)[send_index] = _as_bytes(src)[token]
         send_slot = torch.full((trash + 1,), -1, dtype=torch.int32, device=dev)
         send_slot[send_index] = slots.to(torch.int32)
         send_slot[trash:].fill_(-1)  # a fill kernel: no host-to-device copy (CUDA-graph capturable)

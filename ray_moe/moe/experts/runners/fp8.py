@@ -93,23 +93,34 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
-def check_fp8_kernel(device: torch.device, dtype: torch.dtype, d: int, f: int, block: Sequence[int]) -> str | None:
-    """Why the FP8 expert kernels cannot serve experts [f, d] in ``block`` blocks with ``dtype`` activations here
-    (None: they can): CUDA, a supported block, Triton, and the kernels reproducing ``fp8_swiglu_reference``
-    within ``CHECK_TOLERANCE`` on three seeded slots of this shape with ragged rows (5, 0, 37): expert-major
-    rows, token-major rows read through a route order with row-mapped weights, and the capacity layout."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"device {device.type}: the FP8 expert kernels need CUDA"
+def kernels_unavailable(what: str, device: torch.device, dtype: torch.dtype, block: Sequence[int], *dims: int
+                        ) -> str | None:
+    """Why ``what`` (a block-FP8 Triton kernel of ``fp8_kernels``) cannot run here at all, before any check of its
+    numbers (None: it may): CUDA, a bfloat16 / float16 / float32 activation dtype, a block and shape ``supports``
+    takes (``dims``: its two matrix dimensions), Triton importable and compiling (not its CPU interpreter)."""
+    if torch.device(device).type != "cuda":
+        return f"device {torch.device(device).type}: {what} need CUDA"
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"dtype {dtype}: the FP8 expert kernels take bfloat16 / float16 / float32 activations"
-    why = fp8_kernels.supports(tuple(int(b) for b in block), d, f)  # type: ignore[arg-type]
+        return f"dtype {dtype}: {what} take bfloat16 / float16 / float32 activations"
+    why = fp8_kernels.supports(tuple(int(b) for b in block), *dims)  # type: ignore[arg-type]
     if why is not None:
         return why
     if not fp8_kernels.available():
         return "Triton is not importable here"
     if fp8_kernels.interpreted():
         return "Triton runs its CPU interpreter here (TRITON_INTERPRET)"
+    return None
+
+
+def check_fp8_kernel(device: torch.device, dtype: torch.dtype, d: int, f: int, block: Sequence[int]) -> str | None:
+    """Why the FP8 expert kernels cannot serve experts [f, d] in ``block`` blocks with ``dtype`` activations here
+    (None: they can): CUDA, a supported block, Triton, and the kernels reproducing ``fp8_swiglu_reference``
+    within ``CHECK_TOLERANCE`` on three seeded slots of this shape with ragged rows (5, 0, 37): expert-major
+    rows, token-major rows read through a route order with row-mapped weights, and the capacity layout."""
+    device = torch.device(device)
+    why = kernels_unavailable("the FP8 expert kernels", device, dtype, block, d, f)
+    if why is not None:
+        return why
     block = tuple(int(b) for b in block)
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -224,5 +235,5 @@ class Fp8Runner(ExpertRunner):
         return self.inner.ledger(counts, d, f)
 
 
-__all__ = ["CHECK_TOLERANCE", "Fp8Runner", "check_fp8_kernel", "dense_slots", "fast_path_reason",
+__all__ = ["CHECK_TOLERANCE", "Fp8Runner", "check_fp8_kernel", "kernels_unavailable", "dense_slots", "fast_path_reason",
            "fp8_swiglu_reference"]
