@@ -121,6 +121,12 @@ def run_demo(args: argparse.Namespace) -> int:
         stats = rt.stats()
         loads["after"] = [stats["rank_rows"].get(r, 0) - rebalance.get("rows", {}).get(r, 0)
                           for r in range(cfg.num_ranks)]
+        again: list[list[int]] | None = None
+        if not any(loads["after"]):  # published after the last step (a late decision, or the scripted one): the same
+            again = rt.generate(prompts, max_new_tokens=args.new_tokens)  # prompts once more, over the new placement
+            stats = rt.stats()
+            loads["after"] = [stats["rank_rows"].get(r, 0) - rebalance.get("rows", {}).get(r, 0)
+                              for r in range(cfg.num_ranks)]
         loads["before"] = [rebalance.get("rows", {}).get(r, 0) for r in range(cfg.num_ranks)]
         step_ms = list(rt.books.stats.step_ms)
         replicas = rt.placement().replica_counts(0)  # [num_experts]: replicas of each expert, first MoE layer
@@ -130,6 +136,7 @@ def run_demo(args: argparse.Namespace) -> int:
     want = [model.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, do_sample=False)[0, len(p):].tolist()
             for p in prompts]
     mismatches = [i for i, (a, b) in enumerate(zip(outputs, want)) if a != b]
+    mismatches += [i for i, (a, b) in enumerate(zip(again or [], want)) if a != b and i not in mismatches]
     print()
     print("rank  routed rows before rebalance (share)  after (share)")
     shares = {k: load_shares(v) for k, v in loads.items()}
@@ -138,7 +145,8 @@ def run_demo(args: argparse.Namespace) -> int:
               f"({shares['after'][r]:4.1f}%)")
     print(f"Gamma_rank (max/mean rows): before {_gamma(loads['before']):.3f}, after {_gamma(loads['after']):.3f}; "
           f"rebalance published generation {rebalance.get('generation')} in {rebalance.get('seconds', 0):.2f}s "
-          f"while generating, decided by {rebalance.get('decided_by')}")
+          f"{'after the last step (the prompts generated again over it)' if again else 'while generating'}, "
+          f"decided by {rebalance.get('decided_by')}")
     from ray_moe.apps.status_lines import autopilot_lines
 
     for line in autopilot_lines(watch.eplb):
@@ -161,7 +169,7 @@ def run_demo(args: argparse.Namespace) -> int:
               "rank_share_pct_before_rebalance": shares["before"], "rank_share_pct_after_rebalance": shares["after"],
               "replicas_per_expert": replicas, "gamma_before": _gamma(loads["before"]),
               "gamma_after": _gamma(loads["after"]), "rebalance": {k: v for k, v in rebalance.items() if k != "rows"},
-              "autopilot_decisions": decisions,
+              "autopilot_decisions": decisions, "outputs_after_rebalance": again,
               "ratios": stats["ratios"], "steps": steps, "tokens": total, "generate_s": gen_s,
               "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "n": lat.n}, "elapsed_s": elapsed}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -243,6 +243,22 @@ def test_demo_smoke(ray_session, tmp_path, capsys):
     assert "generating" in out.err and "\r" not in out.out and "generating:" not in out.out
 
 
+def test_demo_rebalance_after_the_last_step_generates_again(ray_session, tmp_path, monkeypatch):
+    """A rebalance published after the last step (the watch saw no decision: the scripted one runs after generation)
+    leaves no rows after it; the demo then generates the prompts again over the new placement, checks them too, and
+    reports that pass's load."""
+    from ray_moe.apps import demo
+
+    monkeypatch.setattr(demo._AutopilotWatch, "_run", lambda self: self._stop.wait())
+    monkeypatch.setattr(demo._AutopilotWatch, "finish", lambda self, grace_s: (self._stop.set(), [])[1])
+    rc = main(["demo", "--prompts", "4", "--new-tokens", "6", "--ranks", "2", "--experts", "8", "--quiet",
+               "--slots-per-rank", "5", "--json", str(tmp_path / "demo.json"), "--png", str(tmp_path / "demo.png")])
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert rc == 0 and report["mismatches"] == [] and report["rebalance"]["decided_by"].startswith("script")
+    assert report["outputs_after_rebalance"] == report["reference"] == report["outputs"]
+    assert sum(report["rank_rows_before_rebalance"]) > 0 and sum(report["rank_rows_after_rebalance"]) > 0
+
+
 def test_status_shard_lines_name_a_failed_capture():
     from ray_moe.apps.cli import shard_lines
 
