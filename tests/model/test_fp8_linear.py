@@ -80,22 +80,27 @@ def test_on_a_cpu_the_automatic_choice_dequantizes_and_says_why(qwen):
     assert "K blocks" in fp8_linear_reason("cuda", torch.bfloat16, 64, 64, (128, 16))
 
 
-# ------------------------------------------------------------------ under Triton's CPU interpreter
-@pytest.fixture
-def interpret():
+# ------------------------------------------------------------------ the kernel: on a GPU, or under Triton's CPU interpreter
+@pytest.fixture(params=[pytest.param("cpu", id="interpreter"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """``cpu``: Triton's interpreter (``TRITON_INTERPRET=1``, else skipped); ``cuda``: the compiled kernel."""
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the FP8 dense kernel runs on CPU under Triton's interpreter: set TRITON_INTERPRET=1 for pytest")
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     fp8_kernels._kernels.cache_clear()
+    return torch.device(request.param)
 
 
 @pytest.mark.parametrize("out_f,in_f,block,rows", [(200, 136, (128, 128), 37), (64, 96, (32, 64), 1),
                                                     (256, 128, (128, 128), 70)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_matches_its_reference(interpret, out_f, in_f, block, rows, dtype):
+def test_the_kernel_matches_its_reference(device, out_f, in_f, block, rows, dtype):
     g = torch.Generator().manual_seed(out_f + rows)
     codes, scales = quantize(torch.randn(out_f, in_f, generator=g) / in_f ** 0.5, block)
-    x = (torch.randn(rows, in_f, generator=g) * 3).to(dtype)
+    codes, scales = codes.to(device), scales.to(device)
+    x = (torch.randn(rows, in_f, generator=g) * 3).to(device=device, dtype=dtype)
     got, want = fp8_kernels.fp8_linear(x, codes, scales, block), fp8_linear_reference(x, codes, scales, block)
     assert got.dtype == dtype and got.shape == (rows, out_f)
     tol = 1e-2 if dtype == torch.float32 else 2e-2
@@ -105,17 +110,20 @@ def test_the_kernel_matches_its_reference(interpret, out_f, in_f, block, rows, d
         fp8_kernels.fp8_linear(x[:, :-1], codes, scales, block)
 
 
-def test_swapped_modules_compute_what_the_dequantized_ones_do(interpret, qwen):
+def test_swapped_modules_compute_what_the_dequantized_ones_do(device, qwen):
     _, folder = qwen
-    kept = ModelHost.from_checkpoint(folder, kv_tokens=64, fp8_dense=True)
-    plain = ModelHost.from_checkpoint(folder, kv_tokens=64, fp8_dense=False)
-    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    kept = ModelHost.from_checkpoint(folder, device=device, kv_tokens=64, fp8_dense=True)
+    plain = ModelHost.from_checkpoint(folder, device=device, kv_tokens=64, fp8_dense=False)
+    g = torch.Generator().manual_seed(3)
+    swapped = 0
     for name, mod in kept.model.named_modules():
         if isinstance(mod, Fp8Linear):
+            swapped += 1
             dense = plain.model.get_submodule(name)
-            xi = x if mod.in_features == 32 else torch.randn(2, 5, mod.in_features)
+            xi = torch.randn(2, 5, mod.in_features, generator=g).to(device)
             with torch.no_grad():
                 got, want = mod(xi), dense(xi)
             assert got.shape == want.shape
             # activations quantized per 1 x 32 group (e4m3): within a few percent of the dequantized Linear
             assert float((got - want).norm() / want.norm()) < 6e-2, name
+    assert swapped > 0
