@@ -694,15 +694,18 @@ def _ray_moe_pass(rt: Any, engine: Any, reqs: Requests, mode: Mode, spec: dict, 
 
 
 def memory_after_start(status: dict) -> dict[str, Any]:
-    """Each shard's device memory right after start, before any step (MEASURED by the shard, ``ShardCore._memory``):
-    allocated bytes over the weights it holds (expert slot buffers + the model's other modules); the KV cache's
-    tensors are allocated at the first step (``kv_bytes`` 0 here)."""
+    """Each shard's device memory right after start, before any request (MEASURED by the shard,
+    ``ShardCore._memory``), read after ``rt.serving()``: the KV cache (``kv_bytes``) and the step graphs are
+    allocated by then. ``allocated_over_weights``: allocated bytes over the weights it holds (expert slot buffers +
+    the model's other modules); ``allocated_beside_kv_over_weights``: the same without the KV cache (weights, graph
+    buffers, workspaces)."""
     out: dict[str, Any] = {}
     for r, st in status.items():
         m = dict(st.get("memory") or {})
         weights = m.get("expert_bytes", 0) + m.get("module_bytes", 0)
         if "allocated_bytes" in m and weights:
             m["allocated_over_weights"] = m["allocated_bytes"] / weights
+            m["allocated_beside_kv_over_weights"] = (m["allocated_bytes"] - m.get("kv_bytes", 0)) / weights
         out[str(r)] = m
     return out
 

@@ -105,10 +105,11 @@ def skipped(system: str, a: argparse.Namespace) -> dict[str, Any] | None:
 
 def memory_check(res: dict[str, Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
     """ray-moe's memory right after start (``memory_after_start``, summed over its ranks) against the checkpoint's
-    tensor bytes (FP8 codes + scales + the bf16 / float32 rest): allocated device bytes (CUDA) and the bytes of
-    the tensors it holds (expert slots + other modules), each over the checkpoint; ``within_target``: allocated
-    (else held) <= 1.05 x the checkpoint (issue 41), judged on one rank only (None for several: each rank holds
-    every non-expert module, and the default slots add expert replicas)."""
+    tensor bytes (FP8 codes + scales + the bf16 / float32 rest): allocated device bytes beside the KV cache (CUDA:
+    weights, graph buffers, workspaces; the KV cache takes what is left of the GPU's memory fraction, as vLLM's) and
+    the bytes of the tensors it holds (expert slots + other modules), each over the checkpoint; ``within_target``:
+    allocated beside the KV cache (else held) <= 1.05 x the checkpoint (issue 41), judged on one rank only (None
+    for several: each rank holds every non-expert module, and the default slots add expert replicas)."""
     ranks = res.get("memory_after_start") or {}
     total = int(checkpoint["bytes"]["total"])
 
@@ -116,16 +117,19 @@ def memory_check(res: dict[str, Any], checkpoint: dict[str, Any]) -> dict[str, A
         vals = [m.get(key) for m in ranks.values()]
         return sum(vals) if vals and all(v is not None for v in vals) else None
 
-    allocated = summed("allocated_bytes")
+    allocated, kv = summed("allocated_bytes"), summed("kv_bytes") or 0
+    beside_kv = allocated - kv if allocated is not None else None
     held = (summed("expert_bytes") or 0) + (summed("module_bytes") or 0)
-    measure = allocated if allocated is not None else held
+    measure = beside_kv if beside_kv is not None else held
     return {"checkpoint_bytes": checkpoint["bytes"], "ranks": len(ranks), "allocated_bytes": allocated,
-            "allocated_over_checkpoint": allocated / total if allocated is not None else None,
+            "kv_bytes": kv, "allocated_beside_kv_bytes": beside_kv,
+            "allocated_beside_kv_over_checkpoint": beside_kv / total if beside_kv is not None else None,
             "expert_bytes": summed("expert_bytes"), "module_bytes": summed("module_bytes"), "held_bytes": held,
             "held_over_checkpoint": held / total, "target_over_checkpoint": MEMORY_TARGET,
             "within_target": bool(measure <= MEMORY_TARGET * total) if len(ranks) == 1 else None,
-            "measured_by": "allocated_bytes" if allocated is not None else "held_bytes",
-            "note": "after Runtime.start + rt.serving (CUDA graphs captured, KV cache not yet allocated); ray-moe "
-                    "holds the routed experts as FP8 codes + scales and dequantizes every other FP8 weight to "
-                    "the serving dtype at load; with several ranks each holds every non-expert module and the "
+            "measured_by": "allocated_beside_kv_bytes" if beside_kv is not None else "held_bytes",
+            "note": "after Runtime.start + rt.serving (the KV cache allocated, CUDA graphs captured); ray-moe holds "
+                    "the routed experts as FP8 codes + scales, the dense projections too where the FP8 dense "
+                    "kernel serves them (Fp8Linear), the rest (embeddings, LM head, norms, routers) as the "
+                    "checkpoint stores them; with several ranks each holds every non-expert module and the "
                     "default slots add expert replicas (within_target: one rank only)"}

@@ -145,3 +145,20 @@ def test_the_writer_process_and_the_benchmark_name_one_checkpoint(tmp_path):
                                                      "--fp8-dir", folder]), "cpu")
         assert got["config"] == want and "checkpoint" not in got and not os.path.exists(folder)
         assert (got["fit"] is None) == (fit is None) == (shape == "qwen3-30b-a3b")
+
+
+def test_the_memory_check_leaves_the_kv_cache_out():
+    """One rank as the H100 run of session 22 reported it (the KV cache allocated by ``rt.serving()``): judged on
+    allocated bytes beside the KV cache, not on everything allocated."""
+    from ray_moe_bench import serving_fp8
+
+    b = {"codes": 29_896_998_912, "scales": 7_299_072, "other": 1_270_247_424, "total": 31_174_545_408}
+    mem = {"expert_bytes": 29_451_202_560, "module_bytes": 2_176_438_784, "kv_bytes": 38_562_004_992,
+           "allocated_bytes": 70_626_475_520}
+    got = serving_fp8.memory_check({"memory_after_start": {"0": mem}}, {"bytes": b})
+    assert got["measured_by"] == "allocated_beside_kv_bytes" and got["kv_bytes"] == mem["kv_bytes"]
+    assert got["allocated_beside_kv_bytes"] == 70_626_475_520 - 38_562_004_992
+    assert got["allocated_beside_kv_over_checkpoint"] == pytest.approx(1.0286, abs=1e-4)
+    assert got["within_target"] is True
+    over = serving_fp8.memory_check({"memory_after_start": {"0": {**mem, "kv_bytes": 30_000_000_000}}}, {"bytes": b})
+    assert over["within_target"] is False  # 40.6 GB beside the cache: over 1.05 x 31.2 GB
