@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|profile|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|fp8-profile|profile|rebalance
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -81,6 +81,9 @@ for what in "$@"; do
           --out "$RAY_MOE_RESULTS_DIR/fp8-$shape/$sys"
       fi ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
+    # where an FP8 decode step's time goes: the FP8 checkpoint fp8-write made (the whole 48-layer shape), in process
+    fp8-profile) run 300 python3 -m ray_moe_bench.step_profile --checkpoint "${FP8_ROOT:-/tmp/ray-moe-fp8}/qwen3-30b-a3b" \
+                   --workload decode-heavy --windows 20:21 --out "$RAY_MOE_RESULTS_DIR" ;;
     rebalance) run 200 python3 -m ray_moe_bench.rebalance_memory --layers 48 --stall-dump 150 ;;
   esac
 done

@@ -3,10 +3,13 @@
     python -m ray_moe_bench.step_profile --quick                             # CPU smoke (< 60 s): tiny model
     python -m ray_moe_bench.step_profile --layers 48 --variants 0:0,4096:8
     python -m ray_moe_bench.step_profile --workload decode-heavy --windows 10:14,40:44 --out bench/results
+    python -m ray_moe_bench.step_profile --checkpoint /tmp/ray-moe-fp8/qwen3-30b-a3b --workload decode-heavy \
+        --windows 20:21                                              # a checkpoint's model (an FP8 one, say)
 
 One rank, ``InProcessDeployment`` + ``LocalTransport`` + ``GenerationLoop`` in this process (Qwen3-30B-A3B's
 shapes with random weights and ``--layers`` decoder layers on CUDA; the tiny Qwen3-MoE in float32 on CPU with
-``--quick``), the serving benchmark's seeded workload, greedy, exactly ``new_tokens`` per request (EOS ignored).
+``--quick``; ``--checkpoint``: a Hugging Face folder's model as ``RuntimeConfig.from_pretrained`` reads it, every
+layer, an FP8 one served in FP8), the serving benchmark's seeded workload, greedy, exactly ``new_tokens`` per request (EOS ignored).
 Each variant S:D (step tokens : decode steps; 0 = the product's default) captures its own step lattice (the token
 sizes follow the step tokens; the previous variant's graphs released), runs one warm pass, then one measured pass
 of the whole workload at those settings.
@@ -22,6 +25,8 @@ kernels): the top kernels by self device time and the top CPU ops by self CPU ti
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--cpu-draw", action="store_true", help="seeded experts drawn on the CPU (default on CUDA: on the GPU)")
     p.add_argument("--skip-fusions", default="", help="routers,qkv: leave these of the model unfused (a before run)")
+    p.add_argument("--checkpoint", default=None, help="a Hugging Face folder to serve (default: random weights)")
     add_output_argument(p)
     a = p.parse_args(argv)
     skip = {s for s in a.skip_fusions.split(",") if s}
@@ -231,23 +237,35 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--layers={a.layers} (>= 1), --variants={a.variants!r} (at least one S:D)")
     device = "cpu" if a.quick or not torch.cuda.is_available() else "cuda"
     dtype = "bfloat16" if device == "cuda" else "float32"
-    conf = dict(QUICK if a.quick else QWEN3_30B_A3B, num_hidden_layers=a.layers)
-    prompts = work.prompts(conf["vocab_size"])
-    cfg = RuntimeConfig(num_ranks=1, num_experts=conf["num_experts"], hidden_size=conf["hidden_size"],
-                        ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
-                        slots_per_rank=conf["num_experts"], num_layers=a.layers, device=device, dtype=dtype, seed=0,
-                        decode_token_capacity=min(len(prompts), 256), name="step-profile",
-                        seeded_on_device=device == "cuda" and not a.cpu_draw)
+    if a.checkpoint:
+        try:
+            cfg = RuntimeConfig.from_pretrained(a.checkpoint, num_ranks=1, device=device, dtype=dtype,
+                                                name="step-profile")
+        except (OSError, ValueError) as exc:
+            p.error(f"--checkpoint={a.checkpoint!r}: {exc}")
+        a.layers = cfg.num_layers
+        vocab, random_model = json.load(open(os.path.join(a.checkpoint, "config.json")))["vocab_size"], None
+        prompts = work.prompts(vocab)
+    else:
+        conf = dict(QUICK if a.quick else QWEN3_30B_A3B, num_hidden_layers=a.layers)
+        random_model = conf
+        prompts = work.prompts(conf["vocab_size"])
+        cfg = RuntimeConfig(num_ranks=1, num_experts=conf["num_experts"], hidden_size=conf["hidden_size"],
+                            ffn_size=conf["moe_intermediate_size"], top_k=conf["num_experts_per_tok"],
+                            slots_per_rank=conf["num_experts"], num_layers=a.layers, device=device, dtype=dtype,
+                            seed=0, decode_token_capacity=min(len(prompts), 256), name="step-profile",
+                            seeded_on_device=device == "cuda" and not a.cpu_draw)
     t0 = time.perf_counter()
     dep = InProcessDeployment(cfg, device=device, timeout_s=600)
     tr = RecordingTransport(dep)
     t1 = time.perf_counter()
     # (no prefix caching: the warm pass runs the same prompts, and the measured pass is a profile of computing them)
     loop = GenerationLoop(tr, device=device, kv_tokens=8192 if a.quick else None, block_size=16, max_running=256,
-                          max_queued=4096, random_model=conf, prefix_caching=False)
+                          max_queued=4096, random_model=random_model, prefix_caching=False)
     tr.waiting = lambda: loop.signals().waiting
     params = SamplingParams(max_new_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
     res: dict[str, Any] = {"quick": a.quick, "device": device, "dtype": dtype, "layers": a.layers,
+                           "checkpoint": a.checkpoint,
                            "skipped_fusions": sorted(skip),
                            "workload": {"kind": work.kind.value, "requests": work.requests,
                                         "new_tokens": work.new_tokens, "prompt_mean": work.prompt_mean,

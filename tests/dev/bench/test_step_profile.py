@@ -50,3 +50,21 @@ def test_bad_variants_and_windows_are_usage_errors(tmp_path):
             step_profile.main(["--quick", "--out", str(tmp_path), *args])
         assert exc.value.code == 2, args
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_checkpoint_is_served_as_from_pretrained_reads_it(tmp_path):
+    """``--checkpoint``: a tiny FP8 Qwen3-MoE written by the test, every one of its layers, the workload's prompts
+    drawn from its vocabulary; a folder that is no checkpoint is a usage error naming the flag."""
+    from ray_moe_dev.testing.hf_models import fp8_model
+
+    ref, folder = fp8_model("qwen3_moe", tmp_path / "q3", block=(32, 32))
+    out = tmp_path / "out"
+    assert step_profile.main(["--quick", "--checkpoint", folder, "--out", str(out)]) == 0
+    (path,) = out.glob("step_profile-*.json")
+    body = json.loads(path.read_text())
+    assert body["checkpoint"] == folder and body["layers"] == ref.config.num_hidden_layers
+    (v,) = body["variants"]
+    assert v["output_tokens"] == body["workload"]["requests"] * body["workload"]["new_tokens"]
+    with pytest.raises(SystemExit) as exc:
+        step_profile.main(["--quick", "--checkpoint", str(tmp_path / "nothing"), "--out", str(out)])
+    assert exc.value.code == 2
