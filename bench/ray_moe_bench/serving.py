@@ -658,7 +658,7 @@ def _ray_moe_pass(rt: Any, engine: Any, reqs: Requests, mode: Mode, spec: dict, 
     """One timed pass and what the deployment did in it: token metrics, the shards' graph counter deltas
     (``timed_pass_graphs``), the engine's steps, prompt tokens served from the prefix cache, the driver's
     collector pauses and the step timings / host work of the pass's steps."""
-    before = read_graph_counters(rt)
+    before, use0 = read_graph_counters(rt), rt.stats()["expert_use"]
     steps0, gc0, pre0 = engine.steps, engine.gc_counters(), engine.prefix_stats()
     for dq in engine.timings.values():  # the timed pass's steps only
         dq.clear()
@@ -666,7 +666,7 @@ def _ray_moe_pass(rt: Any, engine: Any, reqs: Requests, mode: Mode, spec: dict, 
         outs, wall, sent, stamps, extra = _ray_moe_offline(engine, reqs, spec["timeout_s"])
     else:
         outs, wall, sent, stamps, extra = _ray_moe_online(engine, reqs, spec["rate"], spec["seed"], spec["timeout_s"])
-    after = read_graph_counters(rt)
+    after, use1 = read_graph_counters(rt), rt.stats()["expert_use"]
     gc1, pre1 = engine.gc_counters(), engine.prefix_stats()
     res = token_metrics(reqs.prompts, outs, wall, sent, stamps, expected=reqs.new_tokens)
     res.update(extra)
@@ -676,6 +676,12 @@ def _ray_moe_pass(rt: Any, engine: Any, reqs: Requests, mode: Mode, spec: dict, 
     res["prefix_hit_tokens"] = pre1["hit_tokens"] - pre0["hit_tokens"]
     res["prefix_lookup_tokens"] = pre1["lookup_tokens"] - pre0["lookup_tokens"]
     res["outputs_digest"] = _digest(outs)
+    # the experts each (step, MoE layer) of the pass touched, from the shards' per-layer route counts (a
+    # multi-step decode request's sub-steps together); peak_over_mean: the busiest expert's routes over the mean's
+    from ray_moe.driver.books import expert_use
+
+    d = {k: use1[k] - use0[k] for k in ("layer_steps", "touched", "routes", "peak_routes")}
+    res["expert_use"] = expert_use(d["layer_steps"], use1["experts"], d["touched"], d["routes"], d["peak_routes"])
     # the driver process's garbage-collector pauses in the pass (MEASURED: gc.callbacks; the shards' own, since
     # their start, are in shards[*].counters: gc_*)
     res["driver_gc"] = {k: (gc1[k] if k in ("gc_pause_max_us", "gc_frozen_objects") else gc1[k] - gc0[k])

@@ -153,10 +153,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(line)
     print(replicas_line(replicas))
     print()
-    print("ratio           numerator  denominator  value")
+    print("ratio             numerator  denominator  value")
     for name, r in stats["ratios"].items():
         v = "n/a" if r["value"] is None else f"{r['value']:.4f}"
-        print(f"{name:<14}  {r['numerator']:>9}  {r['denominator']:>11}  {v}")
+        print(f"{name:<16}  {r['numerator']:>9}  {r['denominator']:>11}  {v}")
     lat = summarize(step_ms, unit="ms", evidence=EvidenceClass.MEASURED) if step_ms else None
     print()
     print(f"{steps} generation steps (one actor call per rank each), {total} tokens in {gen_s:.1f}s "

@@ -33,6 +33,9 @@ class RuntimeStats:
     accepted route (admission refusals rerun eagerly), so dropped = attempted - accepted.
     prefix_hit_tokens / prefix_lookup_tokens: prompt tokens generation steps served from cached KV blocks, and
     every prefill token of those steps (with prefix caching on; ``shard/prefix.py``).
+    expert_layer_steps / experts_touched / expert_routes / expert_peak_routes: over every (step, MoE layer) with
+    routes, summed over the ranks: how many, the logical experts given at least one route, the routes, and the
+    busiest expert's routes (a multi-step decode request's sub-steps count as one step: their routes together).
     """
 
     steps: int = 0
@@ -53,6 +56,11 @@ class RuntimeStats:
     fallbacks: dict[str, int] = field(default_factory=dict)  # decode units that took the variable path, by reason
     prefix_hit_tokens: int = 0
     prefix_lookup_tokens: int = 0
+    num_experts: int = 0
+    expert_layer_steps: int = 0
+    experts_touched: int = 0
+    expert_routes: int = 0
+    expert_peak_routes: int = 0
 
     def ratios(self) -> dict[str, dict[str, float | int | None]]:
         def r(n: int, d: int) -> dict[str, float | int | None]:
@@ -67,7 +75,15 @@ class RuntimeStats:
             "same_node_remote_gpu": r(self.remote_routes - self.inter_node_routes, self.accepted_routes),
             "different_node": r(self.inter_node_routes, self.accepted_routes),
             "prefix_cache_hit": r(self.prefix_hit_tokens, self.prefix_lookup_tokens),
+            # of the experts a (step, layer) could route to, those it did
+            "experts_touched": r(self.experts_touched, self.expert_layer_steps * self.num_experts),
         }
+
+    def expert_use(self) -> dict[str, Any]:
+        """How a step's routes spread over the experts (degenerate routing touches few of them): per (step, MoE
+        layer) the mean experts touched of ``experts``, and the busiest expert's routes over the mean expert's."""
+        n, routes = self.expert_layer_steps, self.expert_routes
+        return expert_use(n, self.num_experts, self.experts_touched, routes, self.expert_peak_routes)
 
     def as_dict(self) -> dict[str, Any]:
         lat = summarize(self.step_ms, unit="ms", evidence=EvidenceClass.MEASURED) if self.step_ms else None
@@ -88,8 +104,17 @@ class RuntimeStats:
             "fallbacks": dict(self.fallbacks),
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_lookup_tokens": self.prefix_lookup_tokens,
+            "expert_use": self.expert_use(),
             "step_ms": None if lat is None else {"p50": lat.p50, "p95": lat.p95, "max": lat.max, "n": lat.n},
         }
+
+
+def expert_use(layer_steps: int, experts: int, touched: int, routes: int, peak_routes: int) -> dict[str, Any]:
+    """The expert-use record (``RuntimeStats.expert_use``) of these sums; a difference of two records' sums (a
+    benchmark pass) gives the pass's own."""
+    return {"layer_steps": layer_steps, "experts": experts, "touched": touched, "routes": routes,
+            "peak_routes": peak_routes, "touched_per_layer_step": touched / layer_steps if layer_steps else None,
+            "peak_over_mean": peak_routes * experts / routes if routes else None}
 
 
 @dataclass(frozen=True)
@@ -106,7 +131,7 @@ class StepBooks:
 
     def __init__(self, num_layers: int, num_experts: int, telemetry: Telemetry, release_id: str,
                  flush_every: int = 4) -> None:
-        self.stats = RuntimeStats()
+        self.stats = RuntimeStats(num_experts=int(num_experts))
         self.telemetry = telemetry
         self.release_id = release_id
         self.flush_every = flush_every
@@ -168,6 +193,7 @@ class StepBooks:
             s.accepted_routes += acc
             s.remote_routes += rem
             s.inter_node_routes += inter
+            self._expert_use(results, ranks)
             self._load_steps += 1
             if self._load_steps >= self.flush_every and gen is not None:
                 flush = LoadFlush(self._load.copy(), phase, gen)
@@ -187,6 +213,22 @@ class StepBooks:
                           1 if reasons else 0, 1)
         return flush
 
+    def _expert_use(self, results: Mapping[int, "StepResult"], ranks: Sequence[int]) -> None:
+        """The step's routes per logical expert, summed over the ranks, into the expert-use counters (locked)."""
+        per_layer: dict[int, np.ndarray] = {}
+        for r in ranks:
+            for ls in results[r].layers:
+                c = np.asarray(ls.expert_counts)
+                per_layer[ls.layer] = per_layer[ls.layer] + c if ls.layer in per_layer else c
+        s = self.stats
+        for counts in per_layer.values():
+            total = int(counts.sum())
+            if total:
+                s.expert_layer_steps += 1
+                s.experts_touched += int(np.count_nonzero(counts))
+                s.expert_routes += total
+                s.expert_peak_routes += int(counts.max())
+
     def take_load(self, generation: int | None) -> LoadFlush | None:
         """Whatever load is pending, now (before a rebalance reads the window)."""
         with self._lock:
@@ -202,4 +244,4 @@ class StepBooks:
             return self.stats.as_dict()
 
 
-__all__ = ["LoadFlush", "RuntimeStats", "StepBooks"]
+__all__ = ["LoadFlush", "RuntimeStats", "StepBooks", "expert_use"]

@@ -133,6 +133,10 @@ def test_generate_and_stream_equal_transformers(served):
     assert sum(p["hashed"] for p in pools) >= 2, pools
     s = rt.stats()
     assert s["phase_steps"].get("decode", 0) > 0 and s["bucket_layers"] > 0
+    # the experts each step touched, from the same per-layer counts as the accepted routes
+    use = s["expert_use"]
+    assert use["routes"] == s["accepted_routes"] > 0 and use["experts"] == model.config.num_local_experts
+    assert 1 <= use["touched_per_layer_step"] <= use["experts"] and use["peak_over_mean"] >= 1
     # the driver pipelined its steps: launched before the previous one was collected, decode inputs deferred
     assert rt.serving().overlapped > 0
     assert sum(st["counters"].get("deferred_tokens", 0) for st in rt.shard_status().values()) > 0

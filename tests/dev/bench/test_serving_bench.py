@@ -67,6 +67,10 @@ def _check_graphs(s: dict, ranks: int = 2) -> None:
         assert d["captures"] == d["captures_serving"] == 0
     assert g["total"]["eager_steps"] == sum(d["eager_steps"] for d in g["per_shard"].values()) > 0
     assert g["total"]["decode_graph_steps"] == g["total"]["piecewise_steps"] == 0  # (CPU: no CUDA graphs)
+    # the experts each (step, layer) of the pass touched: the pass's own counts (a difference of the books')
+    u = s["expert_use"]
+    assert u["layer_steps"] > 0 and u["routes"] >= u["touched"] >= u["layer_steps"]
+    assert 1 <= u["touched_per_layer_step"] <= u["experts"] and 1 <= u["peak_over_mean"] <= u["experts"]
 
 
 @pytest.fixture(scope="module")
