@@ -165,6 +165,7 @@ class StepBooks:
             s.step_ms.append(ms)
             s.phase_steps[phase.value] = s.phase_steps.get(phase.value, 0) + 1
             gen = None
+            step = np.zeros_like(self._load)  # [L, E] this step's routes per logical expert, every rank
             first = results[ranks[0]]
             s.last_step = {"wall_ms": ms, "phase": phase.value,
                            "shard_elapsed_ms": {r: results[r].elapsed_s * 1e3 for r in ranks},
@@ -186,14 +187,15 @@ class StepBooks:
                     s.prefix_lookup_tokens += res.output.prefix_lookup_tokens
                 for ls in res.layers:
                     acc, rem, inter = acc + ls.accepted, rem + ls.remote, inter + ls.inter_node
-                    self._load[ls.layer] += ls.expert_counts
+                    step[ls.layer] += ls.expert_counts
                     for u, c in enumerate(ls.rank_routes.tolist()):
                         if c:
                             s.rank_rows[u] = s.rank_rows.get(u, 0) + int(c)
             s.accepted_routes += acc
             s.remote_routes += rem
             s.inter_node_routes += inter
-            self._expert_use(results, ranks)
+            self._load += step
+            self._expert_use(step)
             self._load_steps += 1
             if self._load_steps >= self.flush_every and gen is not None:
                 flush = LoadFlush(self._load.copy(), phase, gen)
@@ -213,21 +215,15 @@ class StepBooks:
                           1 if reasons else 0, 1)
         return flush
 
-    def _expert_use(self, results: Mapping[int, "StepResult"], ranks: Sequence[int]) -> None:
-        """The step's routes per logical expert, summed over the ranks, into the expert-use counters (locked)."""
-        per_layer: dict[int, np.ndarray] = {}
-        for r in ranks:
-            for ls in results[r].layers:
-                c = np.asarray(ls.expert_counts)
-                per_layer[ls.layer] = per_layer[ls.layer] + c if ls.layer in per_layer else c
+    def _expert_use(self, step: np.ndarray) -> None:
+        """The step's routes per logical expert ([layers, E], summed over the ranks) into the expert-use counters
+        (locked)."""
+        routed = step[step.sum(axis=1) > 0]  # the layers with routes
         s = self.stats
-        for counts in per_layer.values():
-            total = int(counts.sum())
-            if total:
-                s.expert_layer_steps += 1
-                s.experts_touched += int(np.count_nonzero(counts))
-                s.expert_routes += total
-                s.expert_peak_routes += int(counts.max())
+        s.expert_layer_steps += int(routed.shape[0])
+        s.experts_touched += int(np.count_nonzero(routed))
+        s.expert_routes += int(routed.sum())
+        s.expert_peak_routes += int(routed.max(axis=1).sum()) if routed.size else 0
 
     def take_load(self, generation: int | None) -> LoadFlush | None:
         """Whatever load is pending, now (before a rebalance reads the window)."""
