@@ -1,6 +1,10 @@
 """One layer's attention of a step, two ways (one GPU, no Ray): what a piecewise graph's hole runs (decode rows
 in place by the decode kernel, the prefill chunks' contexts gathered then FlashAttention-2's varlen forward) and
 what a whole-step token graph runs (every row in place by the paged varlen kernel, ``model/paged_varlen.py``).
+A candidate beside them, for the prefill chunks only: cuDNN's variable-length attention through PyTorch
+(``aten._cudnn_attention_forward`` with cumulative lengths; no grouped-query heads there, so the gathered keys and
+values are repeated per query head first), with its largest difference from FlashAttention-2 (its causal mask's
+alignment for a chunk over earlier context is what the difference checks) or why it does not run here.
 
     python -m ray_moe_bench.paged_varlen [--out DIR]
 
@@ -81,10 +85,35 @@ def case(name: str, dec: int, dec_ctx: int, chunks: list[tuple[int, int]], seed:
     err = float((hole().float() - whole().float()).abs().max())
     t = time_interleaved({"hole": hole, "whole": whole}, warmup=3, iters=15)
     fl = _flops(qlens, klens)
-    return {"name": name, "rows": sum(qlens), "keys": sum(klens), "max_abs_diff": err,
-            "piecewise_hole_ms": t["hole"]["median_ms"], "paged_varlen_ms": t["whole"]["median_ms"],
-            "hole_tflops": fl / t["hole"]["median_ms"] / 1e9, "paged_varlen_tflops": fl / t["whole"]["median_ms"] / 1e9,
-            "paged_over_hole": t["whole"]["median_ms"] / t["hole"]["median_ms"]}
+    out = {"name": name, "rows": sum(qlens), "keys": sum(klens), "max_abs_diff": err,
+           "piecewise_hole_ms": t["hole"]["median_ms"], "paged_varlen_ms": t["whole"]["median_ms"],
+           "hole_tflops": fl / t["hole"]["median_ms"] / 1e9, "paged_varlen_tflops": fl / t["whole"]["median_ms"] / 1e9,
+           "paged_over_hole": t["whole"]["median_ms"] / t["hole"]["median_ms"]}
+    if chunks and not dec:  # the prefill chunks alone: FlashAttention-2 against cuDNN on the same gathered keys
+        kg, vg = k.index_select(0, gather), v.index_select(0, gather)
+        args = (q, kg, vg, cu_q_rest, cu_k_rest, max_q, max_k, scale)
+        try:
+            diff = float((cudnn_varlen(*args).float() - flash_varlen(*args).float()).abs().max())
+            tc = time_interleaved({"flash": lambda: flash_varlen(*args), "cudnn": lambda: cudnn_varlen(*args)},
+                                  warmup=3, iters=15)
+            out["cudnn"] = {"max_abs_diff_vs_flash": diff, "flash_ms": tc["flash"]["median_ms"],
+                            "cudnn_ms": tc["cudnn"]["median_ms"],
+                            "cudnn_tflops": fl / tc["cudnn"]["median_ms"] / 1e9,
+                            "cudnn_over_flash": tc["cudnn"]["median_ms"] / tc["flash"]["median_ms"]}
+        except Exception as exc:  # noqa: BLE001 - a candidate: record why it does not run here
+            out["cudnn"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return out
+
+
+def cudnn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """``flash_varlen``'s contract through cuDNN (q [Nq, Hq, D], k / v [Nk, Hk, D] -> [Nq, Hq, D]): keys and values
+    repeated to Hq heads (cuDNN's variable-length path takes no grouped-query heads)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, False, 0.0, True, False,
+                                                   scale=scale)[0]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,8 +127,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:48s} hole {r['piecewise_hole_ms']:8.3f} ms ({r['hole_tflops']:5.0f} TF/s)  paged_varlen "
               f"{r['paged_varlen_ms']:8.3f} ms ({r['paged_varlen_tflops']:5.0f} TF/s)  ratio {r['paged_over_hole']:.2f}"
               f"  diff {r['max_abs_diff']:.3g}", flush=True)
+        if "cudnn" in r:
+            c = r["cudnn"]
+            print(f"{'':48s} cuDNN: " + (c["error"] if "error" in c else
+                  f"{c['cudnn_ms']:8.3f} ms ({c['cudnn_tflops']:5.0f} TF/s) over FlashAttention-2 "
+                  f"{c['cudnn_over_flash']:.2f}, diff {c['max_abs_diff_vs_flash']:.3g}"), flush=True)
     payload = {"what": "one layer's attention of a step: a piecewise hole (decode kernel + gathered FlashAttention-2"
-                       " varlen) against the paged varlen kernel (every row in place); MEASURED device ms",
+                       " varlen) against the paged varlen kernel (every row in place), and for prefill chunks alone "
+                       "cuDNN's varlen attention (a candidate) against FlashAttention-2; MEASURED device ms",
                "shape": {"heads": HQ, "kv_heads": HK, "head_dim": D, "dtype": "bfloat16"}, "cases": rows}
     print("wrote", write_result("paged_varlen", payload, out=args.out))
     return payload
