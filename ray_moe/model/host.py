@@ -258,6 +258,7 @@ class ModelHost:
             setattr(owner, attr, Fp8Linear(codes.to(self.device), scales.to(self.device), scheme.block,
                                            None if bias is None else bias.detach()))
         self.fp8_dense["modules"] = len(kept)
+        self.fp8_dense["paths"] = sorted(kept)
 
     def _fp8_swap(self, name: str, t: torch.Tensor, scheme: Any, fp8_dense: bool | None) -> str | None:
         """The module path of parameter ``name`` when its FP8 checkpoint tensor ``t`` stays FP8 (an ``Fp8Linear``),

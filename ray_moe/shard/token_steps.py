@@ -124,11 +124,15 @@ class TokenStepExecutor:
     def fused_kernels(self) -> dict[str, Any]:
         """Which of the model's layers take the fused kernels: norm layers (count), modeling modules whose
         rotary embedding does, routers (count), attention modules with one Q/K/V GEMM (count), and what kept
-        transformers' own forward and why (class or module -> reason)."""
+        transformers' own forward and why (class or module -> reason); an FP8 checkpoint's dense projections
+        kept in FP8 (module paths) and why a shape [out x in] was dequantized instead."""
         host = self.host
+        reasons = host.fp8_dense.get("reasons", {})
         return {"norm_layers": host.norms.modules, "rotary_modules": list(host.rotary.modules),
                 "router_layers": host.routers.modules, "qkv_modules": host.qkv.modules,
-                "skipped": {**host.norms.skipped, **host.rotary.skipped, **host.routers.skipped}}
+                "skipped": {**host.norms.skipped, **host.rotary.skipped, **host.routers.skipped},
+                "fp8_dense_modules": list(host.fp8_dense.get("paths", ())),
+                "fp8_dense_dequantized": {f"{o}x{i}": why for (o, i), why in reasons.items() if why}}
 
     def info(self) -> dict[str, Any]:
         """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids; and

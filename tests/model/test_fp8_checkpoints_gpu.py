@@ -67,7 +67,8 @@ def test_fp8_kernels_serve_the_fp8_arithmetic_within_tolerance_of_the_dequantize
         handles = [engine.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True))
                    for p in prompts]
         served = [h.result(120) for h in handles]
-        counters = rt.shard_status()[0]["counters"]
+        status = rt.shard_status()[0]
+        counters, dense = status["counters"], status["fused_kernels"]["fp8_dense_modules"]
     finally:
         rt.shutdown()
     arith_err, deq_excess, flips = [], [], []
@@ -75,7 +76,7 @@ def test_fp8_kernels_serve_the_fp8_arithmetic_within_tolerance_of_the_dequantize
     for p, h, toks in zip(prompts, handles, served):
         assert len(toks) == NEW_TOKENS and len(h.logprobs) == NEW_TOKENS
         deq = _logprobs(ref, p + toks, len(p) - 1, NEW_TOKENS)
-        with fp8_activations(ref, (128, 128)):
+        with fp8_activations(ref, (128, 128), dense=dense):  # the modules the GPU path keeps in FP8
             arith = _logprobs(ref, p + toks, len(p) - 1, NEW_TOKENS)
         for i, (tok, lp) in enumerate(zip(toks, h.logprobs)):
             positions += 1
@@ -92,12 +93,13 @@ def test_fp8_kernels_serve_the_fp8_arithmetic_within_tolerance_of_the_dequantize
                 assert tok == int(deq[i].argmax()), (family, p, i, toks)
             flips.append(tok != int(deq[i].argmax()))
     arith_t, deq_t = torch.tensor(arith_err), torch.tensor(deq_excess)
-    stats = dict(family=family, positions=positions, guarded=guarded, greedy_differs=sum(flips),
+    stats = dict(family=family, positions=positions, guarded=guarded, greedy_differs=sum(flips), fp8_dense=len(dense),
                  arith_median=float(arith_t.median()), arith_max=float(arith_t.max()),
                  deq_excess_median=float(deq_t.median()), deq_excess_max=float(deq_t.max()))
     print("fp8 gpu vs references:", stats)
     assert not counters.get("graphs_captured_serving"), counters
-    assert counters.get("fp8_dense_modules", 0) == len(fp8_dense_modules(ref)), counters  # every one in FP8
+    assert dense == sorted(fp8_dense_modules(ref)), status["fused_kernels"]  # every projection kept in FP8
+    assert counters.get("fp8_dense_modules") == len(dense), counters
     if family == "qwen3_moe":  # (DeepSeek's MLA attends its gathered contexts eagerly, and says so)
         assert not counters.get("eager_steps") and counters.get("decode_graph_steps", 0) > 0, counters
     assert stats["arith_median"] <= ARITH_MEDIAN_TOL, stats

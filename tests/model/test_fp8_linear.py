@@ -46,6 +46,7 @@ def test_the_swappable_projections_keep_their_codes_and_scales(qwen):
     swapped = {n: m for n, m in kept.model.named_modules() if isinstance(m, Fp8Linear)}
     layers = ref.config.num_hidden_layers
     assert kept.fp8_dense["modules"] == len(swapped) == 4 * layers  # q, k, v, o of every layer
+    assert kept.fp8_dense["paths"] == sorted(swapped)
     assert {n.rpartition(".")[2] for n in swapped} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     for name, mod in swapped.items():
         key = f"{name}.weight"
