@@ -75,6 +75,13 @@ def decode_splits(rows: int, kv_heads: int, max_k: int, sms: int = _SMS_H200) ->
     return 1 << (n.bit_length() - 1)
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernels' ``tl.dot`` input precision for ``dtype`` activations: float32 in full IEEE float32 (Triton's
+    default for float32 is TF32, 10 mantissa bits: a float32 deployment would attend at bf16-like precision);
+    bf16 / fp16 as Triton's default (their products are exact in the FP32 accumulator)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     try:
@@ -87,7 +94,7 @@ def _kernels():
     def _decode(q_ptr, k_ptr, v_ptr, slots_ptr, lo_ptr, hi_ptr, o_ptr, part_ptr, ml_ptr, scale,
                 sq_s, sq_h, sk_t, sk_h, sv_t, sv_h, so_s, so_h,
                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr,
-                BDV: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr):
+                BDV: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
         s = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -112,7 +119,7 @@ def _kernels():
             slot = tl.load(slots_ptr + k0 + offs, mask=valid, other=0).to(tl.int64)
             kt = tl.load(k_ptr + slot[:, None] * sk_t + h * sk_h + d[None, :],
                          mask=valid[:, None] & (d[None, :] < D), other=0.0)
-            qk = tl.dot(q, tl.trans(kt)) * qscale  # [GP, BN] fp32
+            qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qscale  # [GP, BN] fp32
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
@@ -120,7 +127,7 @@ def _kernels():
             lsum = lsum * alpha + tl.sum(p, 1)
             vt = tl.load(v_ptr + slot[:, None] * sv_t + h * sv_h + dv[None, :],
                          mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
             m = m_new
         out_mask = (g[:, None] < G) & (dv[None, :] < DV)
         if SPLITS == 1:
@@ -191,7 +198,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                             v_cache.stride(1), out.stride(0), out.stride(1),
                             G=g, GP=gp, D=d, BD=bd, DV=dv, BDV=bdv, BN=BLOCK_N, SPLITS=splits,
-                            num_warps=4, num_stages=3)
+                            PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=3)
     if splits > 1:
         combine[(s, hq)](part, ml, out, out.stride(0), out.stride(1), HQ=hq, DV=dv, BDV=bdv, SPLITS=splits,
                          num_warps=4)

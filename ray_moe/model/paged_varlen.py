@@ -35,6 +35,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ray_moe.model.paged_decode import dot_precision
+
 BLOCK_M = 128  # rows of one program's products: query rows x the Hq / Hk heads of its kv head
 BLOCK_N = 64  # keys per inner iteration
 
@@ -114,7 +116,8 @@ def _kernel():
     def _attend(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, cu_q_ptr, cu_k_ptr, seq_ptr, first_ptr, scale,
                 sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, so_n, so_h,
                 G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                DV: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr):
+                DV: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr,
+                PRECISION: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s_raw = tl.load(seq_ptr + b)
@@ -150,13 +153,13 @@ def _kernel():
             offs = start + tl.arange(0, BN)
             slot = tl.load(slots_ptr + ks + offs).to(tl.int64)
             kt = tl.load(k_ptr + slot[:, None] * sk_t + h * sk_h + d[None, :], mask=d[None, :] < D, other=0.0)
-            qk = tl.dot(q, tl.trans(kt)) * qscale
+            qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qscale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(v_ptr + slot[:, None] * sv_t + h * sv_h + dv[None, :], mask=dv[None, :] < DV, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
             m_i = m_new
         # 2. the diagonal and the context's tail: masked (causal, and the keys past the context)
         for start in range(full, hi, BN):
@@ -165,7 +168,7 @@ def _kernel():
             slot = tl.load(slots_ptr + ks + offs, mask=valid, other=0).to(tl.int64)
             kt = tl.load(k_ptr + slot[:, None] * sk_t + h * sk_h + d[None, :],
                          mask=valid[:, None] & (d[None, :] < D), other=0.0)
-            qk = tl.dot(q, tl.trans(kt)) * qscale
+            qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qscale
             see = valid[None, :] & (offs[None, :] <= lim[:, None])
             qk = tl.where(see, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -175,7 +178,7 @@ def _kernel():
             l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(v_ptr + slot[:, None] * sv_t + h * sv_h + dv[None, :],
                          mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
             m_i = m_new
         res = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(o_ptr + qrow[:, None] * so_n + heads[:, None] * so_h + dv[None, :], res.to(o_ptr.dtype.element_ty),
@@ -216,11 +219,12 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                v_cache.stride(1), out.stride(0), out.stride(1))
     # 1. one-row sequences: G query heads padded to 16 rows of one product (as the decode kernel does)
     attend[(one.numel(), hk)](*common, one, one, *strides, G=g, GP=_pow2(g), BQ=1, D=d, BD=bd, DV=dv, BDV=bdv,
-                              BN=BLOCK_N, BLOCKS=False, num_warps=4, num_stages=3)
+                              BN=BLOCK_N, BLOCKS=False, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=3)
     # 2. blocks of ``block_rows`` query rows of the longer sequences (the tables' block size)
     gp, bq = _pow2(g, 1), block_rows(hq, hk)
     attend[(seq.numel(), hk)](*common, seq, first, *strides, G=g, GP=gp, BQ=bq, D=d, BD=bd, DV=dv, BDV=bdv,
-                              BN=BLOCK_N, BLOCKS=True, num_warps=8 if gp * bq >= 128 else 4, num_stages=3)
+                              BN=BLOCK_N, BLOCKS=True, PRECISION=dot_precision(q.dtype),
+                              num_warps=8 if gp * bq >= 128 else 4, num_stages=3)
     return out
 
 
