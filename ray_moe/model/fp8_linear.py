@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ray_moe.moe.experts.fp8 import dequantize, quantize, quantize_groups
+from ray_moe.moe.experts.fp8 import dequantize, quantize, round_trip_groups
 from ray_moe.moe.experts.runners import fp8_kernels
 from ray_moe.moe.experts.runners.fp8 import CHECK_TOLERANCE, kernels_unavailable
 
@@ -39,12 +39,9 @@ SWAPPABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_
 def fp8_linear_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                          block: Sequence[int]) -> torch.Tensor:
     """The kernel's contract in torch (float32, any device): x [N, in] quantized per 1 x b1 group
-    (``quantize_groups``) and taken back to float32, times the dequantized weight [out, in] transposed
+    (``round_trip_groups``) and taken back to float32, times the dequantized weight [out, in] transposed
     -> [N, out] in x's dtype."""
-    b1 = int(block[1])
-    q, s = quantize_groups(x, b1)
-    xd = q.to(torch.float32) * s.repeat_interleave(b1, dim=1)[:, :x.shape[1]]
-    return (xd @ dequantize(codes, scales, block).T).to(x.dtype)
+    return (round_trip_groups(x, int(block[1])) @ dequantize(codes, scales, block).T).to(x.dtype)
 
 
 def fp8_linear_reason(device: torch.device | str, dtype: torch.dtype, out_features: int, in_features: int,

@@ -4,7 +4,7 @@
 #   transformers model of the dequantized checkpoint (code x scale, float32)
 #     -> within ``fp8_activations``: every F.linear whose weight is FP8-served in ray-moe (the routed experts'
 #        gate_up / down, the dense projections swapped to ``Fp8Linear``) sees its input x [..., in] quantized
-#        per 1 x b1 group (``quantize_groups``: e4m3 codes, float32 scales) and taken back to float32
+#        per 1 x b1 group (``round_trip_groups``: e4m3 codes, float32 scales) and taken back to float32
 #     -> logits as the block-FP8 kernels compute them (their torch contracts: ``fp8_swiglu_reference``,
 #        ``fp8_linear_reference``), routers, norms, attention and the LM head untouched
 # ======================================================================================================
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ray_moe.model.fp8_linear import SWAPPABLE
-from ray_moe.moe.experts.fp8 import quantize_groups
+from ray_moe.moe.experts.fp8 import round_trip_groups
 
 
 def fp8_dense_modules(model: Any) -> list[str]:
@@ -44,10 +44,7 @@ def _expert_params(model: Any) -> list[torch.Tensor]:
 
 def _round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
     """x [..., in] -> x quantized per 1 x ``group`` (``quantize_groups``) and taken back, float32, same shape."""
-    flat = x.reshape(-1, x.shape[-1])
-    codes, scales = quantize_groups(flat, group)
-    back = codes.to(torch.float32) * scales.repeat_interleave(group, dim=1)[:, :flat.shape[1]]
-    return back.reshape(x.shape).to(x.dtype)
+    return round_trip_groups(x.reshape(-1, x.shape[-1]), group).reshape(x.shape).to(x.dtype)
 
 
 @contextlib.contextmanager

@@ -255,6 +255,18 @@ def live_expert_weights(model: Any, moe_layer: int, expert: int) -> tuple[torch.
     return gu[:f], gu[f:], dn
 
 
+def dense_modules_equal(host: Any, model: Any) -> int:
+    """Assert every non-expert tensor ``host`` (a ``ModelHost``) holds equals ``model``'s, bit for bit (the routed
+    experts live in a shard's slots: empty here); returns how many ``*proj.weight`` tensors were compared."""
+    ours = host.model.state_dict()
+    checked = 0
+    for name, want in model.state_dict().items():
+        if ours[name].numel():
+            assert torch.equal(ours[name], want), name
+            checked += name.endswith("proj.weight")
+    return checked
+
+
 def save_char_tokenizer(folder: str | os.PathLike) -> None:
     """A character-level tokenizer for the tiny models (printable ASCII -> ids 1..95, 0 unknown), written with
     ``save_pretrained`` so ``AutoTokenizer.from_pretrained(folder)`` loads it offline."""

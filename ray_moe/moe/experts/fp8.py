@@ -102,6 +102,13 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     return codes, scale
 
 
+def round_trip_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [N, d] quantized per 1 x ``group`` (``quantize_groups``) and taken back: code x its group's scale, [N, d]
+    float32. What the FP8 kernels compute on in place of their activations (the torch references' step 1)."""
+    codes, scales = quantize_groups(x, group)
+    return codes.to(torch.float32) * scales.repeat_interleave(group, dim=1)[:, :x.shape[1]]
+
+
 @dataclass(frozen=True)
 class Fp8Format:
     """How a layer's experts are stored: block-scaled e4m3 codes with float32 scales in ``block``
@@ -120,4 +127,4 @@ class Fp8Format:
 
 
 __all__ = ["ACT_SCALE_MIN", "FP8_DTYPE", "FP8_MAX", "Fp8Format", "check_block", "dequantize", "quantize",
-           "quantize_groups", "scale_shape"]
+           "quantize_groups", "round_trip_groups", "scale_shape"]

@@ -37,7 +37,7 @@ from ray_moe.core.errors import ConfigError
 from ray_moe.model.checkpoint import CheckpointIndex
 from ray_moe.model.host import ModelHost
 from ray_moe.moe.experts.fp8 import FP8_DTYPE, dequantize
-from ray_moe_dev.testing.hf_models import live_expert_weights
+from ray_moe_dev.testing.hf_models import dense_modules_equal, live_expert_weights
 
 BLOCK = (16, 16)
 #: the checkpoint names each family stores as FP8 (written here by hand, not by the writer's rule)
@@ -168,13 +168,7 @@ def test_the_dequantized_twin_loads_in_transformers_and_ray_moe_reads_the_same_v
     assert w.quantized and w.w_gate.dtype == FP8_DTYPE
     for got, want in zip(w.dequantized().tensors(), live_expert_weights(model, 1, 5)):
         assert torch.equal(got, want)
-    host = ModelHost.from_checkpoint(folder, kv_tokens=64)
-    ours = host.model.state_dict()
-    checked = 0
-    for name, want in model.state_dict().items():
-        if ours[name].numel():  # (the routed experts live in the shard's slots)
-            assert torch.equal(ours[name], want), name
-            checked += name.endswith("proj.weight")
+    checked = dense_modules_equal(ModelHost.from_checkpoint(folder, kv_tokens=64), model)
     assert checked >= 4 * 2  # every attention projection came from FP8 codes
     # a broken quantization_config is refused
     broken = str(tmp_path / "broken")

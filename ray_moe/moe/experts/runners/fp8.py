@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from ray_moe.moe.experts.fp8 import dequantize, quantize, quantize_groups
+from ray_moe.moe.experts.fp8 import dequantize, quantize, round_trip_groups
 from ray_moe.moe.experts.runners import fp8_kernels
 from ray_moe.moe.experts.runners.base import ExpertRunner, RunnerLedger
 from ray_moe.moe.experts.runners.grouped import as_counts, device_tensor
@@ -65,18 +65,13 @@ def fp8_swiglu_reference(x: torch.Tensor, counts: Sequence[int], codes: Sequence
     """The FP8 kernels' contract in torch (float32, any device): x [N, d] expert-major rows, counts len Q rows
     per slot, codes (w_gate [C, f, d], w_up [C, f, d], w_down [C, d, f]) e4m3, scales their block scales,
     rows len Q buffer row of each slot (None: slot q is row q) -> [N, d] in x's dtype. Per slot:
-      1. x quantized per 1 x b1 group (``quantize_groups``) and taken back to float32 (code x scale)
+      1. x quantized per 1 x b1 group and taken back to float32 (code x scale: ``round_trip_groups``)
       2. g, u = x_q Wg^T, x_q Wu^T with W = float32(code) x block scale (``dequantize``)
       3. h = silu(g) * u, quantized per 1 x b1 group and taken back to float32
       4. y = h_q Wd^T, cast to x's dtype"""
     b1 = int(block[1])
-
-    def back(t: torch.Tensor) -> torch.Tensor:
-        q, s = quantize_groups(t, b1)
-        return (q.to(torch.float32) * s.repeat_interleave(b1, dim=1)[:, :t.shape[1]])
-
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    xd = back(x)
+    xd = round_trip_groups(x, b1)
     start = 0
     for q, c in enumerate(counts):
         c = int(c)
@@ -84,7 +79,7 @@ def fp8_swiglu_reference(x: torch.Tensor, counts: Sequence[int], codes: Sequence
             r = q if rows is None else int(rows[q])
             wg, wu, wd = (dequantize(t[r], s[r], block) for t, s in zip(codes, scales))
             seg = xd[start:start + c]
-            y[start:start + c] = back(torch.nn.functional.silu(seg @ wg.T) * (seg @ wu.T)) @ wd.T
+            y[start:start + c] = round_trip_groups(torch.nn.functional.silu(seg @ wg.T) * (seg @ wu.T), b1) @ wd.T
         start += c
     return y.to(x.dtype)
 
