@@ -72,6 +72,7 @@ def run(tokens: list[int], iters: int, graph_max: int, sweep: tuple[int, ...] = 
     from ray_moe.moe.experts.fp8 import quantize
     from ray_moe.moe.experts.runners import fp8_kernels
     from ray_moe.moe.experts.runners.fp8 import Fp8Runner, fast_path_reason, fp8_swiglu_reference
+    from ray_moe.moe.experts.runners.fp8_configs import LaunchConfig, SwigluChoice
     from ray_moe.moe.experts.runners.grouped import GroupedRunner
     from ray_moe.moe.experts.weights import SlotWeights
 
@@ -118,9 +119,10 @@ def run(tokens: list[int], iters: int, graph_max: int, sweep: tuple[int, ...] = 
                                                                                   block_m=bm), iters)
                            for bm in fp8_kernels.ROW_BLOCKS}
         if t in sweep:  # launch settings around the defaults (the row tile the runner picks)
+            bm = fp8_kernels.row_block(t * TOP_K, EXPERTS)
             r["config_us"] = {f"w{gw}/{dw}s{st}": time_eager_us(
-                lambda c={"gate_up_warps": gw, "down_warps": dw, "stages": st}: fp8_kernels.fp8_swiglu(
-                    x, offs, codes, w8.scales, (128, 128), config=c), iters)
+                lambda c=SwigluChoice(LaunchConfig(bm, 128, gw, st), LaunchConfig(bm, 128, dw, st)):
+                fp8_kernels.fp8_swiglu(x, offs, codes, w8.scales, (128, 128), choice=c), iters)
                 for gw, dw, st in ((4, 4, 3), (8, 4, 3), (4, 4, 4), (8, 8, 3), (4, 4, 2))}
             print(f"       launch settings at {t} tokens (gate/up warps / down warps, stages): " +
                   ", ".join(f"{k} {v:.1f} us" for k, v in r["config_us"].items()), flush=True)

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from ray_moe.moe.experts.fp8 import dequantize, quantize, round_trip_groups
-from ray_moe.moe.experts.runners import fp8_kernels
+from ray_moe.moe.experts.runners import fp8_configs, fp8_kernels
+from ray_moe.moe.experts.runners.fp8_configs import LinearBackend
 from ray_moe.moe.experts.runners.fp8 import CHECK_TOLERANCE, kernels_unavailable
 
 # the projections swapped (their modules are only called): attention (Llama / Qwen / Mixtral names, DeepSeek's MLA),
@@ -57,15 +58,25 @@ def fp8_linear_reason(device: torch.device | str, dtype: torch.dtype, out_featur
 
 def check_fp8_linear(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
                      block: Sequence[int]) -> str | None:
-    """The kernel against its reference on ``device`` (None: within ``CHECK_TOLERANCE``, else why not)."""
+    """The kernel against its reference on ``device`` (None: within ``CHECK_TOLERANCE``, else why not): at 1, 37
+    and 300 rows with the settings the calls pick, and every distinct setting the GPU's tuned table
+    (``fp8_configs``) holds for the shape (a scaled_mm entry included) at its tuned row count."""
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         codes, scales = quantize((torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
                                  .to(device), block)
+        table = fp8_configs.table_for_device(device)
+        tuned = table.linear_rows.get(fp8_configs.linear_key(out_features, in_features, block)) if table else None
+        cases: dict = {}
+        for rows, choice in zip(tuned.rows, tuned.choices) if tuned is not None else ():
+            cases.setdefault(choice, rows)
         err = 0.0
-        for rows in (1, 37, 300):
+        for rows, choice in [(1, None), (37, None), (300, None), *((r, c) for c, r in cases.items())]:
             x = torch.randn(rows, in_features, generator=g).to(device, dtype)
-            got = fp8_kernels.fp8_linear(x, codes, scales, block).float()
+            if choice is not None and choice.backend is LinearBackend.SCALED_MM and fp8_kernels.scaled_mm_reason(
+                    x, out_features, in_features, block) is not None:
+                continue  # never picked for such calls (linear_choice asks the same question)
+            got = fp8_kernels.fp8_linear(x, codes, scales, block, choice=choice).float()
             want = fp8_linear_reference(x, codes, scales, block).float()
             err = max(err, float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)))
     except Exception as exc:  # noqa: BLE001 - the kernel is unavailable here: say why, keep the dequantized path

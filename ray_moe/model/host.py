@@ -352,8 +352,10 @@ class ModelHost:
     def fuse_kernels(self) -> None:
         """The model's RMSNorm layers, rotary embedding and softmax top-k routers take fused kernels where
         those reproduce transformers' own (CUDA with Triton; checked per class / modeling module on this device
-        and dtype: ``model.norms``, ``model.rotary``, ``model.router_topk``), and bf16 / fp16 attention modules
-        run one Q/K/V GEMM (``model.qkv``); elsewhere nothing changes."""
+        and dtype: ``model.norms``, ``model.rotary``, ``model.router_topk``), and attention modules run one Q/K/V
+        GEMM (``model.qkv``): bf16 / fp16 ``nn.Linear`` trios, and an FP8 checkpoint's ``Fp8Linear`` trios (one
+        block-FP8 GEMM over the concatenated codes and scales; ``self.qkv.fp8_modules``). The fused weights are
+        views of one buffer per module: ``memory`` counts the same bytes. Elsewhere nothing changes."""
         if self.device.type == "cuda":
             self.norms = fuse_rms_norms(self.model)
             self.rotary = fuse_rotary(self.model, self.device, self.dtype)

@@ -102,6 +102,7 @@ def test_fp8_kernels_serve_the_fp8_arithmetic_within_tolerance_of_the_dequantize
     assert dense == sorted(fp8_dense_modules(ref)), status["fused_kernels"]  # every projection kept in FP8
     assert counters.get("fp8_dense_modules") == len(dense), counters
     if family == "qwen3_moe":  # (DeepSeek's MLA attends its gathered contexts eagerly, and says so)
-        assert not counters.get("eager_steps") and counters.get("decode_graph_steps", 0) > 0, counters
+        # every step replayed a captured graph (short prompts: whole-step token graphs as much as decode graphs)
+        assert not counters.get("eager_steps") and counters.get("graph_replays", 0) > 0, counters
     assert stats["arith_median"] <= ARITH_MEDIAN_TOL, stats
     assert stats["deq_excess_median"] <= DEQ_EXCESS_TOL, stats

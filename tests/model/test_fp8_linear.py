@@ -3,7 +3,7 @@ scales in ``Fp8Linear`` modules where the dense kernel serves (``fp8_dense``), d
 
 On CPU (CI): the load itself: which modules are swapped (the swappable projections only; routers, norms and
 embeddings never), their codes and scales equal to the checkpoint's bit for bit, a bias kept, the module bytes
-smaller, Q/K/V fusion leaving them alone, and the automatic choice on a CPU keeping the dequantized modules with
+smaller, the kernel fusions (CUDA only) leaving them alone on a CPU, and the automatic choice on a CPU keeping the dequantized modules with
 the reason. Under Triton's CPU interpreter (``TRITON_INTERPRET=1 python -m pytest tests/model/test_fp8_linear.py``;
 skipped without it): the kernel against ``fp8_linear_reference`` and every swapped module against the dequantized
 Linear of the same checkpoint within the FP8 activation tolerance. On CUDA: ``test_fp8_checkpoints_gpu.py``."""
@@ -60,7 +60,7 @@ def test_the_swappable_projections_keep_their_codes_and_scales(qwen):
     assert len(heads) == layers + 1 and not any(isinstance(m, Fp8Linear) for m in heads)
     saved = sum(4 * m.codes.numel() - m.codes.numel() - 4 * m.scale_inv.numel() for m in swapped.values())
     assert plain.memory()["module_bytes"] - kept.memory()["module_bytes"] == saved
-    kept.fuse_kernels()  # Q/K/V fusion concatenates dense weights only: FP8 projections keep their own GEMMs
+    kept.fuse_kernels()  # on a CPU nothing is fused (CUDA only): the swapped modules stay as loaded
     assert kept.qkv.modules == 0 and swapped["model.layers.0.self_attn.q_proj"] is kept.model.get_submodule(
         "model.layers.0.self_attn.q_proj")
 

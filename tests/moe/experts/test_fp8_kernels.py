@@ -24,6 +24,7 @@ from ray_moe.moe.dispatch.records import Handle, NormalDispatchOutput
 from ray_moe.moe.experts.fp8 import quantize, quantize_groups
 from ray_moe.moe.experts.runners import fp8 as fp8_runner
 from ray_moe.moe.experts.runners import fp8_kernels, make_runner
+from ray_moe.moe.experts.runners.fp8_configs import LaunchConfig, LinearBackend, LinearChoice, SwigluChoice
 from ray_moe.moe.experts.runners.fp8 import Fp8Runner, check_fp8_kernel, fast_path_reason, fp8_swiglu_reference
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.moe.layer import run_experts
@@ -136,6 +137,37 @@ def test_every_row_block_and_padding_rows(interpret):
         fp8_kernels.fp8_swiglu(x, bounds, codes, scales, block, block_m=8)
 
 
+@pytest.mark.parametrize("choice", [
+    SwigluChoice(LaunchConfig(16, 128, 4, 3), LaunchConfig(64, 32, 4, 3)),  # gate/up and down tiled apart
+    SwigluChoice(LaunchConfig(64, 128, 8, 5), LaunchConfig(16, 64, 8, 2)),
+], ids=str)
+def test_every_launch_setting_computes_the_same_experts(interpret, choice):
+    """The tuner's candidates (row tiles of their own per launch, 32 / 64-column down tiles over a d that is not a
+    multiple of them) compute what the naive reference does; padding rows past the bounds stay unread."""
+    counts, d, f, block = [16, 17, 0, 33], 200, 136, (128, 128)
+    codes, scales = experts(4, d, f, block, seed=5)
+    x = rows_of(sum(counts) + 3, d)
+    bounds = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
+    close(fp8_kernels.fp8_swiglu(x, bounds, codes, scales, block, choice=choice)[:66],
+          naive_fp8_experts(x[:66], counts, codes, scales, block))
+
+
+@pytest.mark.parametrize("config", [LaunchConfig(16, 32, 4, 3), LaunchConfig(32, 64, 8, 5), LaunchConfig(64, 128, 4, 2)],
+                         ids=str)
+def test_every_dense_launch_setting_computes_the_same_linear(interpret, config):
+    """``fp8_linear`` at the tuner's Triton candidates against its torch reference (out not a multiple of the
+    column tile, rows not of the row tile); scaled_mm is refused on CPU, naming why."""
+    from ray_moe.model.fp8_linear import fp8_linear_reference
+
+    g = torch.Generator().manual_seed(9)
+    codes, scales = quantize(torch.randn(200, 136, generator=g) / 136 ** 0.5, (128, 128))
+    x = torch.randn(37, 136, generator=g) * 3
+    got = fp8_kernels.fp8_linear(x, codes, scales, (128, 128), choice=LinearChoice(LinearBackend.TRITON, config))
+    close(got, fp8_linear_reference(x, codes, scales, (128, 128)))
+    with pytest.raises(ValueError, match="scaled_mm takes CUDA"):
+        fp8_kernels.fp8_linear(x, codes, scales, (128, 128), choice=LinearChoice(LinearBackend.SCALED_MM))
+
+
 def test_kernel_reads_token_rows_through_the_order_and_slots_through_buffer_rows(interpret):
     counts, d, f, block = [6, 0, 11], 256, 128, (128, 128)
     codes, scales = experts(4, d, f, block, seed=5)  # a buffer of 4 rows; slots at rows 3, 0, 2
@@ -221,11 +253,18 @@ def test_run_experts_takes_the_kernels_for_every_dispatch_format(interpret, monk
 
 
 # ------------------------------------------------------------------------------- compiled for Hopper, no GPU
-@pytest.mark.parametrize("block_m", fp8_kernels.ROW_BLOCKS)
-def test_the_kernels_compile_for_hopper(block_m):
+# the heuristic settings at each row tile, and the corners of the tuner's candidates (fp8_configs' ranges)
+COMPILED = [fp8_kernels.launch_config(bm) for bm in fp8_kernels.ROW_BLOCKS] + [
+    SwigluChoice(LaunchConfig(64, 128, 8, 5), LaunchConfig(64, 128, 8, 5)),
+    SwigluChoice(LaunchConfig(16, 128, 4, 2), LaunchConfig(16, 32, 4, 5))]
+
+
+@pytest.mark.parametrize("choice", COMPILED, ids=str)
+def test_the_kernels_compile_for_hopper(choice):
     """Triton's own compiler (no GPU needed) builds the three kernels for sm_90 at the serving shape's settings
     (pointers and d / f 16-divisible, as Triton specializes them at a launch), software-pipelined (async copies)
-    and within an H100's 227 KiB of shared memory per block."""
+    and within an H100's 227 KiB of shared memory per block: the heuristic settings and the largest and smallest
+    of the tuner's candidates."""
     triton = pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
         pytest.skip("the kernels are built for the interpreter here, or run for real (test_fp8_kernels_gpu.py)")
@@ -233,21 +272,21 @@ def test_the_kernels_compile_for_hopper(block_m):
     from triton.compiler import ASTSource
 
     quant, gate_up, down, _ = fp8_kernels._kernels()
-    cfg = fp8_kernels.launch_config(block_m)
 
-    def build(fn, types, consts, warps):
+    def build(fn, types, consts, warps, stages=3):
         sig = dict(zip([a for a in fn.arg_names if a not in consts], types.split()))
         attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t[0] == "*" or n in "DF"}
         k = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts, attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": cfg["stages"]})
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         assert k.metadata.shared <= 227 * 1024
         return k.asm["ttgir"]
 
     gu = build(gate_up, "*fp8e4nv *fp32 *fp8e4nv *fp8e4nv *fp32 *fp32 *i32 *i32 *i64 *fp8e4nv *fp32" + " i32" * 8,
-               dict(B0=128, BLOCK_M=block_m, BLOCK_N=128, QP=128, TOP_K=8, GATHER=True, ROWS=True, CAPACITY=False,
-                    EVEN_K=True, EVEN_N=True, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False), cfg["gate_up_warps"])
+               dict(B0=128, BLOCK_M=choice.gate_up.block_m, BLOCK_N=128, QP=128, TOP_K=8, GATHER=True, ROWS=True,
+                    CAPACITY=False, EVEN_K=True, EVEN_N=True, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False),
+               choice.gate_up.warps, choice.gate_up.stages)
     dn = build(down, "*fp8e4nv *fp32 *fp8e4nv *fp32 *i64 *i64 *bf16" + " i32" * 7,
-               dict(B0=128, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, QP=128, ROWS=False, CAPACITY=True, EVEN_K=True,
-                    EVEN_N=True), cfg["down_warps"])
+               dict(B0=128, BLOCK_M=choice.down.block_m, BLOCK_N=choice.down.block_n, BLOCK_K=128, QP=128, ROWS=False,
+                    CAPACITY=True, EVEN_K=True, EVEN_N=True), choice.down.warps, choice.down.stages)
     assert "async_copy" in gu and "async_copy" in dn  # the weight tiles stream through the pipeline
     build(quant, "*bf16 *fp8e4nv *fp32 i32 i32", dict(G=128, NGP=16, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False), 4)

@@ -32,9 +32,10 @@ Rows come in two layouts, both with device-side bounds:
   * capacity (the decode bucket): x [Q, C, d], ``bounds`` = valid [Q] int64 rows per slot -> y [Q, C, d]
     (padding positions zero).
 
-Tiling: BLOCK_M rows (16 / 32 / 64, by the mean rows per slot: ``row_block``), gate/up BLOCK_N = b1 (the
-intermediate's quantization group: one program owns one group of each of its rows), BLOCK_K = b1; down
-BLOCK_N = 128, BLOCK_K = b1. Supported blocks: b1 in 32 / 64 / 128, any b0 (``supports``); d and f any size
+Tiling: BLOCK_M rows (16 / 32 / 64), gate/up BLOCK_N = b1 (the intermediate's quantization group: one program
+owns one group of each of its rows), BLOCK_K = b1; down BLOCK_N = 32 / 64 / 128, BLOCK_K = b1; warps and pipeline
+stages per launch. The settings come from the GPU model's tuned table (``fp8_configs``: measured by
+``ray_moe_bench.fp8_tune``), else from the heuristics (``row_block``: the mean rows per slot; ``launch_config``). Supported blocks: b1 in 32 / 64 / 128, any b0 (``supports``); d and f any size
 (partial edge blocks masked). The torch reference of the same contract is ``runners/fp8.py``
 ``fp8_swiglu_reference``; ``check_fp8_kernel`` there compares them on the serving device.
 """
@@ -46,6 +47,9 @@ import functools
 import torch
 
 from ray_moe.moe.experts.fp8 import ACT_SCALE_MIN as SCALE_MIN, FP8_DTYPE, FP8_MAX, scale_shape
+from ray_moe.moe.experts.runners import fp8_configs
+from ray_moe.moe.experts.runners.fp8_configs import LaunchConfig, LinearBackend, LinearChoice, SwigluChoice
+
 ROW_BLOCKS = (16, 32, 64)
 GROUPS = (32, 64, 128)  # the K-block widths b1 the kernels take (one tl.dot K step each)
 DOWN_BLOCK_N = 128
@@ -271,15 +275,24 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q, s
 
 
-def launch_config(block_m: int) -> dict[str, int]:
-    """Warps and pipeline stages of the two GEMM kernels at a row tile: gate/up holds two FP32 accumulators
-    [BLOCK_M, b1] (8 warps from 32 rows on, as a 256-column tile), down one."""
-    return {"gate_up_warps": 8 if block_m >= 32 else 4, "down_warps": 4, "stages": 3}
+def launch_config(block_m: int) -> SwigluChoice:
+    """The heuristic launch settings of the two GEMM kernels at a row tile (a GPU without a tuned table, and the
+    tuner's baseline): gate/up holds two FP32 accumulators [BLOCK_M, b1] (8 warps from 32 rows on, as a
+    256-column tile), down one over 128 columns; 3 pipeline stages."""
+    return SwigluChoice(LaunchConfig(block_m, 128, 8 if block_m >= 32 else 4, 3),
+                        LaunchConfig(block_m, DOWN_BLOCK_N, 4, 3))
+
+
+def swiglu_choice(x: torch.Tensor, d: int, f: int, block, rows: int, slots: int) -> SwigluChoice:
+    """The launch settings of ``rows`` routed rows over ``slots`` slots on ``x``'s device: the tuned table's entry
+    for this GPU model and shape (``fp8_configs``), else ``launch_config(row_block(rows, slots))``."""
+    table = fp8_configs.table_for_device(x.device)
+    got = table.swiglu(d, f, tuple(block), rows) if table is not None else None
+    return got if got is not None else launch_config(row_block(rows, slots))
 
 
 def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, order, top_k: int,
-            weight_rows, block_m: int | None, out_dtype: torch.dtype, y: torch.Tensor,
-            config: dict[str, int] | None = None) -> torch.Tensor:
+            weight_rows, choice: SwigluChoice, y: torch.Tensor) -> torch.Tensor:
     """The gate/up and down kernels over ``rows`` expert-major rows (see ``fp8_swiglu``)."""
     _, gate_up, down, emulate = _kernels()
     wg, wu, wd = codes
@@ -287,15 +300,14 @@ def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, o
     b0, b1 = (int(v) for v in block)
     q = int(bounds.shape[0])
     f, d = int(wg.shape[1]), int(wg.shape[2])
-    bm = row_block(rows, q) if block_m is None else int(block_m)
-    if bm not in ROW_BLOCKS:
-        raise ValueError(f"block_m={block_m}: must be one of {ROW_BLOCKS}")
+    gu, dn = choice.gate_up, choice.down
+
     # 1. the grid: every tile a slot can start (fixed by the shapes: no host read of the bounds)
-    if capacity:
-        tiles = q * -(-capacity // bm)
-    else:
-        tiles = -(-rows // bm) + min(q, rows)  # each live tile holds >= 1 row; one partial tile per slot
-    cfg = {**launch_config(bm), **(config or {})}
+    def tiles(bm: int) -> int:
+        if capacity:
+            return q * -(-capacity // bm)
+        return -(-rows // bm) + min(q, rows)  # each live tile holds >= 1 row; one partial tile per slot
+
     qp = max(_next_pow2(q), 2)
     ngd, ngf = -(-d // b1), -(-f // b1)
     hq = torch.empty((rows, f), dtype=FP8_DTYPE, device=xq.device)
@@ -303,17 +315,17 @@ def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, o
     tok = order if order is not None else bounds  # never read without GATHER
     wrow = weight_rows if weight_rows is not None else bounds  # never read without ROWS
     # 2. gate/up + SiLU-and-mul + the intermediate's quantization (one group of b1 columns per program)
-    gate_up[(-(-f // b1) * tiles,)](
+    gate_up[(-(-f // b1) * tiles(gu.block_m),)](
         xq, xs, wg, wu, sg, su, bounds, tok, wrow, hq, hs, q, capacity, d, f, ngd, ngf, int(sg.shape[1]),
-        int(sg.shape[2]), B0=b0, BLOCK_M=bm, BLOCK_N=b1, QP=qp, TOP_K=max(int(top_k), 1), GATHER=order is not None,
+        int(sg.shape[2]), B0=b0, BLOCK_M=gu.block_m, BLOCK_N=b1, QP=qp, TOP_K=max(int(top_k), 1), GATHER=order is not None,
         ROWS=weight_rows is not None, CAPACITY=bool(capacity), EVEN_K=d % b1 == 0, EVEN_N=f % b1 == 0,
-        FP8_MAX=FP8_MAX, SCALE_MIN=SCALE_MIN, EMULATE=emulate, num_warps=cfg["gate_up_warps"],
-        num_stages=cfg["stages"])
+        FP8_MAX=FP8_MAX, SCALE_MIN=SCALE_MIN, EMULATE=emulate, num_warps=gu.warps, num_stages=gu.stages)
     # 3. down, into y
-    down[(-(-d // DOWN_BLOCK_N) * tiles,)](
+    down[(-(-d // dn.block_n) * tiles(dn.block_m),)](
         hq, hs, wd, sd, bounds, wrow, y, q, capacity, d, f, ngf, int(sd.shape[1]), int(sd.shape[2]), B0=b0,
-        BLOCK_M=bm, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=b1, QP=qp, ROWS=weight_rows is not None, CAPACITY=bool(capacity),
-        EVEN_K=f % b1 == 0, EVEN_N=d % DOWN_BLOCK_N == 0, num_warps=cfg["down_warps"], num_stages=cfg["stages"])
+        BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=b1, QP=qp, ROWS=weight_rows is not None,
+        CAPACITY=bool(capacity), EVEN_K=f % b1 == 0, EVEN_N=d % dn.block_n == 0, num_warps=dn.warps,
+        num_stages=dn.stages)
     return y
 
 
@@ -333,9 +345,20 @@ def _check_weights(codes, scales, block) -> None:
                          f"are not w_gate / w_up [C, f, d], w_down [C, d, f] with their {list(block)} block scales")
 
 
+def _pick(x: torch.Tensor, d: int, f: int, block, rows: int, slots: int, block_m: int | None,
+          choice: SwigluChoice | None) -> SwigluChoice:
+    if choice is not None:
+        return choice
+    if block_m is not None:
+        if block_m not in ROW_BLOCKS:
+            raise ValueError(f"block_m={block_m}: must be one of {ROW_BLOCKS}")
+        return launch_config(int(block_m))
+    return swiglu_choice(x, d, f, block, rows, slots)
+
+
 def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, order: torch.Tensor | None = None,
                top_k: int = 1, weight_rows: torch.Tensor | None = None, block_m: int | None = None,
-               config: dict[str, int] | None = None) -> torch.Tensor:
+               choice: SwigluChoice | None = None) -> torch.Tensor:
     """Expert-major rows: y [R, d] = per slot q over its rows: down(quant(silu(g) * u)) with g / u the FP8
     GEMMs of the quantized rows against slot q's codes and block scales (see the module docstring).
 
@@ -343,27 +366,63 @@ def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, o
     order[r] // top_k); bounds [Q] int32 inclusive row ends per slot; codes (w_gate [C, f, d], w_up [C, f, d],
     w_down [C, d, f]) float8_e4m3fn; scales (s_gate [C, ceil(f/b0), ceil(d/b1)], s_up, s_down
     [C, ceil(d/b0), ceil(f/b1)]) float32; block (b0, b1); weight_rows [Q] int64 (None: slot q is row q).
-    -> y [R, d] in x's dtype; rows past bounds[-1] are left unwritten. ``block_m`` / ``config``: the row tile
-    and launch settings (None: ``row_block`` / ``launch_config``; the benchmark sweeps them)."""
+    -> y [R, d] in x's dtype; rows past bounds[-1] are left unwritten. Launch settings: ``choice`` (the tuner's
+    candidates), else ``block_m`` with the heuristic settings, else ``swiglu_choice`` (the GPU's tuned table)."""
     _check_weights(codes, scales, block)
     rows = int(order.numel()) if order is not None else int(x.shape[0])
-    d = int(codes[0].shape[2])
+    d, f = int(codes[0].shape[2]), int(codes[0].shape[1])
     if x.dim() != 2 or int(x.shape[1]) != d:
         raise ValueError(f"x: expected [N, {d}], got {tuple(x.shape)}")
     y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     if rows == 0 or int(bounds.shape[0]) == 0:
         return y
+    picked = _pick(x, d, f, block, rows, int(bounds.shape[0]), block_m, choice)
     xq, xs = quantize_rows(x, int(block[1]))
     return _launch(xq, xs, rows, bounds, codes, scales, block, capacity=0, order=order, top_k=top_k,
-                   weight_rows=weight_rows, block_m=block_m, out_dtype=x.dtype, y=y, config=config)
+                   weight_rows=weight_rows, choice=picked, y=y)
 
 
-def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block) -> torch.Tensor:
+def default_linear(rows: int) -> LinearChoice:
+    """The heuristic dense launch (no tuned entry): the Triton kernel, ``row_block(rows, 1)`` rows per tile, 128
+    columns, 4 warps, 3 stages."""
+    return LinearChoice(LinearBackend.TRITON, LaunchConfig(row_block(rows, 1), DOWN_BLOCK_N, 4, 3))
+
+
+def scaled_mm_reason(x: torch.Tensor, out_features: int, in_features: int, block) -> str | None:
+    """Why ``torch._scaled_mm``'s blockwise GEMM cannot take this call (None: it can): CUDA, bf16 / fp16
+    activations, 128 x 128 weight blocks, in / out features multiples of 16 and at least 16 rows (cuBLASLt has
+    no blockwise algorithm below; measured: CUBLAS_STATUS_NOT_SUPPORTED at one row on an H100)."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return f"scaled_mm takes CUDA bf16 / fp16 activations (got {x.device.type} {x.dtype})"
+    if tuple(int(b) for b in block) != (128, 128):
+        return f"scaled_mm's blockwise GEMM takes 128 x 128 weight blocks (got {list(block)})"
+    if int(x.shape[0]) < 16 or out_features % 16 or in_features % 16:
+        return (f"scaled_mm needs >= 16 rows and 16-divisible features (rows {int(x.shape[0])}, out {out_features}, "
+                f"in {in_features})")
+    return None
+
+
+def linear_choice(x: torch.Tensor, out_features: int, in_features: int, block) -> LinearChoice:
+    """The dense launch on ``x``'s device: the tuned table's entry for this GPU model, shape and row count where it
+    has one (a scaled_mm entry only where ``scaled_mm_reason`` allows the call), else ``default_linear``."""
+    rows = int(x.shape[0])
+    table = fp8_configs.table_for_device(x.device)
+    got = table.linear(out_features, in_features, tuple(block), rows) if table is not None else None
+    if got is None or (got.backend is LinearBackend.SCALED_MM and
+                       scaled_mm_reason(x, out_features, in_features, block) is not None):
+        return default_linear(rows)
+    return got
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block, *,
+               choice: LinearChoice | None = None) -> torch.Tensor:
     """A dense block-FP8 Linear (attention projections, shared experts, dense MLPs of an FP8 checkpoint):
-    x [N, in] (bf16 / fp16 / fp32) quantized per row and b1-column group (``quantize_rows``), then the down
-    kernel over one slot: y = sum over K blocks of (xq . codes^T) * xs * scale -> y [N, out] in x's dtype.
-    codes [out, in] float8_e4m3fn, scales [ceil(out / b0), ceil(in / b1)] float32. Fixed grid (no host read
-    of the data): CUDA-graph capturable. The torch reference is ``fp8_linear_reference`` in ``model/fp8_linear.py``."""
+    x [N, in] (bf16 / fp16 / fp32) quantized per row and b1-column group (``quantize_rows``), then
+      TRITON:    the down kernel over one slot: y = sum over K blocks of (xq . codes^T) * xs * scale
+      SCALED_MM: torch._scaled_mm(xq, codes^T, scale_a = xs [N, in/128] (M-major), scale_b = scales^T) (cuBLASLt)
+    -> y [N, out] in x's dtype. codes [out, in] float8_e4m3fn, scales [ceil(out / b0), ceil(in / b1)] float32.
+    Fixed grid (no host read of the data): CUDA-graph capturable. ``choice``: the tuner's candidate (None:
+    ``linear_choice``). The torch reference is ``fp8_linear_reference`` in ``model/fp8_linear.py``."""
     b0, b1 = (int(v) for v in block)
     if codes.dtype != FP8_DTYPE or scales.dtype != torch.float32 or codes.dim() != 2:
         raise ValueError(f"codes / scales: expected [out, in] float8_e4m3fn and float32 scales, got "
@@ -378,20 +437,24 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     if x.dim() != 2 or int(x.shape[1]) != in_f:
         raise ValueError(f"x: expected [N, {in_f}], got {tuple(x.shape)}")
     n = int(x.shape[0])
-    y = torch.empty((n, out_f), dtype=x.dtype, device=x.device)
     if n == 0:
-        return y
-    down = _kernels()[2]
+        return torch.empty((0, out_f), dtype=x.dtype, device=x.device)
+    picked = choice if choice is not None else linear_choice(x, out_f, in_f, block)
     xq, xs = quantize_rows(x, b1)
-    bm = row_block(n, 1)
-    tiles = -(-n // bm) + 1  # one slot: its row tiles plus the partial one
-    ngf = -(-in_f // b1)
+    if picked.backend is LinearBackend.SCALED_MM:
+        why = scaled_mm_reason(x, out_f, in_f, block)
+        if why is not None:
+            raise ValueError(why)
+        return torch._scaled_mm(xq, codes.t(), scale_a=xs.t().contiguous().t(), scale_b=scales.t(), out_dtype=x.dtype)
+    cfg = picked.config
+    y = torch.empty((n, out_f), dtype=x.dtype, device=x.device)
+    tiles = -(-n // cfg.block_m) + 1  # one slot: its row tiles plus the partial one
     bounds = torch.full((1,), n, dtype=torch.int32, device=x.device)
-    down[(-(-out_f // DOWN_BLOCK_N) * tiles,)](
-        xq, xs, codes.unsqueeze(0), scales.unsqueeze(0), bounds, bounds, y, 1, 0, out_f, in_f, ngf,
-        int(scales.shape[0]), int(scales.shape[1]), B0=b0, BLOCK_M=bm, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=b1, QP=2,
-        ROWS=False, CAPACITY=False, EVEN_K=in_f % b1 == 0, EVEN_N=out_f % DOWN_BLOCK_N == 0,
-        num_warps=launch_config(bm)["down_warps"], num_stages=launch_config(bm)["stages"])
+    _kernels()[2][(-(-out_f // cfg.block_n) * tiles,)](
+        xq, xs, codes.unsqueeze(0), scales.unsqueeze(0), bounds, bounds, y, 1, 0, out_f, in_f, -(-in_f // b1),
+        int(scales.shape[0]), int(scales.shape[1]), B0=b0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=b1,
+        QP=2, ROWS=False, CAPACITY=False, EVEN_K=in_f % b1 == 0, EVEN_N=out_f % cfg.block_n == 0,
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
 
@@ -399,7 +462,8 @@ def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, blo
                         block_m: int | None = None) -> torch.Tensor:
     """The decode bucket's capacity layout: x [Q, C, d] (slot q's rows at [q, :valid[q]]), valid [Q] int64
     (values clamped to [0, C]), codes / scales / block as ``fp8_swiglu`` with slot q at row q -> [Q, C, d],
-    padding positions zero. Row tiles: the smallest of 16 / 32 / 64 holding C (one tile per slot)."""
+    padding positions zero. Row tiles: the smallest of 16 / 32 / 64 holding C (one tile per slot; the
+    heuristic settings: the capacity layout is not tuned)."""
     _check_weights(codes, scales, block)
     q, cap, d = (int(v) for v in x.shape)
     if q != int(valid.shape[0]) or d != int(codes[0].shape[2]):
@@ -407,12 +471,15 @@ def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, blo
     y = torch.zeros((q, cap, d), dtype=x.dtype, device=x.device)
     if q == 0 or cap == 0:
         return y
+    bm = block_m if block_m is not None else next((b for b in ROW_BLOCKS if cap <= b), ROW_BLOCKS[-1])
+    if bm not in ROW_BLOCKS:
+        raise ValueError(f"block_m={block_m}: must be one of {ROW_BLOCKS}")
     xq, xs = quantize_rows(x.reshape(q * cap, d), int(block[1]))
     _launch(xq, xs, q * cap, valid, codes, scales, block, capacity=cap, order=None, top_k=1, weight_rows=None,
-            block_m=block_m if block_m is not None else next((b for b in ROW_BLOCKS if cap <= b), ROW_BLOCKS[-1]),
-            out_dtype=x.dtype, y=y.view(q * cap, d))
+            choice=launch_config(bm), y=y.view(q * cap, d))
     return y
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SCALE_MIN", "ROW_BLOCKS", "GROUPS", "available", "interpreted", "supports",
-           "row_block", "launch_config", "quantize_rows", "fp8_swiglu", "fp8_swiglu_capacity", "fp8_linear"]
+           "row_block", "launch_config", "swiglu_choice", "default_linear", "linear_choice", "scaled_mm_reason",
+           "quantize_rows", "fp8_swiglu", "fp8_swiglu_capacity", "fp8_linear"]
