@@ -27,7 +27,7 @@ from ray_moe.model import paged_decode as paged
 from ray_moe.model import paged_varlen
 from ray_moe.model.fp8_linear import Fp8Linear
 from ray_moe.model.norms import FusedNorms, fuse_rms_norms
-from ray_moe.model.qkv import FusedQKV, fuse_qkv
+from ray_moe.model.qkv import FusedQKV, fuse_qkv, is_fused
 from ray_moe.model.router_topk import FusedRouters, fuse_routers
 from ray_moe.model.rotary import FusedRotary, fuse_rotary
 from ray_moe.model.kv import PagedKVCache, SeqChunk, StepRows, kv_blocks_for_memory
@@ -361,6 +361,13 @@ class ModelHost:
             self.rotary = fuse_rotary(self.model, self.device, self.dtype)
             self.routers = fuse_routers(self.model)
             self.qkv = fuse_qkv(self.model)
+
+    def fp8_gemm_shapes(self) -> set[tuple[int, int, tuple[int, int]]]:
+        """(out, in, block) of every dense block-FP8 GEMM a step runs: each ``Fp8Linear``'s own, a fused Q/K/V
+        trio's concatenated one in place of its three (what ``fp8_kernels.fp8_linear`` is called with)."""
+        own = {(m.out_features, m.in_features, tuple(m.block)) for m in self.model.modules()
+               if isinstance(m, Fp8Linear) and not is_fused(m)}
+        return own | set(self.qkv.fp8_shapes)
 
     # ------------------------------------------------------------------ one step
     @property

@@ -198,6 +198,7 @@ class FusedQKV:
 
     modules: int = 0
     fp8_modules: int = 0
+    fp8_shapes: tuple[tuple[int, int, tuple[int, int]], ...] = ()  # (nq + nk + nv, d, block) of each FP8 GEMM run
 
 
 def fuse_qkv(model: torch.nn.Module, dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
@@ -207,6 +208,7 @@ def fuse_qkv(model: torch.nn.Module, dtypes: tuple[torch.dtype, ...] = HALF_DTYP
     one weight dtype among ``dtypes``; ``Fp8Linear`` trios of one block whose q and k ``out_features`` are whole
     blocks of rows (``dtypes`` does not apply to them: their weights are float8_e4m3fn codes)."""
     n = fp8 = 0
+    shapes: list[tuple[int, int, tuple[int, int]]] = []
     for module in model.modules():
         t = _triple(module)
         if t is None or any(hasattr(p, _ORIGINAL_ATTR) for p in t):
@@ -216,13 +218,19 @@ def fuse_qkv(model: torch.nn.Module, dtypes: tuple[torch.dtype, ...] = HALF_DTYP
                 continue
             _install_fp8(*t)
             fp8 += 1
+            shapes.append((sum(p.out_features for p in t), t[0].in_features, tuple(t[0].block)))
         else:
             w = t[0].weight
             if w.dtype not in dtypes or (cuda_only and w.device.type != "cuda"):
                 continue
             _install(*t)
         n += 1
-    return FusedQKV(n, fp8)
+    return FusedQKV(n, fp8, tuple(shapes))
+
+
+def is_fused(projection: torch.nn.Module) -> bool:
+    """Whether ``projection`` (a q / k / v module) runs inside its module's one Q/K/V GEMM."""
+    return hasattr(projection, _ORIGINAL_ATTR)
 
 
 def unfuse_qkv(model: torch.nn.Module) -> int:
@@ -230,4 +238,4 @@ def unfuse_qkv(model: torch.nn.Module) -> int:
     return restore_forwards(model, _ORIGINAL_ATTR) // 3
 
 
-__all__ = ["FusedQKV", "HALF_DTYPES", "fuse_qkv", "unfuse_qkv"]
+__all__ = ["FusedQKV", "HALF_DTYPES", "fuse_qkv", "is_fused", "unfuse_qkv"]

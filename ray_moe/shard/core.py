@@ -37,6 +37,7 @@ from ray_moe.moe.exchange.base import Exchange
 from ray_moe.moe.dispatch.protocol import ControlStatus
 from ray_moe.core.errors import GenerationError, StaleGenerationError
 from ray_moe.moe.experts.runners.fp8 import fast_path_reason
+from ray_moe.moe.experts.runners.fp8_configs import untuned_reason
 from ray_moe.moe.experts.weights import ExpertWeights, WeightSource, parse_dtype
 from ray_moe.moe.router import Router
 from ray_moe.model.routers import checkpoint_router
@@ -414,8 +415,11 @@ class ShardCore:
                     self.generator.configure(lattice, self.paths)
             # FP8 slots: whether the FP8 expert kernels serve them here (checked now, before any capture)
             fp8 = sorted({fast_path_reason(self.device, self.dtype, d, f, b) or "" for d, f, b in self.store.fp8_shapes})
+            # ... and whether the GPU's tuned launch table covers the shapes its kernels run
+            untuned = untuned_reason(self.device, () if any(fp8) else self.store.fp8_shapes,
+                                     self.generator.host.fp8_gemm_shapes())
             return {**self.generator.info(), "fp8_expert_layers": self.store.fp8_layers,
-                    "fp8_dequantized_reason": "; ".join(r for r in fp8 if r) or None}
+                    "fp8_dequantized_reason": "; ".join(r for r in fp8 if r) or None, "fp8_untuned_reason": untuned}
 
     def prepare_steps(self) -> dict[str, Any]:
         """Capture the step lattice of the active generation before the deployment serves (every rank of the

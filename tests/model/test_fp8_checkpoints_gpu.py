@@ -63,7 +63,10 @@ def test_fp8_kernels_serve_the_fp8_arithmetic_within_tolerance_of_the_dequantize
     rt = ray_moe.Runtime.start(cfg)
     try:
         engine = rt.serving()
-        assert not [w for w in engine.warnings if "FP8" in w], engine.warnings  # the kernels serve, no fallback
+        # the kernels serve, no fallback (the tiny shapes have no tuned launch entry: that warning, and only it)
+        assert not [w for w in engine.warnings if "FP8" in w and "launch settings" not in w], engine.warnings
+        assert [w for w in engine.warnings if "heuristic launch settings" in w and "no entry for" in w or
+                "no tuned FP8 launch table" in w], engine.warnings
         prompts = _prompts(3, (5, 17, 2, 30, 9, 12, 3, 24))
         handles = [engine.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True))
                    for p in prompts]

@@ -179,7 +179,9 @@ def test_fp8_trio_runs_one_kernel_with_the_same_outputs(kernel, outs, bias, shap
         want = attn(x)
     assert kernel == [(n, 256) for n in outs]
     before = _storage_bytes(attn)
-    assert qkv.fuse_qkv(attn, dtypes=(), cuda_only=False) == qkv.FusedQKV(modules=1, fp8_modules=1)  # dtypes: n/a
+    fused = qkv.fuse_qkv(attn, dtypes=(), cuda_only=False)  # dtypes: n/a
+    assert fused == qkv.FusedQKV(modules=1, fp8_modules=1, fp8_shapes=((sum(outs), 256, BLOCK),))
+    assert all(qkv.is_fused(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     # one buffer each for the codes, the scales (and the biases): the modules' buffers are consecutive views
     for name in ("codes", "scale_inv", *(("bias",) if bias else ())):
@@ -306,8 +308,15 @@ def test_fp8_checkpoint_logits_and_bytes_unchanged(kernel, qwen_fp8):
     want = logits("a", "b")
     assert len(kernel) == 4 * layers  # q, k, v, o
     before = host.memory()["module_bytes"]
+    cfg = host.config
+    shapes = {(m.out_features, m.in_features, m.block) for m in host.model.modules() if isinstance(m, Fp8Linear)}
+    assert host.fp8_gemm_shapes() == shapes  # unfused: every projection's own GEMM
     fused = qkv.fuse_qkv(host.model, cuda_only=False)
-    assert fused == qkv.FusedQKV(modules=layers, fp8_modules=layers)
+    qkv_shape = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size, (16, 32))
+    assert fused == qkv.FusedQKV(modules=layers, fp8_modules=layers, fp8_shapes=(qkv_shape,) * layers)
+    host.qkv = fused  # (what ModelHost.fuse_kernels keeps on CUDA)
+    o_proj = host.model.model.layers[0].self_attn.o_proj
+    assert host.fp8_gemm_shapes() == {qkv_shape, (o_proj.out_features, o_proj.in_features, (16, 32))}
     assert host.memory()["module_bytes"] == before  # views of one buffer per module: counted once
     kernel.clear()
     got = logits("c", "d")

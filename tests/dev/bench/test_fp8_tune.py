@@ -40,7 +40,8 @@ def test_rejected_settings_never_win_and_all_rejected_is_an_error():
 def test_row_tiles_stop_at_the_rows_a_slot_holds():
     assert {c.block_m for c in fp8_tune.first_candidates(1)} == {16}
     assert {c.block_m for c in fp8_tune.first_candidates(17)} == {16, 32}
-    assert {c.block_m for c in fp8_tune.first_candidates(5000)} == {16, 32, 64}
+    assert {c.block_m for c in fp8_tune.first_candidates(64)} == {16, 32, 64}
+    assert {c.block_m for c in fp8_tune.first_candidates(5000)} == {16, 32, 64, 128}
 
 
 def test_a_new_table_keeps_the_shapes_not_measured_again():

@@ -128,3 +128,20 @@ def test_the_shipped_tables_parse_and_are_named_for_their_gpu():
         assert f == fp8_configs.table_path(t.device), f
         for rows in t.swiglu_rows.values():
             assert list(rows.rows) == sorted(set(rows.rows))
+
+
+def test_shapes_without_a_tuned_entry_are_named(monkeypatch):
+    """``untuned_reason``: the GPU without a table, a table missing some shapes (named), a table covering all."""
+    assert fp8_configs.untuned_reason(torch.device("cpu"), [(8, 4, (128, 128))]) is None  # no CUDA GPU: none
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU X")
+    cuda = torch.device("cuda", 0)
+    tables = {}
+    monkeypatch.setattr(fp8_configs, "table_for", lambda name: tables.get(name))
+    assert fp8_configs.untuned_reason(cuda) is None  # nothing in FP8
+    why = fp8_configs.untuned_reason(cuda, [(8, 4, (128, 128))])
+    assert "no tuned FP8 launch table for this GPU (GPU X; fp8-gpu-x.json)" in why
+    tables["GPU X"] = parse_table(_table())
+    assert fp8_configs.untuned_reason(cuda, [(8, 4, (128, 128))], [(256, 128, (128, 128)), (64, 64, None)]) is None
+    why = fp8_configs.untuned_reason(cuda, [(8, 4, (128, 128)), (16, 4, (128, 128))], [(512, 128, (128, 128))])
+    assert why.endswith("no entry for d=16,f=4,block=128x128, out=512,in=128,block=128x128"), why

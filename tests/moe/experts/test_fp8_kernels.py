@@ -140,6 +140,7 @@ def test_every_row_block_and_padding_rows(interpret):
 @pytest.mark.parametrize("choice", [
     SwigluChoice(LaunchConfig(16, 128, 4, 3), LaunchConfig(64, 32, 4, 3)),  # gate/up and down tiled apart
     SwigluChoice(LaunchConfig(64, 128, 8, 5), LaunchConfig(16, 64, 8, 2)),
+    SwigluChoice(LaunchConfig(128, 128, 8, 4), LaunchConfig(128, 128, 4, 3)),  # prefill tiles: one per slot here
 ], ids=str)
 def test_every_launch_setting_computes_the_same_experts(interpret, choice):
     """The tuner's candidates (row tiles of their own per launch, 32 / 64-column down tiles over a d that is not a
@@ -256,6 +257,7 @@ def test_run_experts_takes_the_kernels_for_every_dispatch_format(interpret, monk
 # the heuristic settings at each row tile, and the corners of the tuner's candidates (fp8_configs' ranges)
 COMPILED = [fp8_kernels.launch_config(bm) for bm in fp8_kernels.ROW_BLOCKS] + [
     SwigluChoice(LaunchConfig(64, 128, 8, 5), LaunchConfig(64, 128, 8, 5)),
+    SwigluChoice(LaunchConfig(128, 128, 8, 4), LaunchConfig(128, 128, 8, 5)),
     SwigluChoice(LaunchConfig(16, 128, 4, 2), LaunchConfig(16, 32, 4, 5))]
 
 

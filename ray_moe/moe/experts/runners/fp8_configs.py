@@ -39,12 +39,12 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Generic, Mapping, TypeVar
+from typing import Any, Generic, Iterable, Mapping, TypeVar
 
 import torch
 
 CONFIG_DIR = Path(__file__).with_name("configs")
-BLOCK_MS = (16, 32, 64)
+BLOCK_MS = (16, 32, 64, 128)  # 128: prefill-sized steps (more reuse of each weight tile)
 BLOCK_NS = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
@@ -236,6 +236,24 @@ def table_for_device(device: torch.device) -> TunedTable | None:
     return table_for(torch.cuda.get_device_name(device))
 
 
+def untuned_reason(device: torch.device, swiglu: Iterable[tuple[int, int, Any]] = (),
+                   linear: Iterable[tuple[int, int, Any]] = ()) -> str | None:
+    """Why some FP8 kernel launches on ``device`` take the heuristic settings (None: the GPU model's table covers
+    every shape given, or nothing is given, or the device is no CUDA GPU). swiglu: (d, f, block) expert shapes;
+    linear: (out, in, block) dense GEMM shapes (a block of None: no FP8 there, skipped)."""
+    sw = sorted({(int(d), int(f), tuple(b)) for d, f, b in swiglu if b is not None})
+    li = sorted({(int(o), int(i), tuple(b)) for o, i, b in linear if b is not None})
+    if device.type != "cuda" or not torch.cuda.is_available() or not (sw or li):
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = table_for(name)
+    if table is None:
+        return f"no tuned FP8 launch table for this GPU ({name}; {table_path(name).name})"
+    missing = ([swiglu_key(*s) for s in sw if swiglu_key(*s) not in table.swiglu_rows] +
+               [linear_key(*s) for s in li if linear_key(*s) not in table.linear_rows])
+    return f"the tuned FP8 launch table of {name} has no entry for {', '.join(missing)}" if missing else None
+
+
 __all__ = ["BLOCK_MS", "BLOCK_NS", "CONFIG_DIR", "LaunchConfig", "LinearBackend", "LinearChoice", "RowTable", "STAGES",
            "SwigluChoice", "TunedTable", "WARPS", "device_slug", "dump_table", "linear_key", "parse_table",
-           "swiglu_key", "table_for", "table_for_device", "table_path"]
+           "swiglu_key", "table_for", "table_for_device", "table_path", "untuned_reason"]
