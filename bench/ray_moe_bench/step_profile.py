@@ -154,6 +154,8 @@ def run_variant(dep: Any, loop: Any, tr: Any, prompts: list[list[int]], params: 
         torch.cuda.empty_cache()
     gen.configure(StepLattice.build(loop.rank_running, st), core.paths)
     capture = core.prepare_steps()["capture"]
+    if capture.get("errors"):  # a failed capture leaves its kind eager: the variant's figures are then not the product's
+        print(f"variant S={st} D={ds}: CAPTURE FAILED, steps of that kind run eagerly: {capture['errors']}", flush=True)
 
     def counters_since(c0: dict[str, int]) -> dict[str, int]:
         return {k: v - c0.get(k, 0) for k, v in gen.pipeline.counters.items() if v != c0.get(k, 0)}

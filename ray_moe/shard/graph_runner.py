@@ -339,7 +339,8 @@ class StepGraphRunner:
         inputs = {k: v.clone() for k, v in staged.items() if k != "read_index"}
         inputs["read_index"] = self.slots
         step = self.backend.full(inputs)
-        self.pipeline.pool = step.capture(body, self.pipeline.pool) or self.pipeline.pool  # 2. the capture
+        pool = self.pipeline.capture_pool()
+        self.pipeline.pool = step.capture(body, pool) or pool  # 2. the capture
         self.pipeline.graphs.put(generation, ("decode", rows), step)
 
     def _capture_token_graph(self, generation: int, rows: int, paths: Any, make_ctx: ContextFactory) -> None:
@@ -358,7 +359,8 @@ class StepGraphRunner:
             body(inputs)  # 1. the warm-up, on the static inputs themselves
             self._release_warmup()
         step = self.backend.full(inputs)
-        self.pipeline.pool = step.capture(body, self.pipeline.pool) or self.pipeline.pool  # 2. the capture
+        pool = self.pipeline.capture_pool()
+        self.pipeline.pool = step.capture(body, pool) or pool  # 2. the capture
         self.pipeline.graphs.put(generation, ("token-graph", rows), step)
 
     def _capture_tokens(self, generation: int, rows: int, paths: Any, make_ctx: ContextFactory) -> None:
@@ -372,7 +374,8 @@ class StepGraphRunner:
             body(step_rows.tensors(), InlineAttention(plan, host.kernels))  # 1. the warm-up
             self._release_warmup()
         graph = self.backend.piecewise({k: v.clone() for k, v in step_rows.tensors().items()})
-        self.pipeline.pool = graph.capture(body, self.pipeline.pool, self.arena) or self.pipeline.pool  # 2.
+        pool = self.pipeline.capture_pool()
+        self.pipeline.pool = graph.capture(body, pool, self.arena) or pool  # 2. the capture
         self.pipeline.graphs.put(generation, ("tokens", rows), graph)
 
     # ------------------------------------------------------------------ each step

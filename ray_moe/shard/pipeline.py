@@ -174,6 +174,13 @@ class StepPipeline:
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 
+    def capture_pool(self) -> Any:
+        """The memory pool a new capture records into: the shard's one pool while a captured graph holds it, else
+        None (the capture makes a new one). Once every graph of a pool is released PyTorch frees the pool, and a
+        capture into its old handle fails the caching allocator's ``use_count > 0`` assert (met on an H100 when a
+        lattice was released and captured again: every graph of it then stayed eager)."""
+        return self.pool if len(self.graphs) else None
+
     @property
     def capture_error(self) -> str | None:
         """The failed captures, one line (None: every capture so far succeeded)."""
@@ -210,8 +217,7 @@ class StepPipeline:
             step = CapturedStep({k: v.clone() for k, v in staged.items()})
             try:
                 # records only (no collective runs while capturing), into the shard's one graph memory pool
-                # (a new one once every graph holding the last one is released: a freed pool is not reused)
-                pool = self.pool if len(self.graphs) else None
+                pool = self.capture_pool()
                 self.pool = step.capture(body, pool) or pool
             except Exception as exc:  # noqa: BLE001 - keep serving eagerly; say why in status
                 self.capture_errors[unit] = capture_failure(exc)

@@ -55,3 +55,20 @@ def test_overflow_reruns_on_the_normal_path_and_is_counted():
     assert all(ls.fallback_reason == "expert_route_capacity_exceeded" for o in res.values() for ls in o.layers)
     for core in dep.cores.values():
         assert core.pipeline.counters["fallback_expert_route_capacity_exceeded"] == 1
+
+
+def test_a_capture_never_records_into_a_pool_no_graph_holds():
+    """``capture_pool``: the shard's pool while a captured graph holds it; after every graph is released, None (a
+    new pool: capturing into a freed pool's handle fails PyTorch's allocator assert, and the lattice stays eager)."""
+    from ray_moe.shard.pipeline import StepPipeline
+
+    pipe = StepPipeline()
+    assert pipe.capture_pool() is None  # the first capture makes the pool
+    pipe.pool = ("pool", 1)
+    pipe.graphs.put(3, ("decode", 8), object())
+    pipe.graphs.put(4, ("decode", 8), object())
+    assert pipe.capture_pool() == ("pool", 1)
+    pipe.graphs.release(3)
+    assert pipe.capture_pool() == ("pool", 1)  # generation 4's graph still holds it
+    pipe.graphs.release(4)
+    assert pipe.capture_pool() is None
