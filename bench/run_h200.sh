@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|fp8-dense|fp8-tune|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|fp8-profile|profile|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|fp8-profile|profile|rebalance
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -26,6 +26,9 @@ for what in "$@"; do
     # written into the package's table (ray_moe/moe/experts/runners/configs/fp8-<gpu>.json: later steps read it;
     # commit it from the copy beside the result JSON) and the result JSON with every candidate's time
     fp8-tune) run 420 python3 -m ray_moe_bench.fp8_tune ;;
+    # the same for the DeepSeek-V3 slice's shapes (256 experts of 7168 x 2048, MLA and shared-expert projections):
+    # before fp8-ds-ray on a GPU whose table lacks them (the start warns which shapes run heuristic settings)
+    fp8-ds-tune) run 540 python3 -m ray_moe_bench.fp8_tune --shape deepseek-v3 ;;
     layer)    run 250 python3 -m ray_moe_bench.moe_layer --layers 4 --iters 30 ;;
     generate) run 330 python3 -m ray_moe_bench.generate --layers 8 --prefill 4096 --batches 1 32 128 --new-tokens 17 --reps 3 ;;
     # the serving comparison: the whole 48-layer Qwen3-30B-A3B shape (--config-only), each system in its own process
