@@ -137,7 +137,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def tune_experts(shape: ExpertShape, tokens: Sequence[int], iters: int, log: Callable[[str], None]) -> tuple[
         RowTable, list[dict[str, Any]]]:
-    from ray_moe.moe.experts.fp8 import quantize
+    from ray_moe.moe.experts.fp8 import FP8_DTYPE, quantize, scale_shape
     from ray_moe.moe.experts.runners import fp8_kernels
 
     dev = torch.device("cuda")
@@ -145,13 +145,12 @@ def tune_experts(shape: ExpertShape, tokens: Sequence[int], iters: int, log: Cal
     e, d, f, k = shape.experts, shape.hidden, shape.ffn, shape.top_k
     codes, scales = [], []
     for out_f, in_f in ((f, d), (f, d), (d, f)):
-        w = torch.empty(e, out_f, in_f, device=dev, dtype=torch.bfloat16)
-        for i in range(e):  # one expert at a time: the float32 draw of all of them would not fit beside
-            w[i] = (torch.randn(out_f, in_f, generator=g, device=dev) / in_f ** 0.5).to(torch.bfloat16)
-        c, s = quantize(w, BLOCK)
+        c = torch.empty(e, out_f, in_f, device=dev, dtype=FP8_DTYPE)
+        s = torch.empty(e, *scale_shape((out_f, in_f), BLOCK), device=dev, dtype=torch.float32)
+        for i in range(e):  # one expert at a time (DeepSeek-V3's float32 draws of all of them would not fit)
+            c[i], s[i] = quantize(torch.randn(out_f, in_f, generator=g, device=dev) / in_f ** 0.5, BLOCK)
         codes.append(c)
         scales.append(s)
-        del w
     rows_out, records = [], []
     for t in tokens:
         gen = torch.Generator().manual_seed(t)
