@@ -91,8 +91,9 @@ for what in "$@"; do
       fi ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
     # where an FP8 decode step's time goes: the FP8 checkpoint fp8-write made (the whole 48-layer shape), in process
+    # (WORKLOAD=chat WINDOWS=40:42: steps with a few hundred prompt tokens beside the decoding sequences)
     fp8-profile) run 300 python3 -m ray_moe_bench.step_profile --checkpoint "${FP8_ROOT:-/tmp/ray-moe-fp8}/qwen3-30b-a3b" \
-                   --workload decode-heavy --windows 20:21 --out "$RAY_MOE_RESULTS_DIR" ;;
+                   --workload "${WORKLOAD:-decode-heavy}" --windows "${WINDOWS:-20:21}" --out "$RAY_MOE_RESULTS_DIR" ;;
     rebalance) run 200 python3 -m ray_moe_bench.rebalance_memory --layers 48 --stall-dump 150 ;;
   esac
 done
