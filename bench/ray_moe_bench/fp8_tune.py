@@ -10,8 +10,9 @@ with CUDA events, as the step graphs replay them):
            the heuristic), then down's with the best gate/up: a coordinate search, per T, over
            1. row tile x warps at 3 stages, 2. the best of those at 2 / 4 / 5 stages (down: x column tile too).
   linears  ``fp8_linear`` at every dense FP8 projection shape of the model (and the fused Q/K/V shape), rows in
-           ``ROWS``: the Triton kernel searched the same way, and ``torch._scaled_mm``'s blockwise GEMM (cuBLASLt)
-           where it takes the call.
+           ``ROWS``: the Triton kernel searched the same way, 3. the winner with its K blocks split over 2 / 4 / 8
+           programs (FP32 partials summed after: more programs for skinny steps), and ``torch._scaled_mm``'s
+           blockwise GEMM (cuBLASLt) where it takes the call.
 A candidate counts only if its output equals the heuristic launch's within 1e-2 of the largest value (a
 setting that computes something else is rejected and listed). The fastest per (shape, rows) goes to the table
 (``ray_moe.moe.experts.runners.fp8_configs``: ``configs/fp8-<gpu>.json``, merged with the table's other shapes),
@@ -21,6 +22,7 @@ the heuristic's time beside it in the result JSON ($RAY_MOE_RESULTS_DIR), with e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -35,6 +37,7 @@ from ray_moe.moe.experts.runners.fp8_configs import (
     BLOCK_MS,
     BLOCK_NS,
     CONFIG_DIR,
+    SPLIT_KS,
     LaunchConfig,
     LinearBackend,
     LinearChoice,
@@ -56,6 +59,7 @@ FIRST_STAGES = 3
 MORE_STAGES = (2, 4, 5)
 WARPS = (4, 8)
 AGREE = 1e-2
+SPLIT_ROWS_MAX = 2048  # K-split candidates up to this many rows (more rows: programs enough without)
 
 
 @dataclass(frozen=True)
@@ -91,27 +95,38 @@ def first_candidates(rows_per_slot: int, *, column_tiles: Sequence[int] = (128,)
 
 def stage_candidates(best: LaunchConfig) -> list[LaunchConfig]:
     """Step 2: the best of step 1 at the other pipeline depths."""
-    return [LaunchConfig(best.block_m, best.block_n, best.warps, s) for s in MORE_STAGES]
+    return [dataclasses.replace(best, stages=s) for s in MORE_STAGES]
 
 
-def search(time_us: Callable[[LaunchConfig], float | None], first: Iterable[LaunchConfig]) -> tuple[LaunchConfig,
-                                                                                                     dict[str, Any]]:
-    """The coordinate search: ``time_us(config)`` (None: rejected) over ``first``, then the winner's stage
-    variants; -> (fastest config, {str(config): us or None})."""
+def split_candidates(best: LaunchConfig) -> list[LaunchConfig]:
+    """Step 3 (dense Linears): the best so far with its K blocks split over 2 / 4 / 8 programs per tile."""
+    return [dataclasses.replace(best, split_k=k) for k in SPLIT_KS if k != 1]
+
+
+def label(c: LaunchConfig) -> str:
+    return f"m{c.block_m}n{c.block_n}w{c.warps}s{c.stages}" + (f"k{c.split_k}" if c.split_k != 1 else "")
+
+
+def search(time_us: Callable[[LaunchConfig], float | None], first: Iterable[LaunchConfig],
+           refine: Sequence[Callable[[LaunchConfig], list[LaunchConfig]]] = (stage_candidates,)) -> tuple[
+               LaunchConfig, dict[str, Any]]:
+    """The coordinate search: ``time_us(config)`` (None: rejected) over ``first``, then each ``refine`` step's
+    variants of the winner so far; -> (fastest config, {label: us or None})."""
     seen: dict[LaunchConfig, float | None] = {}
 
     def best() -> LaunchConfig:
         ok = {c: t for c, t in seen.items() if t is not None}
         if not ok:
             raise RuntimeError("every candidate was rejected")
-        return min(ok, key=lambda c: (ok[c], c.block_m, c.block_n, c.warps, c.stages))
+        return min(ok, key=lambda c: (ok[c], c.split_k, c.block_m, c.block_n, c.warps, c.stages))
 
     for c in first:
         seen[c] = time_us(c)
-    for c in stage_candidates(best()):
-        if c not in seen:
-            seen[c] = time_us(c)
-    return best(), {f"m{c.block_m}n{c.block_n}w{c.warps}s{c.stages}": t for c, t in seen.items()}
+    for step in refine:
+        for c in step(best()):
+            if c not in seen:
+                seen[c] = time_us(c)
+    return best(), {label(c): t for c, t in seen.items()}
 
 
 def merge(old: TunedTable | None, device: str, swiglu: dict[str, RowTable], linear: dict[str, RowTable],
@@ -223,7 +238,9 @@ def tune_linear(out_f: int, in_f: int, rows_list: Sequence[int], iters: int, log
                 return None
 
         tri, tri_times = search(lambda c: time_us(LinearChoice(LinearBackend.TRITON, c)),
-                                first_candidates(rows, column_tiles=BLOCK_NS))
+                                first_candidates(rows, column_tiles=BLOCK_NS),
+                                # (split partials [k, rows, out] FP32: tried where steps are skinny, not at prefill)
+                                (stage_candidates, split_candidates) if rows <= SPLIT_ROWS_MAX else (stage_candidates,))
         scaled = LinearChoice(LinearBackend.SCALED_MM)
         why = fp8_kernels.scaled_mm_reason(x, out_f, in_f, BLOCK)
         smm = time_us(scaled) if why is None else None

@@ -51,3 +51,14 @@ def test_a_new_table_keeps_the_shapes_not_measured_again():
     assert new.swiglu_rows["s1"] == old.swiglu_rows["s1"] and new.swiglu_rows["s2"].rows == (8, 16)
     assert set(new.linear_rows) == {"l"} and set(new.measured) == {"x", "y"}
     assert fp8_tune.merge(None, "G", {}, {}, {}).swiglu_rows == {}
+
+
+def test_dense_linears_try_the_winner_with_its_k_split():
+    def time_us(c):  # a skinny step: splitting K in 4 is fastest
+        return cost(c) - {1: 0, 2: 4, 4: 6, 8: 5}[c.split_k]
+
+    best, times = fp8_tune.search(time_us, fp8_tune.first_candidates(40, column_tiles=(64,)),
+                                  (fp8_tune.stage_candidates, fp8_tune.split_candidates))
+    assert best == LaunchConfig(32, 64, 8, 4, split_k=4)
+    assert {k for k in times if k.endswith(("k2", "k4", "k8"))} == {"m32n64w8s4k2", "m32n64w8s4k4", "m32n64w8s4k8"}
+

@@ -25,7 +25,10 @@ from ray_moe.moe.experts.runners.fp8_configs import (
 
 launch = st.builds(LaunchConfig, st.sampled_from(fp8_configs.BLOCK_MS), st.sampled_from(fp8_configs.BLOCK_NS),
                    st.sampled_from(fp8_configs.WARPS), st.sampled_from(fp8_configs.STAGES))
-linear = st.one_of(st.builds(LinearChoice, st.just(LinearBackend.TRITON), launch),
+split = st.builds(LaunchConfig, st.sampled_from(fp8_configs.BLOCK_MS), st.sampled_from(fp8_configs.BLOCK_NS),
+                  st.sampled_from(fp8_configs.WARPS), st.sampled_from(fp8_configs.STAGES),
+                  st.sampled_from(fp8_configs.SPLIT_KS))
+linear = st.one_of(st.builds(LinearChoice, st.just(LinearBackend.TRITON), split),
                    st.just(LinearChoice(LinearBackend.SCALED_MM)))
 
 
@@ -86,6 +89,8 @@ def test_lookups_by_shape_and_rows():
     (lambda t: t["linear"]["out=256,in=128,block=128x128"]["16"].pop("config"), "carries its launch config"),
     (lambda t: t["linear"]["out=256,in=128,block=128x128"].update({"many": {"backend": "scaled_mm"}}), "'many'"),
     (lambda t: t.pop("device"), "'device'"),
+    (lambda t: t["linear"]["out=256,in=128,block=128x128"]["16"]["config"].update(split_k=3), "split_k=3"),
+    (lambda t: t["swiglu"]["d=8,f=4,block=128x128"]["16"]["down"].update(split_k=2), "take no split"),
 ])
 def test_a_malformed_table_is_refused_naming_the_field(patch, field):
     t = _table()

@@ -153,11 +153,13 @@ def test_every_launch_setting_computes_the_same_experts(interpret, choice):
           naive_fp8_experts(x[:66], counts, codes, scales, block))
 
 
-@pytest.mark.parametrize("config", [LaunchConfig(16, 32, 4, 3), LaunchConfig(32, 64, 8, 5), LaunchConfig(64, 128, 4, 2)],
+@pytest.mark.parametrize("config", [LaunchConfig(16, 32, 4, 3), LaunchConfig(32, 64, 8, 5), LaunchConfig(64, 128, 4, 2),
+                                    LaunchConfig(16, 64, 4, 3, split_k=2), LaunchConfig(32, 32, 4, 3, split_k=8)],
                          ids=str)
 def test_every_dense_launch_setting_computes_the_same_linear(interpret, config):
     """``fp8_linear`` at the tuner's Triton candidates against its torch reference (out not a multiple of the
-    column tile, rows not of the row tile); scaled_mm is refused on CPU, naming why."""
+    column tile, rows not of the row tile; K split over more programs than it has blocks: the extra ones add
+    zeros); scaled_mm is refused on CPU, naming why."""
     from ray_moe.model.fp8_linear import fp8_linear_reference
 
     g = torch.Generator().manual_seed(9)
@@ -287,8 +289,12 @@ def test_the_kernels_compile_for_hopper(choice):
                dict(B0=128, BLOCK_M=choice.gate_up.block_m, BLOCK_N=128, QP=128, TOP_K=8, GATHER=True, ROWS=True,
                     CAPACITY=False, EVEN_K=True, EVEN_N=True, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False),
                choice.gate_up.warps, choice.gate_up.stages)
-    dn = build(down, "*fp8e4nv *fp32 *fp8e4nv *fp32 *i64 *i64 *bf16" + " i32" * 7,
+    dn = build(down, "*fp8e4nv *fp32 *fp8e4nv *fp32 *i64 *i64 *bf16" + " i32" * 8,
                dict(B0=128, BLOCK_M=choice.down.block_m, BLOCK_N=choice.down.block_n, BLOCK_K=128, QP=128, ROWS=False,
-                    CAPACITY=True, EVEN_K=True, EVEN_N=True), choice.down.warps, choice.down.stages)
+                    CAPACITY=True, EVEN_K=True, EVEN_N=True, SPLIT_K=1), choice.down.warps, choice.down.stages)
     assert "async_copy" in gu and "async_copy" in dn  # the weight tiles stream through the pipeline
+    lin = build(down, "*fp8e4nv *fp32 *fp8e4nv *fp32 *i32 *i32 *fp32" + " i32" * 8,  # a dense Linear, K split in 4
+                dict(B0=128, BLOCK_M=choice.down.block_m, BLOCK_N=choice.down.block_n, BLOCK_K=128, QP=2, ROWS=False,
+                     CAPACITY=False, EVEN_K=True, EVEN_N=True, SPLIT_K=4), choice.down.warps, choice.down.stages)
+    assert "async_copy" in lin
     build(quant, "*bf16 *fp8e4nv *fp32 i32 i32", dict(G=128, NGP=16, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False), 4)

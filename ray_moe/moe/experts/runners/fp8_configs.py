@@ -48,6 +48,7 @@ BLOCK_MS = (16, 32, 64, 128)  # 128: prefill-sized steps (more reuse of each wei
 BLOCK_NS = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
+SPLIT_KS = (1, 2, 4, 8)  # a dense Linear's K blocks over this many programs per tile (FP32 partials, then summed)
 T = TypeVar("T")
 
 
@@ -61,21 +62,25 @@ class LinearBackend(str, Enum):
 @dataclass(frozen=True)
 class LaunchConfig:
     """One Triton launch: rows per program tile (``block_m``), columns per program (``block_n``; the gate/up
-    kernel's is the activation group b1 by construction), warps and software-pipeline stages."""
+    kernel's is the activation group b1 by construction), warps, software-pipeline stages, and (dense Linears
+    only) the programs sharing a tile's K blocks (``split_k``)."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("block_m", self.block_m, BLOCK_MS), ("block_n", self.block_n, BLOCK_NS),
-                                     ("warps", self.warps, WARPS), ("stages", self.stages, STAGES)):
+                                     ("warps", self.warps, WARPS), ("stages", self.stages, STAGES),
+                                     ("split_k", self.split_k, SPLIT_KS)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: must be one of {allowed}")
 
     def to_json(self) -> dict[str, int]:
-        return {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps, "stages": self.stages}
+        out = {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps, "stages": self.stages}
+        return {**out, "split_k": self.split_k} if self.split_k != 1 else out
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,11 @@ class SwigluChoice:
 
     gate_up: LaunchConfig
     down: LaunchConfig
+
+    def __post_init__(self) -> None:
+        if self.gate_up.split_k != 1 or self.down.split_k != 1:
+            raise ValueError(f"split_k={self.gate_up.split_k} / {self.down.split_k}: the expert kernels take no split "
+                             f"(gate/up's SiLU needs whole sums; a dense Linear's launch may split)")
 
 
 @dataclass(frozen=True)
@@ -148,8 +158,9 @@ def table_path(device_name: str, directory: Path = CONFIG_DIR) -> Path:
 
 
 def _launch(obj: Any, where: str) -> LaunchConfig:
-    if not isinstance(obj, dict) or set(obj) != {"block_m", "block_n", "warps", "stages"}:
-        raise ValueError(f"{where}: expected {{block_m, block_n, warps, stages}}, got {obj!r}")
+    keys = {"block_m", "block_n", "warps", "stages"}
+    if not isinstance(obj, dict) or not keys <= set(obj) <= keys | {"split_k"}:
+        raise ValueError(f"{where}: expected {{block_m, block_n, warps, stages[, split_k]}}, got {obj!r}")
     try:
         return LaunchConfig(**{k: int(v) for k, v in obj.items()})
     except (TypeError, ValueError) as exc:
@@ -191,7 +202,10 @@ def parse_table(obj: Any, source: str = "<table>") -> TunedTable:
     def swiglu(v: Any, where: str) -> SwigluChoice:
         if not isinstance(v, dict) or set(v) != {"gate_up", "down"}:
             raise ValueError(f"{where}: expected {{gate_up, down}}, got {v!r}")
-        return SwigluChoice(_launch(v["gate_up"], f"{where}.gate_up"), _launch(v["down"], f"{where}.down"))
+        try:
+            return SwigluChoice(_launch(v["gate_up"], f"{where}.gate_up"), _launch(v["down"], f"{where}.down"))
+        except ValueError as exc:
+            raise ValueError(str(exc) if str(exc).startswith(source) else f"{where}: {exc}") from None
 
     sections = {}
     for name, parse in (("swiglu", swiglu), ("linear", _linear_choice)):
@@ -254,6 +268,6 @@ def untuned_reason(device: torch.device, swiglu: Iterable[tuple[int, int, Any]] 
     return f"the tuned FP8 launch table of {name} has no entry for {', '.join(missing)}" if missing else None
 
 
-__all__ = ["BLOCK_MS", "BLOCK_NS", "CONFIG_DIR", "LaunchConfig", "LinearBackend", "LinearChoice", "RowTable", "STAGES",
+__all__ = ["BLOCK_MS", "BLOCK_NS", "CONFIG_DIR", "SPLIT_KS", "LaunchConfig", "LinearBackend", "LinearChoice", "RowTable", "STAGES",
            "SwigluChoice", "TunedTable", "WARPS", "device_slug", "dump_table", "linear_key", "parse_table",
            "swiglu_key", "table_for", "table_for_device", "table_path", "untuned_reason"]

@@ -180,11 +180,15 @@ def _kernels():
         tl.store(hs_ptr + rows * NGF + pid_n, s, mask=rmask)
 
     @triton.jit
-    def _down(hq_ptr, hs_ptr, wd_ptr, sd_ptr, bounds_ptr, wrow_ptr, y_ptr, Q, CAP, D, F, NGF, SDR, SDC,
+    def _down(hq_ptr, hs_ptr, wd_ptr, sd_ptr, bounds_ptr, wrow_ptr, y_ptr, Q, CAP, D, F, NGF, SDR, SDC, YS,
               B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               QP: tl.constexpr, ROWS: tl.constexpr, CAPACITY: tl.constexpr, EVEN_K: tl.constexpr,
-              EVEN_N: tl.constexpr):
+              EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr):
+        # SPLIT_K > 1 (a dense Linear's skinny steps): program k of a tile sums its share of the K blocks into
+        # y_ptr + k * YS (FP32 partials, reduced in a fixed order by the caller)
         pid = tl.program_id(0)
+        pid_k = pid % SPLIT_K
+        pid = pid // SPLIT_K
         nb = tl.cdiv(D, BLOCK_N)
         pid_n = pid % nb
         slot, row0, rend = _tile(bounds_ptr, Q, CAP, pid // nb, BLOCK_M, QP, CAPACITY)
@@ -202,7 +206,8 @@ def _kernels():
         w_tile = w * D * F + cols[None, :].to(tl.int64) * F + ks[:, None]
         s_col = w * SDR * SDC + (cols // B0) * SDC
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, NGF):
+        per = tl.cdiv(NGF, SPLIT_K)
+        for kb in range(pid_k * per, tl.minimum(NGF, pid_k * per + per)):
             k0 = kb * BLOCK_K
             a = tl.load(hq_ptr + rows[:, None] * F + (k0 + ks)[None, :],
                         mask=rmask[:, None] & ((k0 + ks)[None, :] < F), other=0.0)
@@ -213,7 +218,7 @@ def _kernels():
                 b = tl.load(wd_ptr + w_tile + k0, mask=cmask[None, :] & ((k0 + ks)[:, None] < F), other=0.0)
             s_b = tl.load(sd_ptr + s_col + kb, mask=cmask, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
-        tl.store(y_ptr + rows[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + pid_k * YS + rows[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
     from triton.runtime.interpreter import InterpretedFunction
@@ -322,9 +327,9 @@ def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, o
         FP8_MAX=FP8_MAX, SCALE_MIN=SCALE_MIN, EMULATE=emulate, num_warps=gu.warps, num_stages=gu.stages)
     # 3. down, into y
     down[(-(-d // dn.block_n) * tiles(dn.block_m),)](
-        hq, hs, wd, sd, bounds, wrow, y, q, capacity, d, f, ngf, int(sd.shape[1]), int(sd.shape[2]), B0=b0,
+        hq, hs, wd, sd, bounds, wrow, y, q, capacity, d, f, ngf, int(sd.shape[1]), int(sd.shape[2]), 0, B0=b0,
         BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=b1, QP=qp, ROWS=weight_rows is not None,
-        CAPACITY=bool(capacity), EVEN_K=f % b1 == 0, EVEN_N=d % dn.block_n == 0, num_warps=dn.warps,
+        CAPACITY=bool(capacity), EVEN_K=f % b1 == 0, EVEN_N=d % dn.block_n == 0, SPLIT_K=1, num_warps=dn.warps,
         num_stages=dn.stages)
     return y
 
@@ -447,15 +452,18 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
             raise ValueError(why)
         return torch._scaled_mm(xq, codes.t(), scale_a=xs.t().contiguous().t(), scale_b=scales.t(), out_dtype=x.dtype)
     cfg = picked.config
-    y = torch.empty((n, out_f), dtype=x.dtype, device=x.device)
+    split = cfg.split_k
+    # split_k > 1: FP32 partials [split, N, out], summed over the splits in a fixed order (deterministic), then cast
+    y = torch.empty((split, n, out_f) if split > 1 else (n, out_f), dtype=torch.float32 if split > 1 else x.dtype,
+                    device=x.device)
     tiles = -(-n // cfg.block_m) + 1  # one slot: its row tiles plus the partial one
     bounds = torch.full((1,), n, dtype=torch.int32, device=x.device)
-    _kernels()[2][(-(-out_f // cfg.block_n) * tiles,)](
+    _kernels()[2][(-(-out_f // cfg.block_n) * tiles * split,)](
         xq, xs, codes.unsqueeze(0), scales.unsqueeze(0), bounds, bounds, y, 1, 0, out_f, in_f, -(-in_f // b1),
-        int(scales.shape[0]), int(scales.shape[1]), B0=b0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=b1,
-        QP=2, ROWS=False, CAPACITY=False, EVEN_K=in_f % b1 == 0, EVEN_N=out_f % cfg.block_n == 0,
-        num_warps=cfg.warps, num_stages=cfg.stages)
-    return y
+        int(scales.shape[0]), int(scales.shape[1]), n * out_f, B0=b0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=b1, QP=2, ROWS=False, CAPACITY=False, EVEN_K=in_f % b1 == 0, EVEN_N=out_f % cfg.block_n == 0,
+        SPLIT_K=split, num_warps=cfg.warps, num_stages=cfg.stages)
+    return y.sum(0).to(x.dtype) if split > 1 else y
 
 
 def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, block, *,
