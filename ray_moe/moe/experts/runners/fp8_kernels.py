@@ -13,6 +13,9 @@
 #   rows are expert-major; a program finds its (slot, row tile) from the per-slot bounds on the device
 #   (tiles per slot, cumulative sum, search), so the grid is fixed by the shapes: no host read, no
 #   data-dependent allocation, CUDA-graph capturable; tiles past the last live one return at once.
+#   dense Linear (fp8_linear): quantize_rows, then the down kernel over one slot [out, in] (K split over
+#   split_k programs: FP32 partials [split_k, N, out] summed after), or torch._scaled_mm (cuBLASLt)
+#   launch settings: the GPU model's tuned table (fp8_configs), else the heuristics (row_block, launch_config)
 # ======================================================================================================
 """FP8 (e4m3) expert SwiGLU on block-scaled weights without dequantizing them: the grouped MoE GEMMs of
 ``runners/fp8.py``'s fast path (the w8a8 block-FP8 scheme of DeepSeek-V3 / Qwen3-FP8 checkpoints).
