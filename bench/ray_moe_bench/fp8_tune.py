@@ -150,13 +150,31 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
         want.abs().max().clamp_min(1e-30))
 
 
-def tune_experts(shape: ExpertShape, tokens: Sequence[int], iters: int, log: Callable[[str], None]) -> tuple[
-        RowTable, list[dict[str, Any]]]:
+def _timer(run: Callable[[Any], torch.Tensor], want: torch.Tensor, iters: int,
+           log: Callable[[str], None]) -> Callable[[Any], float | None]:
+    """time_us(choice): ``run(choice)``'s CUDA-graph replay time in us; None (rejected, logged) when its output is not
+    ``want``'s (the heuristic launch's) within ``AGREE``, or it does not build or run here."""
+    def time_us(choice: Any) -> float | None:
+        try:
+            if not _agree(run(choice), want):
+                log(f"    rejected {choice}: its output differs from the heuristic launch's")
+                return None
+            return _graph_us(lambda: run(choice), iters)
+        except Exception as exc:  # noqa: BLE001 - a setting that does not build or run here: rejected
+            log(f"    rejected {choice}: {type(exc).__name__}: {str(exc)[:120]}")
+            return None
+    return time_us
+
+
+def tune_experts(shape: ExpertShape, tokens: Sequence[int], iters: int, log: Callable[[str], None],
+                 device: str = "cuda") -> tuple[RowTable, list[dict[str, Any]]]:
+    """The expert kernels' table for ``shape`` (a RowTable by routed rows) and every measurement ("cuda"; the
+    tests run it on CPU tensors under Triton's interpreter with the timer replaced)."""
     from ray_moe.moe.experts.fp8 import FP8_DTYPE, quantize, scale_shape
     from ray_moe.moe.experts.runners import fp8_kernels
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
     e, d, f, k = shape.experts, shape.hidden, shape.ffn, shape.top_k
     codes, scales = [], []
     for out_f, in_f in ((f, d), (f, d), (d, f)):
@@ -180,23 +198,10 @@ def tune_experts(shape: ExpertShape, tokens: Sequence[int], iters: int, log: Cal
         def run(ch: SwigluChoice) -> torch.Tensor:
             return fp8_kernels.fp8_swiglu(x, bounds, codes, scales, BLOCK, order=order, top_k=k, choice=ch)
 
-        want = run(heur)
-
-        def timer(make: Callable[[LaunchConfig], SwigluChoice]) -> Callable[[LaunchConfig], float | None]:
-            def time_us(c: LaunchConfig) -> float | None:
-                ch = make(c)
-                try:
-                    if not _agree(run(ch), want):
-                        return None
-                    return _graph_us(lambda: run(ch), iters)
-                except Exception as exc:  # noqa: BLE001 - a setting that does not build or run here: rejected
-                    log(f"    rejected {c}: {type(exc).__name__}: {str(exc)[:120]}")
-                    return None
-            return time_us
-
-        gu, gu_times = search(timer(lambda c: SwigluChoice(c, heur.down)),
+        time_us = _timer(run, run(heur), iters, log)
+        gu, gu_times = search(lambda c: time_us(SwigluChoice(c, heur.down)),
                               first_candidates(per_slot, column_tiles=(BLOCK[1],)))
-        dn, dn_times = search(timer(lambda c: SwigluChoice(gu, c)), first_candidates(per_slot, column_tiles=BLOCK_NS))
+        dn, dn_times = search(lambda c: time_us(SwigluChoice(gu, c)), first_candidates(per_slot, column_tiles=BLOCK_NS))
         best = SwigluChoice(gu, dn)
         heur_us, best_us = _graph_us(lambda: run(heur), iters), _graph_us(lambda: run(best), iters)
         records.append({"tokens": t, "rows": rows, "max_rows_per_expert": per_slot, "heuristic_us": heur_us,
@@ -205,18 +210,20 @@ def tune_experts(shape: ExpertShape, tokens: Sequence[int], iters: int, log: Cal
         rows_out.append((rows, best))
         log(f"  experts {t:5d} tokens ({rows:6d} rows): heuristic {heur_us:8.1f} us  tuned {best_us:8.1f} us  "
             f"gate/up {gu}  down {dn}")
-        del x, want
-    torch.cuda.empty_cache()
+        del x, time_us
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return RowTable(tuple(r for r, _ in rows_out), tuple(c for _, c in rows_out)), records
 
 
-def tune_linear(out_f: int, in_f: int, rows_list: Sequence[int], iters: int, log: Callable[[str], None]) -> tuple[
-        RowTable, list[dict[str, Any]]]:
+def tune_linear(out_f: int, in_f: int, rows_list: Sequence[int], iters: int, log: Callable[[str], None],
+                device: str = "cuda") -> tuple[RowTable, list[dict[str, Any]]]:
+    """A dense FP8 shape's table (a RowTable by rows) and every measurement (device: as ``tune_experts``)."""
     from ray_moe.moe.experts.fp8 import quantize
     from ray_moe.moe.experts.runners import fp8_kernels
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device="cuda").manual_seed(1)
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(1)
     codes, scales = quantize(torch.randn(out_f, in_f, generator=g, device=dev) / in_f ** 0.5, BLOCK)
     rows_out, records = [], []
     for rows in rows_list:
@@ -226,17 +233,7 @@ def tune_linear(out_f: int, in_f: int, rows_list: Sequence[int], iters: int, log
         def run(ch: LinearChoice) -> torch.Tensor:
             return fp8_kernels.fp8_linear(x, codes, scales, BLOCK, choice=ch)
 
-        want = run(heur)
-
-        def time_us(ch: LinearChoice) -> float | None:
-            try:
-                if not _agree(run(ch), want):
-                    return None
-                return _graph_us(lambda: run(ch), iters)
-            except Exception as exc:  # noqa: BLE001 - a setting that does not build or run here: rejected
-                log(f"    rejected {ch}: {type(exc).__name__}: {str(exc)[:120]}")
-                return None
-
+        time_us = _timer(run, run(heur), iters, log)
         tri, tri_times = search(lambda c: time_us(LinearChoice(LinearBackend.TRITON, c)),
                                 first_candidates(rows, column_tiles=BLOCK_NS),
                                 # (split partials [k, rows, out] FP32: tried where steps are skinny, not at prefill)
@@ -253,7 +250,7 @@ def tune_linear(out_f: int, in_f: int, rows_list: Sequence[int], iters: int, log
         rows_out.append((rows, best))
         log(f"  linear {out_f}x{in_f} rows {rows:5d}: heuristic {heur_us:7.1f} us  triton {tri_us:7.1f} us ({tri})  "
             f"scaled_mm {('%.1f us' % smm) if smm is not None else (why or 'rejected')[:40]}  -> {best.backend.value}")
-        del x, want
+        del x, time_us
     return RowTable(tuple(r for r, _ in rows_out), tuple(c for _, c in rows_out)), records
 
 

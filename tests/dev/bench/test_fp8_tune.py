@@ -62,3 +62,38 @@ def test_dense_linears_try_the_winner_with_its_k_split():
     assert best == LaunchConfig(32, 64, 8, 4, split_k=4)
     assert {k for k in times if k.endswith(("k2", "k4", "k8"))} == {"m32n64w8s4k2", "m32n64w8s4k4", "m32n64w8s4k8"}
 
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The tuner end to end on CPU tensors: the kernels under Triton's interpreter, the CUDA-graph timer replaced
+    by a made-up cost (the tuner's measurements need a GPU)."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the FP8 kernels run on CPU under Triton's interpreter: set TRITON_INTERPRET=1 for pytest")
+    from ray_moe.moe.experts.runners import fp8_kernels
+
+    fp8_kernels._kernels.cache_clear()
+    timed = []
+
+    def fake_graph_us(fn, iters):
+        fn()  # the candidate runs (its output was already checked against the heuristic launch's)
+        timed.append(iters)
+        return 100.0 - len(timed) % 7  # any order: the search takes the smallest
+    monkeypatch.setattr(fp8_tune, "_graph_us", fake_graph_us)
+    return timed
+
+
+def test_the_tuner_runs_every_candidate_through_the_kernels(interpreted):
+    logs = []
+    table, records = fp8_tune.tune_experts(fp8_tune.ExpertShape(4, 128, 128, 2), [3, 20], 1, logs.append, "cpu")
+    assert table.rows == (6, 40) and len(records) == 2 and interpreted
+    assert all(r["gate_up_candidates_us"] and r["down_candidates_us"] for r in records)
+    assert not [m for m in logs if "rejected" in m], logs  # every candidate computes the heuristic's output
+    lt, lrec = fp8_tune.tune_linear(256, 128, [1, 20], 1, logs.append, "cpu")
+    assert lt.rows == (1, 20) and all(c.backend.value == "triton" for c in lt.choices)  # no scaled_mm on a CPU
+    assert all("CUDA bf16" in r["scaled_mm_reason"] for r in lrec)
+    assert any(k.endswith("k2") for k in lrec[1]["triton_candidates_us"])  # the K splits were tried
+    assert not [m for m in logs if "rejected" in m], logs
