@@ -349,8 +349,8 @@ class GenerationLoop:
                                  f"values every step (correct, slower than bf16 weights): {self._fp8_reason}")
         if self._fp8_untuned:
             self.warnings.append(f"the FP8 kernels take heuristic launch settings: {self._fp8_untuned} (on an H100 the "
-                                 f"tuned table served 4.5-5.8% more tokens/s); `python -m ray_moe_bench.fp8_tune` on "
-                                 f"this GPU measures one in about a minute")
+                                 f"tuned table served 4.5-5.8% more tokens/s); `ray-moe bench fp8_tune` on this GPU, "
+                                 f"from a checkout of the repository, measures one in about a minute")
         seen = set()
         for rep in self.steps_report:
             for kind, path in (rep.get("paths") or {}).items():
