@@ -190,8 +190,14 @@ def _kernels():
         # SPLIT_K > 1 (a dense Linear's skinny steps): program k of a tile sums its share of the K blocks into
         # y_ptr + k * YS (FP32 partials, reduced in a fixed order by the caller)
         pid = tl.program_id(0)
-        pid_k = pid % SPLIT_K
-        pid = pid // SPLIT_K
+        if SPLIT_K > 1:
+            pid_k = pid % SPLIT_K
+            pid = pid // SPLIT_K
+            per = tl.cdiv(NGF, SPLIT_K)
+            k_lo, k_hi = pid_k * per, tl.minimum(NGF, pid_k * per + per)
+            y_ptr += pid_k * YS
+        else:  # (the experts' down: the loop as measured, every K block in one program)
+            k_lo, k_hi = 0, NGF
         nb = tl.cdiv(D, BLOCK_N)
         pid_n = pid % nb
         slot, row0, rend = _tile(bounds_ptr, Q, CAP, pid // nb, BLOCK_M, QP, CAPACITY)
@@ -209,8 +215,7 @@ def _kernels():
         w_tile = w * D * F + cols[None, :].to(tl.int64) * F + ks[:, None]
         s_col = w * SDR * SDC + (cols // B0) * SDC
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        per = tl.cdiv(NGF, SPLIT_K)
-        for kb in range(pid_k * per, tl.minimum(NGF, pid_k * per + per)):
+        for kb in range(k_lo, k_hi):
             k0 = kb * BLOCK_K
             a = tl.load(hq_ptr + rows[:, None] * F + (k0 + ks)[None, :],
                         mask=rmask[:, None] & ((k0 + ks)[None, :] < F), other=0.0)
@@ -221,7 +226,7 @@ def _kernels():
                 b = tl.load(wd_ptr + w_tile + k0, mask=cmask[None, :] & ((k0 + ks)[:, None] < F), other=0.0)
             s_b = tl.load(sd_ptr + s_col + kb, mask=cmask, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
-        tl.store(y_ptr + pid_k * YS + rows[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + rows[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
     from triton.runtime.interpreter import InterpretedFunction
