@@ -589,7 +589,9 @@ def run_ray_moe(spec: dict, save: Callable[[dict], None] | None = None) -> dict[
                                                  "see nvidia_smi"}
         shards = rt.shard_status()
         res["shards"] = {str(r): {"counters": st.get("counters"), "capture_error": st.get("capture_error"),
-                                  "weight_bytes": st.get("weight_bytes"), "slot_buffers": st.get("slot_buffers")}
+                                  "weight_bytes": st.get("weight_bytes"), "slot_buffers": st.get("slot_buffers"),
+                                  # the FP8 launch settings' table (None: the kernels' heuristics, or no FP8)
+                                  "fp8_launch_table": (st.get("fused_kernels") or {}).get("fp8_launch_table")}
                          for r, st in shards.items()}
         res["memory_events"] = list(engine.memory_events)
         return res

@@ -35,6 +35,7 @@ from ray_moe.model.sampling import logprobs_tensor, sample_tensor
 from ray_moe.moe.decode.admission import FallbackReason
 from ray_moe.moe.dispatch.bucket import token_buckets
 from ray_moe.moe.dispatch.protocol import ControlStatus
+from ray_moe.moe.experts.runners.fp8_configs import table_file
 from ray_moe.moe.layer import PlacementView, MoEStep, RouteRecorder, SplitMoE, expert_counts
 from ray_moe.shard.graph_runner import RunKind, StepGraphRunner
 from ray_moe.shard.lattice import StepLattice
@@ -125,14 +126,16 @@ class TokenStepExecutor:
         """Which of the model's layers take the fused kernels: norm layers (count), modeling modules whose
         rotary embedding does, routers (count), attention modules with one Q/K/V GEMM (count), and what kept
         transformers' own forward and why (class or module -> reason); an FP8 checkpoint's dense projections
-        kept in FP8 (module paths) and why a shape [out x in] was dequantized instead."""
+        kept in FP8 (module paths), why a shape [out x in] was dequantized instead, how many attention modules run
+        one FP8 Q/K/V GEMM, and the tuned table driving the FP8 launches here (its file; None: the heuristics)."""
         host = self.host
         reasons = host.fp8_dense.get("reasons", {})
         return {"norm_layers": host.norms.modules, "rotary_modules": list(host.rotary.modules),
                 "router_layers": host.routers.modules, "qkv_modules": host.qkv.modules,
                 "skipped": {**host.norms.skipped, **host.rotary.skipped, **host.routers.skipped},
                 "fp8_dense_modules": list(host.fp8_dense.get("paths", ())),
-                "fp8_dense_dequantized": {f"{o}x{i}": why for (o, i), why in reasons.items() if why}}
+                "fp8_dense_dequantized": {f"{o}x{i}": why for (o, i), why in reasons.items() if why},
+                "fp8_qkv_modules": host.qkv.fp8_modules, "fp8_launch_table": table_file(host.device)}
 
     def info(self) -> dict[str, Any]:
         """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids; and

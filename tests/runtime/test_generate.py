@@ -146,7 +146,8 @@ def test_generate_and_stream_equal_transformers(served):
                for st in rt.shard_status().values())
     # on CPU the model keeps transformers' own norms and rotary (the fused kernels are CUDA-only)
     assert all(st["fused_kernels"] == {"norm_layers": 0, "rotary_modules": [], "router_layers": 0, "qkv_modules": 0,
-                                       "skipped": {}, "fp8_dense_modules": [], "fp8_dense_dequantized": {}}
+                                       "skipped": {}, "fp8_dense_modules": [], "fp8_dense_dequantized": {},
+                                       "fp8_qkv_modules": 0, "fp8_launch_table": None}
                for st in rt.shard_status().values())
 
 

@@ -144,6 +144,8 @@ def test_quick_preset_runs_two_workloads_in_one_process_and_every_count_is_what_
         assert set(r["warmup_s"]) == {"mixed", "chat"}
         # the product's defaults, read back from the engine; nothing passed, nothing listed as changed
         assert r["non_defaults"] == {} and r["bench_passed"] == {}
+        # each shard says which tuned FP8 launch table drove its kernels (none on a CPU: no FP8 kernels)
+        assert [s["fp8_launch_table"] for s in r["shards"].values()] == [None, None]
         st = r["settings"]
         assert (st["ranks"], st["step_tokens"], st["max_running"]) == (2, DEFAULT_STEP_TOKENS["cpu"], 256)
         assert st["rank_running"] == 128 and st["decode_steps"] == 1 and st["prefix_caching"] is True

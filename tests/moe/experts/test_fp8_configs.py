@@ -150,3 +150,11 @@ def test_shapes_without_a_tuned_entry_are_named(monkeypatch):
     assert fp8_configs.untuned_reason(cuda, [(8, 4, (128, 128))], [(256, 128, (128, 128)), (64, 64, None)]) is None
     why = fp8_configs.untuned_reason(cuda, [(8, 4, (128, 128)), (16, 4, (128, 128))], [(512, 128, (128, 128))])
     assert why.endswith("no entry for d=16,f=4,block=128x128, out=512,in=128,block=128x128"), why
+
+
+def test_the_table_in_use_is_named_by_its_file(monkeypatch):
+    assert fp8_configs.table_file(torch.device("cpu")) is None
+    monkeypatch.setattr(fp8_configs, "table_for_device", lambda device: parse_table(_table(device="NVIDIA H200")))
+    assert fp8_configs.table_file(torch.device("cuda", 0)) == "fp8-nvidia-h200.json"
+    monkeypatch.setattr(fp8_configs, "table_for_device", lambda device: None)
+    assert fp8_configs.table_file(torch.device("cuda", 0)) is None

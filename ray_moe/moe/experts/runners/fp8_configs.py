@@ -250,6 +250,12 @@ def table_for_device(device: torch.device) -> TunedTable | None:
     return table_for(torch.cuda.get_device_name(device))
 
 
+def table_file(device: torch.device) -> str | None:
+    """The file name of the tuned table that drives the FP8 launches on ``device`` (None: none here, or no CUDA GPU)."""
+    table = table_for_device(device)
+    return None if table is None else table_path(table.device).name
+
+
 def untuned_reason(device: torch.device, swiglu: Iterable[tuple[int, int, Any]] = (),
                    linear: Iterable[tuple[int, int, Any]] = ()) -> str | None:
     """Why some FP8 kernel launches on ``device`` take the heuristic settings (None: the GPU model's table covers
@@ -270,4 +276,4 @@ def untuned_reason(device: torch.device, swiglu: Iterable[tuple[int, int, Any]] 
 
 __all__ = ["BLOCK_MS", "BLOCK_NS", "CONFIG_DIR", "SPLIT_KS", "LaunchConfig", "LinearBackend", "LinearChoice", "RowTable", "STAGES",
            "SwigluChoice", "TunedTable", "WARPS", "device_slug", "dump_table", "linear_key", "parse_table",
-           "swiglu_key", "table_for", "table_for_device", "table_path", "untuned_reason"]
+           "swiglu_key", "table_file", "table_for", "table_for_device", "table_path", "untuned_reason"]
