@@ -30,18 +30,10 @@ SHAPES = {"q_proj": (4096, 2048), "k_proj": (512, 2048), "o_proj": (2048, 4096)}
 ROWS = (1, 16, 64, 256, 1024, 2048, 8192)
 
 
-def scaled_mm_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``fp8_linear``'s contract through ``torch._scaled_mm`` (blockwise 1 x 128 by 128 x 128): x [N, in] -> [N, out]
-    in x's dtype; codes [out, in] e4m3 contiguous, scales [out / 128, in / 128] float32 contiguous."""
-    from ray_moe.moe.experts.runners.fp8_kernels import quantize_rows
-
-    xq, xs = quantize_rows(x, BLOCK[1])
-    return torch._scaled_mm(xq, codes.t(), scale_a=xs.t().contiguous().t(), scale_b=scales.t(), out_dtype=x.dtype)
-
-
 def case(out_f: int, in_f: int, rows: int, iters: int, seed: int = 0) -> dict[str, Any]:
     from ray_moe.model.fp8_linear import fp8_linear_reference
     from ray_moe.moe.experts.fp8 import quantize
+    from ray_moe.moe.experts.runners.fp8_configs import LinearBackend, LinearChoice
     from ray_moe.moe.experts.runners.fp8_kernels import fp8_linear
 
     dev = torch.device("cuda")
@@ -52,7 +44,8 @@ def case(out_f: int, in_f: int, rows: int, iters: int, seed: int = 0) -> dict[st
     x = torch.randn(rows, in_f, generator=g).to(dev, torch.bfloat16)
     want = fp8_linear_reference(x, codes, scales, BLOCK).float()
     fns: dict[str, Callable[[], Any]] = {"triton": lambda: fp8_linear(x, codes, scales, BLOCK),
-                                         "scaled_mm": lambda: scaled_mm_linear(x, codes, scales),
+                                         "scaled_mm": lambda: fp8_linear(x, codes, scales, BLOCK,
+                                                                         choice=LinearChoice(LinearBackend.SCALED_MM)),
                                          "bf16": lambda: torch.nn.functional.linear(x, wb)}
     flops = 2.0 * rows * out_f * in_f
     out: dict[str, Any] = {"out": out_f, "in": in_f, "rows": rows}

@@ -35,7 +35,7 @@ Rows come in two layouts, both with device-side bounds:
   * capacity (the decode bucket): x [Q, C, d], ``bounds`` = valid [Q] int64 rows per slot -> y [Q, C, d]
     (padding positions zero).
 
-Tiling: BLOCK_M rows (16 / 32 / 64), gate/up BLOCK_N = b1 (the intermediate's quantization group: one program
+Tiling: BLOCK_M rows (16 / 32 / 64; 128 where a tuned table says so), gate/up BLOCK_N = b1 (the intermediate's quantization group: one program
 owns one group of each of its rows), BLOCK_K = b1; down BLOCK_N = 32 / 64 / 128, BLOCK_K = b1; warps and pipeline
 stages per launch. The settings come from the GPU model's tuned table (``fp8_configs``: measured by
 ``ray_moe_bench.fp8_tune``), else from the heuristics (``row_block``: the mean rows per slot; ``launch_config``). Supported blocks: b1 in 32 / 64 / 128, any b0 (``supports``); d and f any size
@@ -362,11 +362,14 @@ def _pick(x: torch.Tensor, d: int, f: int, block, rows: int, slots: int, block_m
           choice: SwigluChoice | None) -> SwigluChoice:
     if choice is not None:
         return choice
-    if block_m is not None:
-        if block_m not in ROW_BLOCKS:
-            raise ValueError(f"block_m={block_m}: must be one of {ROW_BLOCKS}")
-        return launch_config(int(block_m))
-    return swiglu_choice(x, d, f, block, rows, slots)
+    return _heuristic(block_m) if block_m is not None else swiglu_choice(x, d, f, block, rows, slots)
+
+
+def _heuristic(block_m: int) -> SwigluChoice:
+    """``launch_config`` at a caller's row tile, which must be one of ``ROW_BLOCKS``."""
+    if block_m not in ROW_BLOCKS:
+        raise ValueError(f"block_m={block_m}: must be one of {ROW_BLOCKS}")
+    return launch_config(int(block_m))
 
 
 def fp8_swiglu(x: torch.Tensor, bounds: torch.Tensor, codes, scales, block, *, order: torch.Tensor | None = None,
@@ -452,12 +455,13 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     n = int(x.shape[0])
     if n == 0:
         return torch.empty((0, out_f), dtype=x.dtype, device=x.device)
-    picked = choice if choice is not None else linear_choice(x, out_f, in_f, block)
-    xq, xs = quantize_rows(x, b1)
-    if picked.backend is LinearBackend.SCALED_MM:
+    if choice is not None and choice.backend is LinearBackend.SCALED_MM:  # (linear_choice asks the same itself)
         why = scaled_mm_reason(x, out_f, in_f, block)
         if why is not None:
             raise ValueError(why)
+    picked = choice if choice is not None else linear_choice(x, out_f, in_f, block)
+    xq, xs = quantize_rows(x, b1)
+    if picked.backend is LinearBackend.SCALED_MM:
         return torch._scaled_mm(xq, codes.t(), scale_a=xs.t().contiguous().t(), scale_b=scales.t(), out_dtype=x.dtype)
     cfg = picked.config
     split = cfg.split_k
@@ -487,12 +491,10 @@ def fp8_swiglu_capacity(x: torch.Tensor, valid: torch.Tensor, codes, scales, blo
     y = torch.zeros((q, cap, d), dtype=x.dtype, device=x.device)
     if q == 0 or cap == 0:
         return y
-    bm = block_m if block_m is not None else next((b for b in ROW_BLOCKS if cap <= b), ROW_BLOCKS[-1])
-    if bm not in ROW_BLOCKS:
-        raise ValueError(f"block_m={block_m}: must be one of {ROW_BLOCKS}")
+    picked = _heuristic(block_m if block_m is not None else next((b for b in ROW_BLOCKS if cap <= b), ROW_BLOCKS[-1]))
     xq, xs = quantize_rows(x.reshape(q * cap, d), int(block[1]))
     _launch(xq, xs, q * cap, valid, codes, scales, block, capacity=cap, order=None, top_k=1, weight_rows=None,
-            choice=launch_config(bm), y=y.view(q * cap, d))
+            choice=picked, y=y.view(q * cap, d))
     return y
 
 
