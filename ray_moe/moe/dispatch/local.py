@@ -1,12 +1,13 @@
 # ======================================================================================================
 #  THE ONE-RANK DATA PATH (a group of one: every slot is local; no exchange, no host sync)
 #
-#   PLANNED (no replicated expert; on CUDA up to ROUTE_PLAN_MAX routes, the decode sizes; always on CPU):
-#   routes [T, k] ──> route plan (one launch: local slot, stable expert-major order, slot row ends, gates)
+#   PLANNED (no replicated expert; on CUDA every step a Triton plan takes, on CPU always):
+#   routes [T, k] ──> route plan (one launch up to ROUTE_PLAN_MAX routes, three above: local slot, stable
+#                     expert-major order, slot row ends, gates)
 #        ──> expert runner reads each token's row through the order (no gathered copy; EXPERT_MAJOR_INDEXED)
 #        ──> gated FP32 combine that checks the handle as it reads it (one launch)
 #
-#   GENERAL (replicas, or large CUDA steps):
+#   GENERAL (replicas, or CUDA steps no Triton plan takes):
 #   routes [T, k] (id -1: a padding route) ──> replica selection ──> local slot of every route
 #        ──> stable order by slot (counting sort up to COUNTING_ORDER_MAX) = the expert-major order
 #        ──> rows gathered ──> expert runner on device-side offsets (grouped launches; empty slots read no
@@ -132,7 +133,9 @@ class LocalDispatcher(Dispatcher):
         h, ids, w = batch.hidden, batch.topk_ids, batch.topk_weights
         t, k = int(ids.shape[0]), int(ids.shape[1])
         dev = h.device
-        tables = self._tables(snapshot, dev) if self.planned and (not ids.is_cuda or kernel_available(ids)) else None
+        q_local = int(snapshot.rank_num_slots[self.exchange.rank])
+        planned = self.planned and (not ids.is_cuda or kernel_available(ids, q_local))
+        tables = self._tables(snapshot, dev) if planned else None
         if tables is not None:
             return self._dispatch_planned(batch, snapshot, tables)
         if batch.row_valid is not None:

@@ -9,9 +9,15 @@
 #                                              slot_rows [Q], sent [S] (rows per physical slot)
 #     4. gates [N] float32 (0 for padding routes); ok [1] set (the combine clears it on a bad handle)
 #
-#  On CUDA one Triton program does all of it (N <= ROUTE_PLAN_MAX): a torch version of twenty-odd small
-#  kernels was most of a decode step's non-expert time. The torch version below is the CPU path and the
-#  kernel's test oracle; both give the same tensors (the order is the stable sort by local slot).
+#  On CUDA one Triton program does all of it up to ROUTE_PLAN_MAX routes (decode sizes): a torch version of
+#  twenty-odd small kernels was most of a decode step's non-expert time. Larger steps (prefill chunks, steps of
+#  more than ROUTE_PLAN_MAX / k tokens) take the same plan in three launches (a stable counting sort by blocks):
+#     A. per block of B routes: local slots, gates, the block's slot histogram          [P, QB] int32
+#     B. one program: slot totals, ends / slot_rows / sent, and each (block, slot)'s first expert-major row
+#        minus the slot's first position in the block's own sorted order             [P, QB] int32
+#     C. per block: sort its keys (slot * B + route), row = that offset + sorted position; order / src
+#  The torch version below is the CPU path and both kernels' test oracle; all give the same tensors (the order
+#  is the stable sort by local slot).
 # ======================================================================================================
 """The route plan of a group of one: where each route's row goes in expert-major order, in one launch."""
 
@@ -22,7 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-ROUTE_PLAN_MAX = 4096  # routes (T * k) one program plans; larger steps take the sort of ``plan.expert_major_order``
+ROUTE_PLAN_MAX = 4096  # routes (T * k) one program plans; larger steps take the blocked plan (three launches)
+BLOCKED_MAX_BLOCKS = 64  # blocks of the blocked plan (its step B holds [blocks, slot bins] in one program)
+BLOCKED_MAX_BLOCK = 4096  # routes per block at most (its step C sorts one block in one program)
+BLOCKED_MAX_BINS = 512  # slot bins (local slots + 2, a power of two) the blocked plan takes; more: the torch plan
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,37 +144,160 @@ def _kernel():
                     tl.store(ok_ptr, 0)
         tl.store(out_ptr + t * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return _route_plan, _combine
+    @triton.jit
+    def _slots_of(ids_ptr, rv_ptr, expert_slot_ptr, i, N, E, Q, K: tl.constexpr, HAS_RV: tl.constexpr):
+        """Routes i -> their local slot: Q for a padding route, Q + 1 past the N routes."""
+        live = i < N
+        e = tl.load(ids_ptr + i, mask=live, other=-1)
+        valid = live & (e >= 0) & (e < E)
+        if HAS_RV:
+            valid = valid & (tl.load(rv_ptr + i // K, mask=live, other=0) != 0)
+        slot = tl.load(expert_slot_ptr + e, mask=valid, other=Q)
+        slot = tl.where(valid, slot, Q)
+        return tl.where(live, slot, Q + 1)
+
+    globals().update(_slots_of=_slots_of)  # (Triton resolves a called jit function in the module's globals)
+
+    @triton.jit
+    def _blocked_hist(ids_ptr, w_ptr, rv_ptr, expert_slot_ptr, gates_ptr, hist_ptr, N, E, Q,
+                      K: tl.constexpr, HAS_RV: tl.constexpr, B: tl.constexpr, QB: tl.constexpr):
+        # A. one block of B routes: slots, gates, the block's histogram over QB bins (bin Q + 1: past N)
+        p = tl.program_id(0)
+        i = p * B + tl.arange(0, B)
+        slot = _slots_of(ids_ptr, rv_ptr, expert_slot_ptr, i, N, E, Q, K, HAS_RV)
+        w = tl.load(w_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+        tl.store(gates_ptr + i, tl.where(slot < Q, w, 0.0), mask=i < N)
+        tl.store(hist_ptr + p * QB + tl.arange(0, QB), tl.histogram(slot, QB))
+
+    @triton.jit
+    def _blocked_offsets(hist_ptr, adj_ptr, ends_ptr, slot_rows_ptr, sent_ptr, phys_local_ptr, ok_ptr, P, Q, S,
+                         PP: tl.constexpr, QB: tl.constexpr, BLOCK_S: tl.constexpr):
+        # B. every block's histogram at once -> the slots' totals and row ends, and per (block, slot) the first
+        #    expert-major row of the block's routes of that slot, minus where they start in the block's sorted keys
+        pr = tl.arange(0, PP)
+        q = tl.arange(0, QB)
+        h = tl.load(hist_ptr + pr[:, None] * QB + q[None, :], mask=(pr[:, None] < P) & (q[None, :] <= Q), other=0)
+        tot = tl.sum(h, axis=0)  # [QB] routes per slot (bin Q: padding routes)
+        base = tl.cumsum(tot, 0) - tot  # first expert-major row of each slot (padding routes after every slot)
+        before = tl.cumsum(h, 0) - h  # the slot's routes in earlier blocks
+        start = tl.cumsum(h, 1) - h  # where the slot's keys start in the block's sorted keys (past-N keys: last)
+        tl.store(adj_ptr + pr[:, None] * QB + q[None, :], base[None, :] + before - start, mask=pr[:, None] < P)
+        tl.store(ends_ptr + q, tl.cumsum(tot, 0), mask=q < Q)
+        tl.store(slot_rows_ptr + q, tot.to(tl.int64), mask=q < Q)
+        tl.debug_barrier()  # slot_rows is read back below by other threads of the program
+        ps = tl.arange(0, BLOCK_S)
+        pl = tl.load(phys_local_ptr + ps, mask=ps < S, other=-1)
+        c = tl.load(slot_rows_ptr + pl, mask=(ps < S) & (pl >= 0), other=0)
+        tl.store(sent_ptr + ps, c, mask=ps < S)
+        tl.store(ok_ptr, 1)
+
+    @triton.jit
+    def _blocked_scatter(ids_ptr, rv_ptr, expert_slot_ptr, adj_ptr, order_ptr, src_ptr, N, E, Q,
+                         K: tl.constexpr, HAS_RV: tl.constexpr, B: tl.constexpr, QB: tl.constexpr):
+        # C. the block's keys sorted (stable: the route index in the low bits); row = adj[block, slot] + position
+        p = tl.program_id(0)
+        j = tl.arange(0, B)
+        slot = _slots_of(ids_ptr, rv_ptr, expert_slot_ptr, p * B + j, N, E, Q, K, HAS_RV)
+        key = tl.sort(slot * B + j)
+        kslot = key // B
+        route = p * B + key % B
+        live = kslot <= Q
+        row = tl.load(adj_ptr + p * QB + kslot, mask=live, other=0) + j
+        tl.store(order_ptr + row, route, mask=live)
+        tl.store(src_ptr + route, tl.where(kslot < Q, row, -1).to(tl.int64), mask=live)
+
+    return _route_plan, _combine, _blocked_hist, _blocked_offsets, _blocked_scatter
 
 
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def kernel_available(ids: torch.Tensor) -> bool:
-    """Whether the one-launch plan takes these routes: CUDA, at most ``ROUTE_PLAN_MAX``, Triton importable."""
-    return ids.is_cuda and 0 < ids.numel() <= ROUTE_PLAN_MAX and _kernel() is not None
+def blocked_shape(routes: int, num_local: int) -> tuple[int, int, int] | None:
+    """(routes per block B, blocks P, slot bins QB) of the blocked plan for ``routes`` routes over ``num_local``
+    local slots, or None when it does not take them (more than ``BLOCKED_MAX_BLOCKS`` blocks of
+    ``BLOCKED_MAX_BLOCK`` routes, or more than ``BLOCKED_MAX_BINS`` bins). B: 1,024 routes, doubled until at
+    most ``BLOCKED_MAX_BLOCKS`` blocks cover the step."""
+    bins = _pow2(int(num_local) + 2)
+    b = max(1024, _pow2(-(-int(routes) // BLOCKED_MAX_BLOCKS)))
+    if routes < 1 or b > BLOCKED_MAX_BLOCK or bins > BLOCKED_MAX_BINS:
+        return None
+    return b, -(-int(routes) // b), bins
 
 
-def plan_routes(ids: torch.Tensor, weights: torch.Tensor, row_valid: torch.Tensor | None,
-                tables: RouteTables) -> RoutePlan:
-    """ids [T, k] int (-1: padding route), weights [T, k] float, row_valid [T] bool or None (rows marked
-    False route nowhere) -> the RoutePlan (one Triton launch on CUDA, else ``plan_routes_torch``)."""
-    if not kernel_available(ids):
-        return plan_routes_torch(ids, weights, row_valid, tables)
-    t, k = int(ids.shape[0]), int(ids.shape[1])
-    n, q, s = t * k, tables.num_local, int(tables.phys_local.numel())
-    dev = ids.device
-    ids = ids.reshape(-1).contiguous()
-    weights = weights.reshape(-1).contiguous()
-    rv = row_valid.contiguous().view(torch.uint8) if row_valid is not None else ids
-    plan = RoutePlan(src=torch.empty(n, dtype=torch.int64, device=dev),
+def kernel_available(ids: torch.Tensor, num_local: int | None = None) -> bool:
+    """Whether a Triton plan takes these routes (CUDA, Triton importable): the one-launch plan up to
+    ``ROUTE_PLAN_MAX`` routes, the blocked plan above (``blocked_shape``; ``num_local`` None: any slot count
+    up to its bins)."""
+    n = ids.numel()
+    if not ids.is_cuda or n < 1 or _kernel() is None:
+        return False
+    q = BLOCKED_MAX_BINS - 2 if num_local is None else num_local
+    return n <= ROUTE_PLAN_MAX or blocked_shape(n, q) is not None
+
+
+def _empty_plan(n: int, q: int, s: int, dev: torch.device) -> RoutePlan:
+    return RoutePlan(src=torch.empty(n, dtype=torch.int64, device=dev),
                      gates=torch.empty(n, dtype=torch.float32, device=dev),
                      order=torch.empty(n, dtype=torch.int32, device=dev),
                      ends=torch.empty(q, dtype=torch.int32, device=dev),
                      slot_rows=torch.empty(q, dtype=torch.int64, device=dev),
                      sent=torch.empty(s, dtype=torch.int64, device=dev),
                      ok=torch.empty(1, dtype=torch.bool, device=dev))
+
+
+def plan_routes_blocked(ids: torch.Tensor, weights: torch.Tensor, row_valid: torch.Tensor | None,
+                        tables: RouteTables, *, block: int | None = None) -> RoutePlan:
+    """The route plan in three launches (module banner, A-C) for steps of any size ``blocked_shape`` takes: ids
+    [T, k], weights [T, k], row_valid [T] bool or None -> the RoutePlan ``plan_routes_torch`` gives (CUDA, or
+    CPU tensors under Triton's interpreter in tests). ``block``: routes per block (a power of two >= 16, at most
+    ``BLOCKED_MAX_BLOCKS`` blocks; None: ``blocked_shape``'s). Raises ValueError naming ``ids`` / ``block``."""
+    t, k = int(ids.shape[0]), int(ids.shape[1])
+    n, q, s = t * k, tables.num_local, int(tables.phys_local.numel())
+    if block is not None and (block < 16 or block & (block - 1) or -(-n // block) > BLOCKED_MAX_BLOCKS):
+        raise ValueError(f"block={block}: a power of two >= 16 making at most {BLOCKED_MAX_BLOCKS} blocks of {n} "
+                         f"routes")
+    shape = blocked_shape(n, q)
+    if shape is None or _kernel() is None:
+        raise ValueError(f"ids: {n} routes over {q} local slots: the blocked route plan does not take them here")
+    b, p, qb = shape if block is None else (int(block), -(-n // int(block)), shape[2])
+    dev = ids.device
+    _, _, hist_k, offsets_k, scatter_k = _kernel()
+    ids = ids.reshape(-1).contiguous()
+    rv = row_valid.contiguous().view(torch.uint8) if row_valid is not None else ids
+    plan = _empty_plan(n, q, s, dev)
+    hist = torch.empty(p, qb, dtype=torch.int32, device=dev)
+    adj = torch.empty(p, qb, dtype=torch.int32, device=dev)
+    common = dict(K=k, HAS_RV=row_valid is not None, B=b, QB=qb)
+    e = int(tables.expert_slot.numel())
+    warps = 8 if b >= 2048 else 4
+    # A. slots, gates and each block's histogram
+    hist_k[(p,)](ids, weights.reshape(-1).contiguous(), rv, tables.expert_slot, plan.gates, hist, n, e, q, **common,
+                 num_warps=warps)
+    # B. totals, ends, sent, and each (block, slot)'s row offset
+    offsets_k[(1,)](hist, adj, plan.ends, plan.slot_rows, plan.sent, tables.phys_local, plan.ok.view(torch.uint8), p,
+                    q, s, PP=max(_pow2(p), 2), QB=qb, BLOCK_S=_pow2(s), num_warps=8)
+    # C. each block's sorted keys -> order and src
+    scatter_k[(p,)](ids, rv, tables.expert_slot, adj, plan.order, plan.src, n, e, q, **common, num_warps=warps)
+    return plan
+
+
+def plan_routes(ids: torch.Tensor, weights: torch.Tensor, row_valid: torch.Tensor | None,
+                tables: RouteTables) -> RoutePlan:
+    """ids [T, k] int (-1: padding route), weights [T, k] float, row_valid [T] bool or None (rows marked
+    False route nowhere) -> the RoutePlan (on CUDA one Triton launch up to ``ROUTE_PLAN_MAX`` routes, the blocked
+    plan's three above; else, and where neither takes the step, ``plan_routes_torch``)."""
+    if not kernel_available(ids, tables.num_local):
+        return plan_routes_torch(ids, weights, row_valid, tables)
+    if ids.numel() > ROUTE_PLAN_MAX:
+        return plan_routes_blocked(ids, weights, row_valid, tables)
+    t, k = int(ids.shape[0]), int(ids.shape[1])
+    n, q, s = t * k, tables.num_local, int(tables.phys_local.numel())
+    dev = ids.device
+    ids = ids.reshape(-1).contiguous()
+    weights = weights.reshape(-1).contiguous()
+    rv = row_valid.contiguous().view(torch.uint8) if row_valid is not None else ids
+    plan = _empty_plan(n, q, s, dev)
     block_n = max(_pow2(n), 16)  # tl.sort wants a few lanes; the extra ones sort last
     _kernel()[0][(1,)](ids, weights, rv, tables.expert_slot, tables.phys_local, plan.src, plan.gates, plan.order,
                     plan.ends, plan.slot_rows, plan.sent, plan.ok.view(torch.uint8), n,
@@ -230,5 +362,6 @@ def combine_planned(y: torch.Tensor, plan: RoutePlan, top_k: int, out_dtype: tor
     return acc.to(out_dtype)
 
 
-__all__ = ["COMBINE_BLOCK", "ROUTE_PLAN_MAX", "RoutePlan", "RouteTables", "combine_planned", "kernel_available",
-           "plan_routes", "plan_routes_torch", "route_tables"]
+__all__ = ["BLOCKED_MAX_BINS", "BLOCKED_MAX_BLOCK", "BLOCKED_MAX_BLOCKS", "COMBINE_BLOCK", "ROUTE_PLAN_MAX", "RoutePlan",
+           "RouteTables", "blocked_shape", "combine_planned", "kernel_available", "plan_routes", "plan_routes_blocked",
+           "plan_routes_torch", "route_tables"]

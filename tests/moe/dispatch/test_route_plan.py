@@ -17,7 +17,8 @@ from ray_moe.moe.dispatch.local import LocalDispatcher, PlannedDispatchOutput, P
 from ray_moe.moe.dispatch.plan import expert_major_order
 from ray_moe.moe.dispatch.protocol import DeferredChecks
 from ray_moe.moe.dispatch.records import DispatchOutputFormat
-from ray_moe.moe.dispatch.route_plan import (combine_planned, plan_routes, plan_routes_torch, route_tables)
+from ray_moe.moe.dispatch.route_plan import (RouteTables, combine_planned, plan_routes, plan_routes_torch,
+                                             route_tables)
 from ray_moe.moe.exchange.local import LocalExchangeGroup
 from ray_moe.moe.experts.runners import make_runner
 from ray_moe.moe.experts.weights import SeededWeightSource, SlotWeights
@@ -246,3 +247,99 @@ def test_cuda_planned_layer_reads_rows_in_place_and_captures(mapped):
         s_.copy_(f_)
     graph.replay()
     torch.testing.assert_close(y.float(), general(*fresh).float(), atol=3e-2, rtol=3e-2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The blocked plan (steps past ROUTE_PLAN_MAX routes): Triton's interpreter on CPU, the compiler for sm_90
+# ---------------------------------------------------------------------------------------------------
+
+
+def _random_tables(e: int, spare: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    s = e + spare
+    slot_local, slot_rank = torch.randperm(s, generator=g), torch.zeros(s, dtype=torch.int64)
+    return route_tables(slot_local, slot_rank, torch.randperm(s, generator=g)[:e][:, None], 0, s), g
+
+
+@pytest.fixture
+def interpret():
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the route-plan kernels run on CPU under Triton's interpreter: set TRITON_INTERPRET=1 for pytest")
+
+
+@pytest.mark.parametrize("t,k,e,spare,block", [(37, 8, 12, 2, 16), (9, 2, 5, 0, 16), (64, 4, 30, 1, 64),
+                                               (1, 8, 16, 0, 16), (50, 8, 128, 0, 1024)])
+def test_blocked_plan_equals_the_torch_plan(interpret, t, k, e, spare, block):
+    """Blocks of ``block`` routes (many blocks, a partial last one, slots empty in some blocks, padding routes
+    and masked rows) give exactly the torch plan: the stable order, rows, ends, gates, sent counts."""
+    from ray_moe.moe.dispatch.route_plan import plan_routes_blocked
+
+    tables, g = _random_tables(e, spare, t * 31 + e)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    ids[torch.rand(t, k, generator=g) < 0.15] = -1
+    w, rv = torch.rand(t, k, generator=g), torch.rand(t, generator=g) > 0.25
+    for row_valid in (None, rv):
+        got = plan_routes_blocked(ids, w, row_valid, tables, block=block)
+        want = plan_routes_torch(ids, w, row_valid, tables)
+        for f in ("src", "gates", "order", "ends", "slot_rows", "sent", "ok"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+def test_blocked_shape_and_refusals():
+    from ray_moe.moe.dispatch.route_plan import (BLOCKED_MAX_BLOCKS, ROUTE_PLAN_MAX, blocked_shape, kernel_available,
+                                                 plan_routes_blocked)
+
+    assert blocked_shape(8192 * 8, 130) == (1024, 64, 256)  # an 8k-token prefill step of the Qwen3-30B-A3B shape
+    assert blocked_shape(8448 * 8, 130) == (2048, 33, 256)  # past 64 blocks of 1,024: 2,048 routes a block
+    assert blocked_shape(4097, 6) == (1024, 5, 8)
+    assert blocked_shape(BLOCKED_MAX_BLOCKS * 4096 + 1, 8) is None and blocked_shape(5000, 600) is None
+    assert not kernel_available(torch.zeros(ROUTE_PLAN_MAX + 1, dtype=torch.int64))  # CPU tensors: the torch plan
+    tables, _ = _random_tables(6, 0, 0)
+    with pytest.raises(ValueError, match="block=24"):
+        plan_routes_blocked(torch.zeros(10, 2, dtype=torch.int64), torch.rand(10, 2), None, tables, block=24)
+
+
+def test_blocked_plan_kernels_compile_for_hopper():
+    """Triton's compiler (no GPU needed) builds the three launches for sm_90 at an 8k-token step's shape."""
+    triton = pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("the kernels are built for the interpreter here, or run for real (the CUDA test above)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ray_moe.moe.dispatch import route_plan
+
+    _, _, hist, offsets, scatter = route_plan._kernel()
+
+    def build(fn, types, consts, warps):
+        sig = dict(zip([a for a in fn.arg_names if a not in consts], types.split()))
+        triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+    common = dict(K=8, HAS_RV=True, B=1024, QB=256)
+    build(hist, "*i64 *bf16 *u8 *i32 *fp32 *i32 i32 i32 i32", common, 4)
+    build(offsets, "*i32 *i32 *i32 *i64 *i64 *i32 *u8 i32 i32 i32", dict(PP=64, QB=256, BLOCK_S=256), 8)
+    build(scatter, "*i64 *u8 *i32 *i32 *i32 *i64 i32 i32 i32", common, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,spare", [(8192, 8, 128, 2), (1000, 8, 128, 0), (8448, 8, 256, 5), (600, 8, 60, 1)])
+def test_cuda_blocked_plan_equals_the_torch_plan(t, k, e, spare):
+    from ray_moe.moe.dispatch.route_plan import kernel_available
+
+    tables, g = _random_tables(e, spare, t + e)
+    cuda = RouteTables(tables.expert_slot.cuda(), tables.phys_local.cuda(), tables.num_local)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    ids[torch.rand(t, k, generator=g) < 0.1] = -1
+    w, rv = torch.rand(t, k, generator=g), torch.rand(t, generator=g) > 0.2
+    for row_valid in (None, rv):
+        assert kernel_available(ids.cuda(), tables.num_local)
+        got = plan_routes(ids.cuda(), w.cuda(), None if row_valid is None else row_valid.cuda(), cuda)
+        want = plan_routes_torch(ids, w, row_valid, tables)
+        for f in ("src", "gates", "order", "ends", "slot_rows", "sent", "ok"):
+            assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
