@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|fp8-profile|profile|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|fp8-profile|profile|rebalance
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -20,6 +20,8 @@ for what in "$@"; do
     # paged varlen kernel of whole-step token graphs (the lattice's WHOLE_ROWS reads it)
     attn)     run 120 python3 -m ray_moe_bench.paged_varlen ;;
     fp8)      run 270 python3 -m ray_moe_bench.fp8_experts ;;
+    # the one-rank route plan by route count: one program / blocked / torch, and the old general path's order + gather
+    route-plan) run 120 python3 -m ray_moe_bench.route_plan ;;
     # the dense FP8 GEMM: ray-moe's Triton kernel against torch._scaled_mm blockwise (a library kernel) and bf16
     fp8-dense) run 200 python3 -m ray_moe_bench.fp8_dense ;;
     # the FP8 kernels' launch settings tuned on this GPU (experts and dense projections of the Qwen3-30B-A3B shape),
