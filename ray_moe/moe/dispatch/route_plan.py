@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-ROUTE_PLAN_MAX = 4096  # routes (T * k) one program plans; larger steps take the blocked plan (three launches)
+ROUTE_PLAN_MAX = 1024  # routes (T * k) one program plans (measured on an H100: at 2,048 and 4,096 routes the blocked
+#   plan takes 16 / 17 us against 21 / 70; `ray_moe_bench.route_plan`); larger steps take the blocked plan
 BLOCKED_MAX_BLOCKS = 64  # blocks of the blocked plan (its step B holds [blocks, slot bins] in one program)
 BLOCKED_MAX_BLOCK = 4096  # routes per block at most (its step C sorts one block in one program)
 BLOCKED_MAX_BINS = 512  # slot bins (local slots + 2, a power of two) the blocked plan takes; more: the torch plan
