@@ -89,12 +89,8 @@ def _kernel():
         return None
 
     @triton.jit
-    def _route_plan(ids_ptr, w_ptr, rv_ptr, expert_slot_ptr, phys_local_ptr,
-                    src_ptr, gates_ptr, order_ptr, ends_ptr, slot_rows_ptr, sent_ptr, ok_ptr,
-                    N, E, Q, S, K: tl.constexpr, HAS_RV: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
-        # 1. each route's local slot: Q for a padding route, Q + 1 past the N routes (sorted after them)
-        i = tl.arange(0, BLOCK_N)
+    def _slots_of(ids_ptr, rv_ptr, expert_slot_ptr, i, N, E, Q, K: tl.constexpr, HAS_RV: tl.constexpr):
+        """Routes i -> their local slot: Q for a padding route, Q + 1 past the N routes (sorted after them)."""
         live = i < N
         e = tl.load(ids_ptr + i, mask=live, other=-1)
         valid = live & (e >= 0) & (e < E)
@@ -102,7 +98,33 @@ def _kernel():
             valid = valid & (tl.load(rv_ptr + i // K, mask=live, other=0) != 0)
         slot = tl.load(expert_slot_ptr + e, mask=valid, other=Q)
         slot = tl.where(valid, slot, Q)
-        slot = tl.where(live, slot, Q + 1)
+        return tl.where(live, slot, Q + 1)
+
+    @triton.jit
+    def _write_counts(counts, ends_ptr, slot_rows_ptr, sent_ptr, phys_local_ptr, ok_ptr, Q, S,
+                      BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+        """counts [BLOCK_Q] routes per local slot -> ends (inclusive), slot_rows, sent per physical slot; ok set
+        (the handle is whole until a combine says otherwise)."""
+        q = tl.arange(0, BLOCK_Q)
+        tl.store(ends_ptr + q, tl.cumsum(counts, 0), mask=q < Q)
+        tl.store(slot_rows_ptr + q, counts.to(tl.int64), mask=q < Q)
+        tl.debug_barrier()  # slot_rows is read back below by other threads of the program
+        p = tl.arange(0, BLOCK_S)
+        pl = tl.load(phys_local_ptr + p, mask=p < S, other=-1)
+        tl.store(sent_ptr + p, tl.load(slot_rows_ptr + pl, mask=(p < S) & (pl >= 0), other=0), mask=p < S)
+        tl.store(ok_ptr, 1)
+
+    globals().update(_slots_of=_slots_of, _write_counts=_write_counts)  # (called jit functions: module globals)
+
+    @triton.jit
+    def _route_plan(ids_ptr, w_ptr, rv_ptr, expert_slot_ptr, phys_local_ptr,
+                    src_ptr, gates_ptr, order_ptr, ends_ptr, slot_rows_ptr, sent_ptr, ok_ptr,
+                    N, E, Q, S, K: tl.constexpr, HAS_RV: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+        # 1. each route's local slot: Q for a padding route, Q + 1 past the N routes (sorted after them)
+        i = tl.arange(0, BLOCK_N)
+        live = i < N
+        slot = _slots_of(ids_ptr, rv_ptr, expert_slot_ptr, i, N, E, Q, K, HAS_RV)
         w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
         tl.store(gates_ptr + i, tl.where(slot < Q, w, 0.0), mask=live)
         # 2. the stable order by slot: keys are unique (route index in the low bits)
@@ -111,19 +133,9 @@ def _kernel():
         kslot = key // BLOCK_N
         tl.store(order_ptr + i, route, mask=live)
         tl.store(src_ptr + route, tl.where(kslot < Q, i, -1).to(tl.int64), mask=live)
-        # 3. rows per local slot and their inclusive ends
-        q = tl.arange(0, BLOCK_Q)
-        counts = tl.histogram(slot, BLOCK_Q)
-        ends = tl.cumsum(counts, 0)
-        tl.store(ends_ptr + q, ends, mask=q < Q)
-        tl.store(slot_rows_ptr + q, counts.to(tl.int64), mask=q < Q)
-        tl.debug_barrier()  # slot_rows is read back below by other threads of the program
-        p = tl.arange(0, BLOCK_S)
-        pl = tl.load(phys_local_ptr + p, mask=p < S, other=-1)
-        c = tl.load(slot_rows_ptr + pl, mask=(p < S) & (pl >= 0), other=0)
-        tl.store(sent_ptr + p, c, mask=p < S)
-        # 4. the handle is whole until a combine says otherwise
-        tl.store(ok_ptr, 1)
+        # 3. rows per local slot and their inclusive ends, rows per physical slot; 4. the handle is whole
+        _write_counts(tl.histogram(slot, BLOCK_Q), ends_ptr, slot_rows_ptr, sent_ptr, phys_local_ptr, ok_ptr, Q, S,
+                      BLOCK_Q, BLOCK_S)
 
     @triton.jit
     def _combine(y_ptr, src_ptr, gate_ptr, order_ptr, ok_ptr, out_ptr, width, K: tl.constexpr, BLOCK: tl.constexpr):
@@ -144,20 +156,6 @@ def _kernel():
                 if own & (back != t * K + j):
                     tl.store(ok_ptr, 0)
         tl.store(out_ptr + t * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _slots_of(ids_ptr, rv_ptr, expert_slot_ptr, i, N, E, Q, K: tl.constexpr, HAS_RV: tl.constexpr):
-        """Routes i -> their local slot: Q for a padding route, Q + 1 past the N routes."""
-        live = i < N
-        e = tl.load(ids_ptr + i, mask=live, other=-1)
-        valid = live & (e >= 0) & (e < E)
-        if HAS_RV:
-            valid = valid & (tl.load(rv_ptr + i // K, mask=live, other=0) != 0)
-        slot = tl.load(expert_slot_ptr + e, mask=valid, other=Q)
-        slot = tl.where(valid, slot, Q)
-        return tl.where(live, slot, Q + 1)
-
-    globals().update(_slots_of=_slots_of)  # (Triton resolves a called jit function in the module's globals)
 
     @triton.jit
     def _blocked_hist(ids_ptr, w_ptr, rv_ptr, expert_slot_ptr, gates_ptr, hist_ptr, N, E, Q,
@@ -183,14 +181,7 @@ def _kernel():
         before = tl.cumsum(h, 0) - h  # the slot's routes in earlier blocks
         start = tl.cumsum(h, 1) - h  # where the slot's keys start in the block's sorted keys (past-N keys: last)
         tl.store(adj_ptr + pr[:, None] * QB + q[None, :], base[None, :] + before - start, mask=pr[:, None] < P)
-        tl.store(ends_ptr + q, tl.cumsum(tot, 0), mask=q < Q)
-        tl.store(slot_rows_ptr + q, tot.to(tl.int64), mask=q < Q)
-        tl.debug_barrier()  # slot_rows is read back below by other threads of the program
-        ps = tl.arange(0, BLOCK_S)
-        pl = tl.load(phys_local_ptr + ps, mask=ps < S, other=-1)
-        c = tl.load(slot_rows_ptr + pl, mask=(ps < S) & (pl >= 0), other=0)
-        tl.store(sent_ptr + ps, c, mask=ps < S)
-        tl.store(ok_ptr, 1)
+        _write_counts(tot, ends_ptr, slot_rows_ptr, sent_ptr, phys_local_ptr, ok_ptr, Q, S, QB, BLOCK_S)
 
     @triton.jit
     def _blocked_scatter(ids_ptr, rv_ptr, expert_slot_ptr, adj_ptr, order_ptr, src_ptr, N, E, Q,

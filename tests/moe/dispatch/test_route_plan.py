@@ -288,6 +288,29 @@ def test_blocked_plan_equals_the_torch_plan(interpret, t, k, e, spare, block):
             assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
+@pytest.mark.parametrize("t,k,e,spare", [(37, 8, 12, 2), (9, 2, 5, 0), (64, 4, 30, 1)])
+def test_one_program_plan_equals_the_torch_plan(interpret, t, k, e, spare):
+    """The one-program kernel (decode sizes on CUDA), launched as ``plan_routes`` launches it, on CPU tensors."""
+    from ray_moe.moe.dispatch import route_plan as rp
+
+    tables, g = _random_tables(e, spare, t * 7 + e)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    ids[torch.rand(t, k, generator=g) < 0.15] = -1
+    w, rv = torch.rand(t, k, generator=g), torch.rand(t, generator=g) > 0.25
+    n, q, s = t * k, tables.num_local, int(tables.phys_local.numel())
+    for row_valid in (None, rv):
+        plan = rp._empty_plan(n, q, s, ids.device)
+        flat = ids.reshape(-1).contiguous()
+        rows = row_valid.contiguous().view(torch.uint8) if row_valid is not None else flat
+        rp._kernel()[0][(1,)](flat, w.reshape(-1).contiguous(), rows, tables.expert_slot, tables.phys_local, plan.src,
+                              plan.gates, plan.order, plan.ends, plan.slot_rows, plan.sent, plan.ok.view(torch.uint8),
+                              n, int(tables.expert_slot.numel()), q, s, K=k, HAS_RV=row_valid is not None,
+                              BLOCK_N=max(rp._pow2(n), 16), BLOCK_Q=rp._pow2(q + 2), BLOCK_S=rp._pow2(s))
+        want = plan_routes_torch(ids, w, row_valid, tables)
+        for f in ("src", "gates", "order", "ends", "slot_rows", "sent", "ok"):
+            assert torch.equal(getattr(plan, f), getattr(want, f)), f
+
+
 def test_blocked_shape_and_refusals():
     from ray_moe.moe.dispatch.route_plan import (BLOCKED_MAX_BLOCKS, ROUTE_PLAN_MAX, blocked_shape, kernel_available,
                                                  plan_routes_blocked)
@@ -303,7 +326,8 @@ def test_blocked_shape_and_refusals():
 
 
 def test_blocked_plan_kernels_compile_for_hopper():
-    """Triton's compiler (no GPU needed) builds the three launches for sm_90 at an 8k-token step's shape."""
+    """Triton's compiler (no GPU needed) builds the blocked plan's three launches for sm_90 at an 8k-token step's
+    shape, and the one-program plan at 1,024 routes."""
     triton = pytest.importorskip("triton")
     import os
 
@@ -314,7 +338,7 @@ def test_blocked_plan_kernels_compile_for_hopper():
 
     from ray_moe.moe.dispatch import route_plan
 
-    _, _, hist, offsets, scatter = route_plan._kernel()
+    one, _, hist, offsets, scatter = route_plan._kernel()
 
     def build(fn, types, consts, warps):
         sig = dict(zip([a for a in fn.arg_names if a not in consts], types.split()))
@@ -325,6 +349,8 @@ def test_blocked_plan_kernels_compile_for_hopper():
     build(hist, "*i64 *bf16 *u8 *i32 *fp32 *i32 i32 i32 i32", common, 4)
     build(offsets, "*i32 *i32 *i32 *i64 *i64 *i32 *u8 i32 i32 i32", dict(PP=64, QB=256, BLOCK_S=256), 8)
     build(scatter, "*i64 *u8 *i32 *i32 *i32 *i64 i32 i32 i32", common, 4)
+    build(one, "*i64 *bf16 *u8 *i32 *i32 *i64 *fp32 *i32 *i32 *i64 *i64 *u8 i32 i32 i32 i32",
+          dict(K=8, HAS_RV=True, BLOCK_N=1024, BLOCK_Q=256, BLOCK_S=256), 4)
 
 
 @pytest.mark.gpu
