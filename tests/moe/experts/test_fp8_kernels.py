@@ -287,14 +287,16 @@ def test_the_kernels_compile_for_hopper(choice):
 
     gu = build(gate_up, "*fp8e4nv *fp32 *fp8e4nv *fp8e4nv *fp32 *fp32 *i32 *i32 *i64 *fp8e4nv *fp32" + " i32" * 8,
                dict(B0=128, BLOCK_M=choice.gate_up.block_m, BLOCK_N=128, QP=128, TOP_K=8, GATHER=True, ROWS=True,
-                    CAPACITY=False, EVEN_K=True, EVEN_N=True, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False),
-               choice.gate_up.warps, choice.gate_up.stages)
+                    CAPACITY=False, EVEN_K=True, EVEN_N=True, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False,
+                    UNIFORM=True), choice.gate_up.warps, choice.gate_up.stages)
     dn = build(down, "*fp8e4nv *fp32 *fp8e4nv *fp32 *i64 *i64 *bf16" + " i32" * 8,
                dict(B0=128, BLOCK_M=choice.down.block_m, BLOCK_N=choice.down.block_n, BLOCK_K=128, QP=128, ROWS=False,
-                    CAPACITY=True, EVEN_K=True, EVEN_N=True, SPLIT_K=1), choice.down.warps, choice.down.stages)
+                    CAPACITY=True, EVEN_K=True, EVEN_N=True, SPLIT_K=1, UNIFORM=True), choice.down.warps,
+               choice.down.stages)
     assert "async_copy" in gu and "async_copy" in dn  # the weight tiles stream through the pipeline
     lin = build(down, "*fp8e4nv *fp32 *fp8e4nv *fp32 *i32 *i32 *fp32" + " i32" * 8,  # a dense Linear, K split in 4
                 dict(B0=128, BLOCK_M=choice.down.block_m, BLOCK_N=choice.down.block_n, BLOCK_K=128, QP=2, ROWS=False,
-                     CAPACITY=False, EVEN_K=True, EVEN_N=True, SPLIT_K=4), choice.down.warps, choice.down.stages)
+                     CAPACITY=False, EVEN_K=True, EVEN_N=True, SPLIT_K=4, UNIFORM=False), choice.down.warps,
+                choice.down.stages)
     assert "async_copy" in lin
     build(quant, "*bf16 *fp8e4nv *fp32 i32 i32", dict(G=128, NGP=16, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False), 4)

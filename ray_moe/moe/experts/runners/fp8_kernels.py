@@ -5,7 +5,8 @@
 #     ──> quantize_rows: per row and group of b1 columns, scale = max(amax / 448, 1e-12), code = e4m3(x / scale)
 #         ──> xq [N, d] e4m3 + xs [N, ceil(d / b1)] float32                     (one program per row)
 #     ──> gate/up: program (row tile of one slot, b1 columns of f): for every b1-deep K step
-#             acc_g += (xq_tile . Wg_codes_tile) * xs[:, k] * sg[col // b0, k]  (fp32; same for up)
+#             acc_g += (xq_tile . Wg_codes_tile) * xs[:, k] * sg[col // b0, k]  (fp32; same for up; where the
+#             program's columns sit in one b0 block, xs[:, k] * sg[k] first: one FMA per element a K step)
 #         silu(acc_g) * acc_u, then quantized per row over the program's b1 columns (one group)
 #         ──> hq [R, f] e4m3 + hs [R, ceil(f / b1)] float32
 #     ──> down: program (row tile of one slot, BLOCK_N columns of d): acc += (hq . Wd_codes) * hs * sd
@@ -136,7 +137,9 @@ def _kernels():
                  B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr,
                  TOP_K: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr, CAPACITY: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_MIN: tl.constexpr,
-                 EMULATE: tl.constexpr):
+                 EMULATE: tl.constexpr, UNIFORM: tl.constexpr):
+        # UNIFORM (B0 % BLOCK_N == 0): the program's columns sit in one weight-scale block, so each K step's weight
+        # scale is one number, folded into the rows' activation scales: one FMA per accumulator element a K step
         pid = tl.program_id(0)
         nb = tl.cdiv(F, BLOCK_N)
         pid_n = pid % nb
@@ -172,10 +175,15 @@ def _kernels():
                 wm = cmask[None, :] & ((k0 + ks)[:, None] < D)
                 bg = tl.load(wg_ptr + w_tile + k0, mask=wm, other=0.0)
                 bu = tl.load(wu_ptr + w_tile + k0, mask=wm, other=0.0)
-            s_g = tl.load(sg_ptr + s_col + kb, mask=cmask, other=0.0)
-            s_u = tl.load(su_ptr + s_col + kb, mask=cmask, other=0.0)
-            acc_g += tl.dot(a, bg) * a_s[:, None] * s_g[None, :]
-            acc_u += tl.dot(a, bu) * a_s[:, None] * s_u[None, :]
+            if UNIFORM:
+                s_one = w * SF * SD + (pid_n * BLOCK_N // B0) * SD + kb
+                acc_g += tl.dot(a, bg) * (a_s * tl.load(sg_ptr + s_one))[:, None]
+                acc_u += tl.dot(a, bu) * (a_s * tl.load(su_ptr + s_one))[:, None]
+            else:
+                s_g = tl.load(sg_ptr + s_col + kb, mask=cmask, other=0.0)
+                s_u = tl.load(su_ptr + s_col + kb, mask=cmask, other=0.0)
+                acc_g += tl.dot(a, bg) * a_s[:, None] * s_g[None, :]
+                acc_u += tl.dot(a, bu) * a_s[:, None] * s_u[None, :]
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) * u in FP32 (masked columns: 0)
         s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=1), FP8_MAX), SCALE_MIN)  # one group per program
         tl.store(hq_ptr + rows[:, None] * F + cols[None, :], _e4m3(_div_rows(h, s), FP8_MAX, EMULATE),
@@ -186,7 +194,7 @@ def _kernels():
     def _down(hq_ptr, hs_ptr, wd_ptr, sd_ptr, bounds_ptr, wrow_ptr, y_ptr, Q, CAP, D, F, NGF, SDR, SDC, YS,
               B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               QP: tl.constexpr, ROWS: tl.constexpr, CAPACITY: tl.constexpr, EVEN_K: tl.constexpr,
-              EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr):
+              EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, UNIFORM: tl.constexpr):
         # SPLIT_K > 1 (a dense Linear's skinny steps): program k of a tile sums its share of the K blocks into
         # y_ptr + k * YS (FP32 partials, reduced in a fixed order by the caller)
         pid = tl.program_id(0)
@@ -224,8 +232,11 @@ def _kernels():
                 b = tl.load(wd_ptr + w_tile + k0)
             else:
                 b = tl.load(wd_ptr + w_tile + k0, mask=cmask[None, :] & ((k0 + ks)[:, None] < F), other=0.0)
-            s_b = tl.load(sd_ptr + s_col + kb, mask=cmask, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
+            if UNIFORM:  # (as in _gate_up: one weight scale for the program's columns)
+                acc += tl.dot(a, b) * (a_s * tl.load(sd_ptr + w * SDR * SDC + (pid_n * BLOCK_N // B0) * SDC + kb))[:, None]
+            else:
+                s_b = tl.load(sd_ptr + s_col + kb, mask=cmask, other=0.0)
+                acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
         tl.store(y_ptr + rows[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
@@ -332,13 +343,14 @@ def _launch(xq, xs, rows: int, bounds, codes, scales, block, *, capacity: int, o
         xq, xs, wg, wu, sg, su, bounds, tok, wrow, hq, hs, q, capacity, d, f, ngd, ngf, int(sg.shape[1]),
         int(sg.shape[2]), B0=b0, BLOCK_M=gu.block_m, BLOCK_N=b1, QP=qp, TOP_K=max(int(top_k), 1), GATHER=order is not None,
         ROWS=weight_rows is not None, CAPACITY=bool(capacity), EVEN_K=d % b1 == 0, EVEN_N=f % b1 == 0,
-        FP8_MAX=FP8_MAX, SCALE_MIN=SCALE_MIN, EMULATE=emulate, num_warps=gu.warps, num_stages=gu.stages)
+        FP8_MAX=FP8_MAX, SCALE_MIN=SCALE_MIN, EMULATE=emulate, UNIFORM=b0 % b1 == 0, num_warps=gu.warps,
+        num_stages=gu.stages)
     # 3. down, into y
     down[(-(-d // dn.block_n) * tiles(dn.block_m),)](
         hq, hs, wd, sd, bounds, wrow, y, q, capacity, d, f, ngf, int(sd.shape[1]), int(sd.shape[2]), 0, B0=b0,
         BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=b1, QP=qp, ROWS=weight_rows is not None,
-        CAPACITY=bool(capacity), EVEN_K=f % b1 == 0, EVEN_N=d % dn.block_n == 0, SPLIT_K=1, num_warps=dn.warps,
-        num_stages=dn.stages)
+        CAPACITY=bool(capacity), EVEN_K=f % b1 == 0, EVEN_N=d % dn.block_n == 0, SPLIT_K=1,
+        UNIFORM=b0 % dn.block_n == 0, num_warps=dn.warps, num_stages=dn.stages)
     return y
 
 
@@ -474,7 +486,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
         xq, xs, codes.unsqueeze(0), scales.unsqueeze(0), bounds, bounds, y, 1, 0, out_f, in_f, -(-in_f // b1),
         int(scales.shape[0]), int(scales.shape[1]), n * out_f, B0=b0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=b1, QP=2, ROWS=False, CAPACITY=False, EVEN_K=in_f % b1 == 0, EVEN_N=out_f % cfg.block_n == 0,
-        SPLIT_K=split, num_warps=cfg.warps, num_stages=cfg.stages)
+        SPLIT_K=split, UNIFORM=b0 % cfg.block_n == 0, num_warps=cfg.warps, num_stages=cfg.stages)
     return y.sum(0).to(x.dtype) if split > 1 else y
 
 
