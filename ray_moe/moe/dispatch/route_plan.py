@@ -19,7 +19,8 @@
 #  The torch version below is the CPU path and both kernels' test oracle; all give the same tensors (the order
 #  is the stable sort by local slot).
 # ======================================================================================================
-"""The route plan of a group of one: where each route's row goes in expert-major order, in one launch."""
+"""The route plan of a group of one: where each route's row goes in expert-major order (one launch; three above
+ROUTE_PLAN_MAX routes)."""
 
 from __future__ import annotations
 

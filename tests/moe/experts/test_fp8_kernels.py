@@ -300,3 +300,32 @@ def test_the_kernels_compile_for_hopper(choice):
                 choice.down.stages)
     assert "async_copy" in lin
     build(quant, "*bf16 *fp8e4nv *fp32 i32 i32", dict(G=128, NGP=16, FP8_MAX=448.0, SCALE_MIN=1e-12, EMULATE=False), 4)
+
+
+def test_one_weight_scale_per_tile_rescales_with_one_fma():
+    """Where a tile's columns sit in one weight-scale block (every tile of 128 x 128 checkpoints), the K loop's FP32
+    rescale is one FMA per accumulator element: the sm_90 PTX of the down kernel at 64 x 128 keeps (almost) no
+    multiplies, against one per element (with the FMA) where each column reads its own scale."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("the kernels are built for the interpreter here, or run for real (test_fp8_kernels_gpu.py)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    down = fp8_kernels._kernels()[2]
+
+    def ptx(uniform: bool) -> str:
+        consts = dict(B0=128, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, QP=128, ROWS=False, CAPACITY=False, EVEN_K=True,
+                      EVEN_N=True, SPLIT_K=1, UNIFORM=uniform)
+        sig = dict(zip([a for a in down.arg_names if a not in consts],
+                       ("*fp8e4nv *fp32 *fp8e4nv *fp32 *i32 *i32 *bf16" + " i32" * 8).split()))
+        src = ASTSource(down, {**sig, **{c: "constexpr" for c in consts}}, consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+    def muls(text: str) -> int:
+        return len(re.findall(r"\bmul(\.rn)?\.f32", text))
+
+    per_column, one = muls(ptx(False)), muls(ptx(True))
+    assert per_column >= 64 and one <= per_column // 8, (per_column, one)
