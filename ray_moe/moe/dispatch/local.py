@@ -133,7 +133,8 @@ class LocalDispatcher(Dispatcher):
         h, ids, w = batch.hidden, batch.topk_ids, batch.topk_weights
         t, k = int(ids.shape[0]), int(ids.shape[1])
         dev = h.device
-        q_local = int(snapshot.rank_num_slots[self.exchange.rank])
+        rank = self.exchange.rank
+        q_local = int(snapshot.rank_num_slots[rank])
         planned = self.planned and (not ids.is_cuda or kernel_available(ids, q_local))
         tables = self._tables(snapshot, dev) if planned else None
         if tables is not None:
@@ -141,8 +142,6 @@ class LocalDispatcher(Dispatcher):
         if batch.row_valid is not None:
             ids = torch.where(batch.row_valid[:, None], ids, torch.full_like(ids, -1))
         maps = snapshot.on(dev)
-        rank = self.exchange.rank
-        q_local = int(snapshot.rank_num_slots[rank])
         e = ids.reshape(-1).to(torch.int64)
         valid = e >= 0
         routes = SemanticRoutes(origin_rank=rank, num_tokens=t, top_k=k,

@@ -218,15 +218,13 @@ def blocked_shape(routes: int, num_local: int) -> tuple[int, int, int] | None:
     return b, -(-int(routes) // b), bins
 
 
-def kernel_available(ids: torch.Tensor, num_local: int | None = None) -> bool:
-    """Whether a Triton plan takes these routes (CUDA, Triton importable): the one-launch plan up to
-    ``ROUTE_PLAN_MAX`` routes, the blocked plan above (``blocked_shape``; ``num_local`` None: any slot count
-    up to its bins)."""
+def kernel_available(ids: torch.Tensor, num_local: int) -> bool:
+    """Whether a Triton plan takes these routes over ``num_local`` local slots (CUDA, Triton importable): the
+    one-launch plan up to ``ROUTE_PLAN_MAX`` routes, the blocked plan above (``blocked_shape``)."""
     n = ids.numel()
     if not ids.is_cuda or n < 1 or _kernel() is None:
         return False
-    q = BLOCKED_MAX_BINS - 2 if num_local is None else num_local
-    return n <= ROUTE_PLAN_MAX or blocked_shape(n, q) is not None
+    return n <= ROUTE_PLAN_MAX or blocked_shape(n, num_local) is not None
 
 
 def _empty_plan(n: int, q: int, s: int, dev: torch.device) -> RoutePlan:

@@ -178,7 +178,7 @@ def test_cuda_route_plan_kernel_equals_the_torch_plan(t, k, e, spare):
     ids[torch.rand(t, k, generator=g) < 0.1] = -1
     w, rv = torch.rand(t, k, generator=g), torch.rand(t, generator=g) > 0.2
     for row_valid in (None, rv):
-        assert kernel_available(ids.cuda())
+        assert kernel_available(ids.cuda(), s)
         got = plan_routes(ids.cuda(), w.cuda(), None if row_valid is None else row_valid.cuda(), cuda)
         want = plan_routes_torch(ids, w, row_valid, host)
         for f in ("src", "gates", "order", "ends", "slot_rows", "sent", "ok"):
@@ -322,7 +322,7 @@ def test_blocked_shape_and_refusals():
     assert blocked_shape(8448 * 8, 130) == (2048, 33, 256)  # past 64 blocks of 1,024: 2,048 routes a block
     assert blocked_shape(4097, 6) == (1024, 5, 8)
     assert blocked_shape(BLOCKED_MAX_BLOCKS * 4096 + 1, 8) is None and blocked_shape(5000, 600) is None
-    assert not kernel_available(torch.zeros(ROUTE_PLAN_MAX + 1, dtype=torch.int64))  # CPU tensors: the torch plan
+    assert not kernel_available(torch.zeros(ROUTE_PLAN_MAX + 1, dtype=torch.int64), 6)  # CPU tensors: the torch plan
     tables, _ = _random_tables(6, 0, 0)
     with pytest.raises(ValueError, match="block=24"):
         plan_routes_blocked(torch.zeros(10, 2, dtype=torch.int64), torch.rand(10, 2), None, tables, block=24)

@@ -161,6 +161,7 @@ def _kernels():
         ks = tl.arange(0, BLOCK_N)  # BLOCK_K == BLOCK_N == b1: one scale block deep
         w_tile = w * F * D + cols[None, :].to(tl.int64) * D + ks[:, None]
         s_col = w * SF * SD + (cols // B0) * SD
+        s_one = w * SF * SD + (pid_n * BLOCK_N // B0) * SD  # (UNIFORM: the one scale row of the program's columns)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, NGD):
@@ -176,9 +177,8 @@ def _kernels():
                 bg = tl.load(wg_ptr + w_tile + k0, mask=wm, other=0.0)
                 bu = tl.load(wu_ptr + w_tile + k0, mask=wm, other=0.0)
             if UNIFORM:
-                s_one = w * SF * SD + (pid_n * BLOCK_N // B0) * SD + kb
-                acc_g += tl.dot(a, bg) * (a_s * tl.load(sg_ptr + s_one))[:, None]
-                acc_u += tl.dot(a, bu) * (a_s * tl.load(su_ptr + s_one))[:, None]
+                acc_g += tl.dot(a, bg) * (a_s * tl.load(sg_ptr + s_one + kb))[:, None]
+                acc_u += tl.dot(a, bu) * (a_s * tl.load(su_ptr + s_one + kb))[:, None]
             else:
                 s_g = tl.load(sg_ptr + s_col + kb, mask=cmask, other=0.0)
                 s_u = tl.load(su_ptr + s_col + kb, mask=cmask, other=0.0)
@@ -222,6 +222,7 @@ def _kernels():
         ks = tl.arange(0, BLOCK_K)
         w_tile = w * D * F + cols[None, :].to(tl.int64) * F + ks[:, None]
         s_col = w * SDR * SDC + (cols // B0) * SDC
+        s_one = w * SDR * SDC + (pid_n * BLOCK_N // B0) * SDC  # (UNIFORM: the one scale row of the program's columns)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(k_lo, k_hi):
             k0 = kb * BLOCK_K
@@ -233,7 +234,7 @@ def _kernels():
             else:
                 b = tl.load(wd_ptr + w_tile + k0, mask=cmask[None, :] & ((k0 + ks)[:, None] < F), other=0.0)
             if UNIFORM:  # (as in _gate_up: one weight scale for the program's columns)
-                acc += tl.dot(a, b) * (a_s * tl.load(sd_ptr + w * SDR * SDC + (pid_n * BLOCK_N // B0) * SDC + kb))[:, None]
+                acc += tl.dot(a, b) * (a_s * tl.load(sd_ptr + s_one + kb))[:, None]
             else:
                 s_b = tl.load(sd_ptr + s_col + kb, mask=cmask, other=0.0)
                 acc += tl.dot(a, b) * a_s[:, None] * s_b[None, :]
