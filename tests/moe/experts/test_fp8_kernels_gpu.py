@@ -24,7 +24,7 @@ from ray_moe.moe.dispatch.records import Handle
 from ray_moe.moe.experts import slab
 from ray_moe.moe.experts.fp8 import quantize
 from ray_moe.moe.experts.runners import fp8_kernels, make_runner
-from ray_moe.moe.experts.runners.fp8 import Fp8Runner, check_fp8_kernel, fast_path_reason, fp8_swiglu_reference
+from ray_moe.moe.experts.runners.fp8 import CHECK_TOLERANCE, Fp8Runner, check_fp8_kernel, fast_path_reason, fp8_swiglu_reference
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.moe.layer import run_experts
 from ray_moe_dev.testing.reference import naive_fp8_experts
@@ -67,6 +67,18 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double().cpu() - want.double().cpu()).abs().max() / want.double().cpu().abs().max())
 
 
+def close_at_scale(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Many rows against the torch reference: the largest difference within the start check's bound
+    (``CHECK_TOLERANCE``; one e4m3 code of the quantized intermediate that the two round on either side of a tie
+    moves a row by up to a code step, ~1/8 of that value, and the maximum over more rows meets more such ties:
+    at 2,048 tokens on an H100 the maximum was 2.3e-2), and the mean difference far below it (a wrong scale or
+    row moves every element)."""
+    diff = (got.double().cpu() - want.double().cpu()).abs()
+    scale = want.double().cpu().abs()
+    assert float(diff.max() / scale.max()) < CHECK_TOLERANCE
+    assert float(diff.mean() / scale.mean()) < 5e-3
+
+
 @pytest.mark.parametrize("d,f", [(2048, 768), (7168, 2048), (200, 136)])
 def test_the_start_check_passes_at_the_serving_shapes(d, f):
     assert check_fp8_kernel(DEV, torch.bfloat16, d, f, BLOCK) is None
@@ -95,10 +107,10 @@ def test_kernels_at_the_qwen3_expert_shape(tokens):
     codes, scales = experts(128, 2048, 768, seed=2)
     x = torch.randn(tokens * 8, 2048, device=DEV).to(torch.bfloat16)
     want = fp8_swiglu_reference(x, counts, codes, scales, BLOCK)
-    assert rel(fp8_kernels.fp8_swiglu(x, bounds_of(counts), codes, scales, BLOCK), want) < BF16_TOL
+    close_at_scale(fp8_kernels.fp8_swiglu(x, bounds_of(counts), codes, scales, BLOCK), want)
     if tokens == 256:
         for bm in fp8_kernels.ROW_BLOCKS:
-            assert rel(fp8_kernels.fp8_swiglu(x, bounds_of(counts), codes, scales, BLOCK, block_m=bm), want) < BF16_TOL
+            close_at_scale(fp8_kernels.fp8_swiglu(x, bounds_of(counts), codes, scales, BLOCK, block_m=bm), want)
 
 
 def test_token_rows_through_the_order_with_row_mapped_weights_and_the_capacity_layout():
