@@ -26,6 +26,7 @@ from ray_moe.model import attention as attn
 from ray_moe.model import paged_decode as paged
 from ray_moe.model import paged_varlen
 from ray_moe.model.fp8_linear import Fp8Linear
+from ray_moe.model.mla import AbsorbedMLA, absorb_mla
 from ray_moe.model.norms import FusedNorms, fuse_rms_norms
 from ray_moe.model.qkv import FusedQKV, fuse_qkv, is_fused
 from ray_moe.model.router_topk import FusedRouters, fuse_routers
@@ -98,6 +99,7 @@ class ModelHost:
         self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
         self.routers = FusedRouters()  # which routers take the fused softmax top-k
         self.qkv = FusedQKV()  # which attention modules run one Q/K/V GEMM
+        self.mla = AbsorbedMLA()  # which MLA modules attend on their latent (decode absorbed)
         # an FP8 checkpoint's dense projections kept in FP8 (``_load``): {"modules": n, "reasons": {(out, in): why
         # not (None: the kernel serves)}}
         self.fp8_dense: dict[str, Any] = {"modules": 0}
@@ -298,8 +300,8 @@ class ModelHost:
         return dense_tensor(key, t, lambda name: _read_tensor(files, name), path, folder, scheme)
 
     def memory(self) -> dict[str, int]:
-        """Bytes this host holds (MEASURED from the tensors): the model's non-expert parameters and buffers
-        (``module_bytes``; the routed experts live in the shard's slot buffers) and the KV cache's tensors allocated
+        """Bytes this host holds (MEASURED from the tensors): the model's non-expert parameters and buffers and
+        absorbed MLA weights dequantized from FP8 (``module_bytes``; the routed experts live in the shard's slot buffers) and the KV cache's tensors allocated
         so far (``kv_bytes``: a layer's are allocated at its first step)."""
         seen: set[int] = set()
         module = 0
@@ -307,14 +309,18 @@ class ModelHost:
             if t.device.type != "meta" and t.untyped_storage().data_ptr() not in seen:  # (tied weights once)
                 seen.add(t.untyped_storage().data_ptr())
                 module += t.untyped_storage().nbytes()
+        module += self.mla.dequantized_bytes  # an FP8 kv_b_proj's W_UK / W_UV, dequantized once
         return {"module_bytes": module, "kv_bytes": self.kv.allocated_bytes()}
 
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token takes over every attention layer (analytical, from the config: keys and values
-        of every key/value head; MLA: its query-sized keys and its values, per head)."""
-        _, kv_heads, dq, dv = _attention_dims(self.config)
+        of every key/value head; a latent cache (MLA): what it holds, the latent and the rotary key, R + P)."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return int(self.config.num_hidden_layers) * kv_heads * (dq + dv) * elem
+        layers = int(self.config.num_hidden_layers)
+        if self.latent_cache:
+            return layers * (int(self.config.kv_lora_rank) + int(self.config.qk_rope_head_dim)) * elem
+        _, kv_heads, dq, dv = _attention_dims(self.config)
+        return layers * kv_heads * (dq + dv) * elem
 
     def size_kv(self, memory_fraction: float, workspace_bytes: int) -> int:
         """Re-make the (still empty) cache as large as this process's share of the GPU allows: ``memory_fraction``
@@ -355,7 +361,10 @@ class ModelHost:
         and dtype: ``model.norms``, ``model.rotary``, ``model.router_topk``), and attention modules run one Q/K/V
         GEMM (``model.qkv``): bf16 / fp16 ``nn.Linear`` trios, and an FP8 checkpoint's ``Fp8Linear`` trios (one
         block-FP8 GEMM over the concatenated codes and scales; ``self.qkv.fp8_modules``). The fused weights are
-        views of one buffer per module: ``memory`` counts the same bytes. Elsewhere nothing changes."""
+        views of one buffer per module: ``memory`` counts the same bytes. On every device, MLA attention modules
+        (DeepSeek) attend on their latent (``model.mla``: decode absorbed, no per-step expansion of the contexts;
+        an FP8 kv_b_proj dequantized once, ``self.mla.dequantized_bytes``). Elsewhere nothing changes."""
+        self.mla = absorb_mla(self.model, self.dtype, self.device)
         if self.device.type == "cuda":
             self.norms = fuse_rms_norms(self.model)
             self.rotary = fuse_rotary(self.model, self.device, self.dtype)

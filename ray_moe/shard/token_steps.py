@@ -117,7 +117,7 @@ class TokenStepExecutor:
                        prefix_caching=prefix_caching)
         for key, n in (("fused_norm_layers", host.norms.modules), ("fused_rotary_modules", len(host.rotary.modules)),
                        ("fused_router_layers", host.routers.modules), ("fused_qkv_modules", host.qkv.modules),
-                       ("fp8_dense_modules", host.fp8_dense["modules"])):
+                       ("fp8_dense_modules", host.fp8_dense["modules"]), ("absorbed_mla_modules", host.mla.modules)):
             if n:
                 executor.count(key, n)
         return executor
@@ -127,7 +127,8 @@ class TokenStepExecutor:
         rotary embedding does, routers (count), attention modules with one Q/K/V GEMM (count), and what kept
         transformers' own forward and why (class or module -> reason); an FP8 checkpoint's dense projections
         kept in FP8 (module paths), why a shape [out x in] was dequantized instead, how many attention modules run
-        one FP8 Q/K/V GEMM, and the tuned table driving the FP8 launches here (its file; None: the heuristics)."""
+        one FP8 Q/K/V GEMM, and the tuned table driving the FP8 launches here (its file; None: the heuristics); MLA
+        modules attending on their latent (``model/mla.py``) and which decode attention serves them."""
         host = self.host
         reasons = host.fp8_dense.get("reasons", {})
         return {"norm_layers": host.norms.modules, "rotary_modules": list(host.rotary.modules),
@@ -135,7 +136,9 @@ class TokenStepExecutor:
                 "skipped": {**host.norms.skipped, **host.rotary.skipped, **host.routers.skipped},
                 "fp8_dense_modules": list(host.fp8_dense.get("paths", ())),
                 "fp8_dense_dequantized": {f"{o}x{i}": why for (o, i), why in reasons.items() if why},
-                "fp8_qkv_modules": host.qkv.fp8_modules, "fp8_launch_table": table_file(host.device)}
+                "fp8_qkv_modules": host.qkv.fp8_modules, "fp8_launch_table": table_file(host.device),
+                "mla": {"absorbed_modules": host.mla.modules, "decode_kernel": host.mla.kernel,
+                        "decode_reason": host.mla.reason, "dequantized_bytes": host.mla.dequantized_bytes}}
 
     def info(self) -> dict[str, Any]:
         """What the driver's scheduler needs: KV blocks, vocabulary, context limit, end-of-sequence ids; and

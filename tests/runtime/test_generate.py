@@ -229,6 +229,9 @@ def test_one_rank_steps_replay_the_lattice_captured_at_start_equal_greedy(tmp_pa
     assert not c.get("graphs_captured_serving"), c
     if family == "deepseek_v3":  # (its latent cache: graphs off, every step eager, the path says why)
         assert c.get("piecewise_steps", 0) == 0 and "latent cache" in core.generator.graph_runner.paths()["decode"]
+        # every MLA layer attended on its latent (decode absorbed: model/mla.py), tokens equal all the same
+        assert c.get("absorbed_mla_modules") == model.config.num_hidden_layers, c
+        assert core.generator.fused_kernels()["mla"]["absorbed_modules"] == model.config.num_hidden_layers
         return
     assert c.get("graphs_captured_start", 0) > 0 and c.get("piecewise_steps", 0) >= 8, c
     assert c.get("eager_steps", 0) == 0, c

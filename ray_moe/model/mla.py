@@ -1,0 +1,334 @@
+# ======================================================================================================
+#  MLA ATTENTION ON THE LATENT (one rank, one step; pure torch + Triton: no Ray)
+#
+#   DeepSeek's attention module (transformers') ──> cache.update hands back the step's contexts as the latent
+#   c [K, R] (kv_lora_rank) and the rotary key kr [K, P], gathered ──> ``expand_kv`` (swapped here: the
+#   latent passes through) ──> the ``ray_moe`` attention function, which finds the module's ``Absorbed``:
+#     one-row sequences (decode):  q_lat = q_nope W_UK   [n, H, R]   (the key up-projection absorbed into the
+#                                  query: no key or value is ever expanded)
+#                                  o_lat = softmax((q_lat c^T + q_rot kr^T) * scale) c   [n, H, R]
+#                                  out = o_lat W_UV^T   [n, H, V]
+#     prefill chunks:              the module's own ``expand_kv`` on the gathered latent, then the varlen kernel
+#     the masked backend (CPU):    every row absorbed, over the plan's mask
+#   W_UK [H, N, R] / W_UV [H, V, R] are kv_b_proj's weight [H * (N + V), R] split per head (views of a bf16 /
+#   float32 weight; an FP8 checkpoint's codes dequantized once at install)
+# ======================================================================================================
+"""Multi-head latent attention served on the latent (weight absorption), for DeepSeek-V2 / V3-style models.
+
+transformers' ``DeepseekV3Attention`` caches the compressed latent and rotary key and expands them through
+``kv_b_proj`` before attending: for a decode step that is a GEMM over every context token of every sequence
+in every layer (the context x R x H(N + V) multiply-adds, ~1.2 TFLOP a layer at 35k context tokens), then keys
+and values of H x (N + P) and H x V per token copied. Absorbing ``kv_b_proj`` into the query and the output
+(as vLLM's and SGLang's MLA backends do for decode) makes decode attention a single-key-head attention over the
+latent itself: R + P per key, no expansion. Prefill chunks keep the expansion (their queries outnumber the
+heads' absorbed work there).
+
+The decode kernel (``mla_decode``) is one Triton program per (sequence, 16 heads) walking its sequence's latent
+keys in tiles with an online softmax in fp32; its contract is ``mla_decode_reference`` (padded batch, torch),
+which is also the path where Triton does not serve; ``check_mla_decode`` compares the two on the device at
+install. Exactness against transformers' own forward is tested in float32 on CPU (the masked backend).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ray_moe.model.paged_decode import dot_precision
+
+ABSORBED_ATTR = "_ray_moe_mla_absorbed"
+BLOCK_H = 16  # heads per program (the rows of its matrix products)
+BLOCK_N = 32  # latent keys per inner iteration
+
+# (q_lat [n, H, R], q_rot [n, H, P], c [K, R], kr [K, P], cu_k [n + 1] int32, max_k, scale) -> o_lat [n, H, R]
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class Absorbed:
+    """One MLA module's absorbed projections and what the step's attention needs of it.
+
+    w_uk:   [H, N, R] kv_b_proj's key rows per head (N = qk_nope_head_dim, R = kv_lora_rank)
+    w_uv:   [H, V, R] its value rows per head (V = v_head_dim)
+    expand: the module's own ``expand_kv`` (prefill chunks expand their gathered latent)
+    decode: the decode attention on the latent (``mla_decode`` or ``mla_decode_reference``)
+    """
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    decode: DecodeFn
+
+    @property
+    def nope(self) -> int:
+        return int(self.w_uk.shape[1])
+
+
+@dataclass(frozen=True)
+class AbsorbedMLA:
+    """What ``absorb_mla`` did: ``modules`` MLA modules attend on their latent; ``kernel``: the decode kernel's
+    name, or why the padded-batch reference serves decode (``reason``); ``dequantized_bytes``: bytes of FP8
+    kv_b_proj weights dequantized to keep W_UK / W_UV (0 for bf16 / float32 weights: views)."""
+
+    modules: int = 0
+    kernel: str | None = None
+    reason: str | None = None
+    dequantized_bytes: int = 0
+
+
+def is_mla(module: torch.nn.Module) -> bool:
+    """A transformers MLA attention module whose latent this module can serve (DeepSeek-V2 / V3 layout)."""
+    return all(hasattr(module, a) for a in ("kv_b_proj", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                            "v_head_dim", "num_heads")) and callable(getattr(module, "expand_kv", None))
+
+
+def _dense_weight(proj: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """kv_b_proj's weight [out, in] in ``dtype`` (a view where it already is; an FP8 ``Fp8Linear``'s codes x block
+    scales, dequantized once) and the bytes that took."""
+    codes = getattr(proj, "codes", None)
+    if codes is not None:
+        from ray_moe.moe.experts.fp8 import dequantize
+
+        w = dequantize(codes, proj.scale_inv, proj.block, dtype)
+        return w, w.numel() * w.element_size()
+    w = proj.weight
+    return (w if w.dtype == dtype else w.to(dtype)), (0 if w.dtype == dtype else w.numel() * dtype.itemsize)
+
+
+def absorb_mla(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> AbsorbedMLA:
+    """Every MLA attention module of ``model`` attends on its latent: its ``expand_kv`` swapped on the instance
+    for a pass-through (the original kept in its ``Absorbed``), W_UK / W_UV prepared. Modules already absorbed
+    are left alone. The decode kernel where ``check_mla_decode`` passes on ``device`` (else the reference)."""
+    mods = [m for m in model.modules() if is_mla(m) and not hasattr(m, ABSORBED_ATTR)]
+    if not mods:
+        return AbsorbedMLA()
+    m0 = mods[0]
+    reason = check_mla_decode(device, dtype, int(m0.num_heads), int(m0.kv_lora_rank), int(m0.qk_rope_head_dim))
+    decode: DecodeFn = mla_decode if reason is None else mla_decode_reference
+    extra = 0
+    for m in mods:
+        h, n, v, r = int(m.num_heads), int(m.qk_nope_head_dim), int(m.v_head_dim), int(m.kv_lora_rank)
+        w, nbytes = _dense_weight(m.kv_b_proj, dtype)
+        w = w.view(h, n + v, r)
+        extra += nbytes
+        ab = Absorbed(w_uk=w[:, :n], w_uv=w[:, n:], expand=m.expand_kv, decode=decode)
+        object.__setattr__(m, ABSORBED_ATTR, ab)
+        object.__setattr__(m, "expand_kv", _pass_through)
+    return AbsorbedMLA(len(mods), "mla_decode" if reason is None else None, reason, extra)
+
+
+def restore_mla(model: torch.nn.Module) -> int:
+    """Every absorbed module expands its latent again (transformers' own path); returns how many."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, ABSORBED_ATTR):
+            object.__delattr__(m, "expand_kv")
+            object.__delattr__(m, ABSORBED_ATTR)
+            n += 1
+    return n
+
+
+def _pass_through(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv_nope, k_rot
+
+
+def absorbed_of(module: torch.nn.Module) -> Absorbed | None:
+    """The module's ``Absorbed`` (None: it attends on expanded keys)."""
+    return getattr(module, ABSORBED_ATTR, None)
+
+
+# ---------------------------------------------------------------------------------------------- the math
+def absorb_query(ab: Absorbed, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, H, N + P] -> (q_lat [n, H, R] = q_nope W_UK, q_rot [n, H, P]) in q's dtype (products in fp32 or wider)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q_nope, q_rot = q[..., :ab.nope], q[..., ab.nope:]
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.to(acc), ab.w_uk.to(acc)).to(q.dtype)
+    return q_lat, q_rot
+
+
+def absorb_output(ab: Absorbed, o_lat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """o_lat [n, H, R] -> [n, H, V] = o_lat W_UV^T in ``dtype``."""
+    acc = torch.promote_types(o_lat.dtype, torch.float32)
+    return torch.einsum("nhr,hvr->nhv", o_lat.to(acc), ab.w_uv.to(acc)).to(dtype)
+
+
+def attend_masked(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """Every row absorbed over the gathered latent (the masked backend): q [n, H, N + P], c [K, R], kr [K, P],
+    mask [n, K] additive (None: one sequence from position 0, n == K, causal) -> [n, H, V]."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q_lat, q_rot = absorb_query(ab, q)
+    scores = (torch.einsum("nhr,kr->hnk", q_lat.to(acc), c.to(acc))
+              + torch.einsum("nhp,kp->hnk", q_rot.to(acc), kr.to(acc))) * scale
+    n, k = int(q.shape[0]), int(c.shape[0])
+    if mask is None:
+        allowed = torch.arange(k, device=q.device)[None, :] <= (k - n + torch.arange(n, device=q.device))[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    else:
+        scores = scores + mask.to(acc)
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    o_lat = torch.einsum("hnk,kr->nhr", p, c.to(acc))
+    return absorb_output(ab, o_lat, q.dtype)
+
+
+def mla_decode_reference(q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, kr: torch.Tensor,
+                         cu_k: torch.Tensor, max_k: int, scale: float) -> torch.Tensor:
+    """The decode contract as one padded batch (any device; a ``DecodeFn``): sequence i's single query attends
+    its keys c / kr [cu_k[i]:cu_k[i + 1]] (every one: it is the last position); softmax in fp32 or wider.
+    q_lat [n, H, R], q_rot [n, H, P], c [K, R], kr [K, P] -> o_lat [n, H, R] in q_lat's dtype; a sequence with
+    no key gives zeros. Memory: n x max_k x (R + P) of the gathered latent."""
+    acc = torch.promote_types(q_lat.dtype, torch.float32)
+    n, lmax = int(q_lat.shape[0]), max(1, int(max_k))
+    start, lens = cu_k[:-1].to(torch.int64), (cu_k[1:] - cu_k[:-1]).to(torch.int64)
+    pos = torch.arange(lmax, device=c.device)
+    valid = pos[None, :] < lens[:, None]  # [n, L]
+    idx = (start[:, None] + pos[None, :]).clamp(max=max(int(c.shape[0]) - 1, 0))
+    if c.shape[0] == 0:
+        return torch.zeros_like(q_lat)
+    cp, kp = c[idx].to(acc), kr[idx].to(acc)  # [n, L, R], [n, L, P]
+    scores = (torch.einsum("nhr,nlr->nhl", q_lat.to(acc), cp) + torch.einsum("nhp,nlp->nhl", q_rot.to(acc), kp)) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    return torch.einsum("nhl,nlr->nhr", p, cp).to(q_lat.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - any import failure means: no Triton here
+        return None
+
+    @triton.jit
+    def _mla_decode(ql_ptr, qr_ptr, c_ptr, kr_ptr, o_ptr, cu_k_ptr, scale, H,
+                    sql_n, sql_h, sqr_n, sqr_h, sc_k, skr_k, so_n, so_h,
+                    R: tl.constexpr, BR: tl.constexpr, P: tl.constexpr, BP: tl.constexpr,
+                    BH: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
+        s = tl.program_id(0)
+        hb = tl.program_id(1)
+        heads = hb * BH + tl.arange(0, BH)
+        h_ok = heads < H
+        r = tl.arange(0, BR)
+        p_ = tl.arange(0, BP)
+        k0 = tl.load(cu_k_ptr + s).to(tl.int64)
+        kn = tl.load(cu_k_ptr + s + 1) - tl.load(cu_k_ptr + s)
+        ql = tl.load(ql_ptr + s * sql_n + heads[:, None] * sql_h + r[None, :], mask=h_ok[:, None] & (r[None, :] < R),
+                     other=0.0)
+        qr = tl.load(qr_ptr + s * sqr_n + heads[:, None] * sqr_h + p_[None, :], mask=h_ok[:, None] & (p_[None, :] < P),
+                     other=0.0)
+        qscale = scale * 1.4426950408889634  # the exp2 domain
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, BR], tl.float32)
+        for start in range(0, kn, BN):
+            keys = start + tl.arange(0, BN)
+            k_ok = keys < kn
+            rows = k0 + keys
+            ct = tl.load(c_ptr + rows[:, None] * sc_k + r[None, :], mask=k_ok[:, None] & (r[None, :] < R), other=0.0)
+            kt = tl.load(kr_ptr + rows[:, None] * skr_k + p_[None, :], mask=k_ok[:, None] & (p_[None, :] < P),
+                         other=0.0)
+            sc = tl.dot(ql, tl.trans(ct), input_precision=PRECISION) + tl.dot(qr, tl.trans(kt), input_precision=PRECISION)
+            sc = tl.where(k_ok[None, :], sc * qscale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            pr = tl.exp2(sc - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(ct.dtype), ct, input_precision=PRECISION)
+            m_i = m_new
+        res = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(o_ptr + s * so_n + heads[:, None] * so_h + r[None, :], res.to(o_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & (r[None, :] < R))
+
+    return _mla_decode
+
+
+def available() -> bool:
+    """Whether Triton can be imported here (the kernel then still has to pass ``check_mla_decode``)."""
+    return _kernel() is not None
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (int(n) - 1).bit_length())
+
+
+def mla_decode(q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_k: torch.Tensor,
+               max_k: int, scale: float) -> torch.Tensor:
+    """``mla_decode_reference``'s contract in one Triton launch, grid (n, ceil(H / BLOCK_H)); last dimensions
+    contiguous. ``max_k`` is not needed (each program walks its own keys): kept for the contract."""
+    kern = _kernel()
+    if kern is None:
+        raise RuntimeError("Triton is not importable here")
+    n, h, r = (int(v) for v in q_lat.shape)
+    p = int(q_rot.shape[2])
+    out = torch.empty_like(q_lat)
+    if n == 0:
+        return out
+    kern[(n, -(-h // BLOCK_H))](q_lat, q_rot, c, kr, out, cu_k, float(scale), h,
+                                q_lat.stride(0), q_lat.stride(1), q_rot.stride(0), q_rot.stride(1),
+                                c.stride(0), kr.stride(0), out.stride(0), out.stride(1),
+                                R=r, BR=_pow2(r), P=p, BP=_pow2(p), BH=BLOCK_H, BN=BLOCK_N,
+                                PRECISION=dot_precision(q_lat.dtype), num_warps=4)
+    return out
+
+
+def check_mla_decode(device: torch.device, dtype: torch.dtype, heads: int, rank: int, rope: int) -> str | None:
+    """Why ``mla_decode`` cannot serve decode here (None: it can): CUDA, Triton compiling (not its interpreter),
+    and the kernel reproducing ``mla_decode_reference`` on a ragged batch (keys 1, 0, 77, 300) at this shape."""
+    import os
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {device.type}: the MLA decode kernel needs CUDA"
+    if not available():
+        return "Triton is not importable here"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Triton runs its CPU interpreter here (TRITON_INTERPRET)"
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        lens = [1, 0, 77, 300]
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        k = sum(lens)
+        ql = torch.randn(len(lens), heads, rank, generator=g).to(device, dtype)
+        qr = torch.randn(len(lens), heads, rope, generator=g).to(device, dtype)
+        c = torch.randn(k, rank, generator=g).to(device, dtype)
+        kr = torch.randn(k, rope, generator=g).to(device, dtype)
+        scale = (rank + rope) ** -0.5
+        got = mla_decode(ql, qr, c, kr, cu, max(lens), scale).float()
+        want = mla_decode_reference(ql.float(), qr.float(), c.float(), kr.float(), cu, max(lens), scale)
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    except Exception as exc:  # noqa: BLE001 - the kernel is unavailable here: say why, keep the reference
+        return f"the MLA decode kernel failed here: {type(exc).__name__}: {str(exc)[:200]}"
+    if not err < 2e-2:
+        return f"the MLA decode kernel differs from the reference by {err:.3g} (relative) here"
+    return None
+
+
+def attend_varlen(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_q: torch.Tensor,
+                  cu_k: torch.Tensor, max_q: int, max_k: int, single: int, cu_q_rest: torch.Tensor | None,
+                  scale: float, varlen: Any) -> torch.Tensor:
+    """The varlen backend's rows over the gathered latent: q [n, H, N + P], c [K, R], kr [K, P]; ``single``
+    leading one-row sequences (all when ``max_q`` is 1) attend absorbed, the others over their expanded keys
+    with ``varlen`` (FlashAttention's contract; values zero-padded to the key head size) -> [n, H, V]."""
+    n = int(q.shape[0])
+    nd = n if max_q <= 1 else int(single)
+    parts = []
+    if nd:
+        q_lat, q_rot = absorb_query(ab, q[:nd])
+        parts.append(absorb_output(ab, ab.decode(q_lat, q_rot, c, kr, cu_k[:nd + 1], max_k, scale), q.dtype))
+    if nd < n:
+        key, value = ab.expand(c[None, None], kr[None, None])  # [1, H, K, N + P], [1, H, K, V]
+        kg, vg = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        d, dv = int(kg.shape[-1]), int(vg.shape[-1])
+        if dv != d:
+            vg = torch.nn.functional.pad(vg, (0, d - dv))
+        rest = cu_q_rest if cu_q_rest is not None else cu_q[nd:] - nd
+        parts.append(varlen(q[nd:], kg, vg, rest, cu_k[nd:], max_q, max_k, scale)[..., :dv])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+__all__ = ["ABSORBED_ATTR", "Absorbed", "AbsorbedMLA", "absorb_mla", "absorbed_of", "attend_masked", "attend_varlen",
+           "check_mla_decode", "is_mla", "mla_decode", "mla_decode_reference", "restore_mla"]

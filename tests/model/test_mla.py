@@ -1,0 +1,183 @@
+"""MLA attention on the latent (model/mla.py), on CPU: the absorbed math against transformers' own expansion.
+
+A host whose DeepSeek attention modules are absorbed (``absorb_mla``: ``expand_kv`` passes the latent through,
+the attention function attends it) gives the logits of the same host on transformers' path (every context
+expanded through kv_b_proj), over prefill, mixed and decode steps, on the masked backend (every row absorbed)
+and on the varlen backend (the leading one-row group absorbed through the decode contract, the other rows over
+their expanded contexts). The Triton decode kernel is compared with its reference under Triton's interpreter
+(``TRITON_INTERPRET=1``; skipped where Triton is not installed) and on the GPU (``check_mla_decode``).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from ray_moe.core.types import AttentionBackend
+from ray_moe.model import mla
+from ray_moe.model.attention import sequence_reference
+from ray_moe.model.host import ModelHost
+from ray_moe.model.kv import SeqChunk
+from ray_moe.model.source import HFWeightSource
+from ray_moe_dev.testing.local_executor import LocalExecutor
+
+STEPS = [
+    [SeqChunk("a", 0, 5), SeqChunk("b", 0, 9)],
+    [SeqChunk("a", 5, 1), SeqChunk("b", 9, 4), SeqChunk("c", 0, 7)],  # a decode row first, a chunk, a new prompt
+    [SeqChunk("a", 6, 1), SeqChunk("b", 13, 1), SeqChunk("c", 7, 1)],  # a decode step
+    [SeqChunk("c", 8, 1), SeqChunk("a", 7, 1)],
+]
+
+
+def _decode_loop(q_lat, q_rot, c, kr, cu_k, scale):
+    """The decode contract one sequence at a time, float64: its one query sees every key of its context."""
+    out = torch.zeros(q_lat.shape, dtype=torch.float64)
+    b = cu_k.tolist()
+    for i in range(q_lat.shape[0]):
+        if b[i + 1] > b[i]:
+            ci, ki = c[b[i]:b[i + 1]].double(), kr[b[i]:b[i + 1]].double()
+            s = (q_lat[i].double() @ ci.T + q_rot[i].double() @ ki.T) * scale  # [H, L]
+            out[i] = torch.softmax(s, -1) @ ci
+    return out
+
+
+def _case(seed: int, lens: list[int], h: int = 4, r: int = 32, p: int = 16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    k = int(sum(lens))
+    return (torch.randn(len(lens), h, r, generator=g).to(dtype), torch.randn(len(lens), h, p, generator=g).to(dtype),
+            torch.randn(k, r, generator=g).to(dtype), torch.randn(k, p, generator=g).to(dtype), cu)
+
+
+def test_the_padded_batch_reference_is_the_per_sequence_softmax():
+    ql, qr, c, kr, cu = _case(0, [3, 0, 11, 1, 6])
+    got = mla.mla_decode_reference(ql, qr, c, kr, cu, 11, 0.2)
+    want = _decode_loop(ql, qr, c, kr, cu, 0.2)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert not got[1].any()  # a sequence with no key: zeros
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("h,r,p,lens", [(4, 32, 16, [3, 0, 40, 1]), (20, 64, 16, [70, 2])])
+def test_the_decode_kernel_equals_its_reference_under_the_interpreter(h, r, p, lens):
+    pytest.importorskip("triton")
+    ql, qr, c, kr, cu = _case(1, lens, h, r, p)
+    got = mla.mla_decode(ql, qr, c, kr, cu, max(lens), 0.3)
+    want = _decode_loop(ql, qr, c, kr, cu, 0.3)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_kernel_is_refused_off_cuda_with_the_reason():
+    assert "needs CUDA" in mla.check_mla_decode(torch.device("cpu"), torch.float32, 4, 32, 16)
+
+
+def _executor(folder):
+    return types.SimpleNamespace(layer_entry=LocalExecutor(HFWeightSource(folder)).moe_forward)
+
+
+def _run(host, ex, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for chunks in STEPS:
+        ids = torch.randint(0, host.vocab_size, (sum(c.num_tokens for c in chunks),), generator=g)
+        for c in chunks:
+            host.kv.reserve(c.seq_id, c.start + c.num_tokens)
+        outs.append(host.forward(chunks, ids, ex))
+    return outs
+
+
+@pytest.mark.parametrize("backend", ["masked", "varlen"])
+def test_an_absorbed_host_gives_the_logits_of_transformers_expansion(hf_checkpoint, backend):
+    """The same DeepSeek-V3 checkpoint, two hosts: transformers' path (every context expanded each step) and the
+    absorbed one; fp32 logits equal over prefill, mixed and decode steps. Varlen: the per-sequence reference is
+    the varlen kernel (the GPU's FlashAttention contract); the one-row group goes through the decode contract."""
+    _, folder = hf_checkpoint("deepseek_v3")
+    kw = dict(attention=AttentionBackend(backend), kv_tokens=512)
+    if backend == "varlen":
+        kw["varlen_kernel"] = sequence_reference
+    plain = ModelHost.from_checkpoint(folder, **kw)
+    absorbed = ModelHost.from_checkpoint(folder, **kw)
+    assert absorbed.latent_cache and absorbed.mla.modules == 0
+    absorbed.mla = mla.absorb_mla(absorbed.model, absorbed.dtype, absorbed.device)
+    layers = int(absorbed.config.num_hidden_layers)
+    assert absorbed.mla.modules == layers and absorbed.mla.kernel is None and "CUDA" in absorbed.mla.reason
+    assert absorbed.mla.dequantized_bytes == 0  # fp32 weights: W_UK / W_UV are views of kv_b_proj's
+    m = next(m for m in absorbed.model.modules() if mla.is_mla(m))
+    ab = mla.absorbed_of(m)
+    assert ab.w_uk.data_ptr() == m.kv_b_proj.weight.data_ptr() and ab.decode is mla.mla_decode_reference
+    ex = _executor(folder)
+    for got, want in zip(_run(absorbed, ex), _run(plain, ex)):
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+    # absorbing again changes nothing; restoring gives transformers' path back
+    assert mla.absorb_mla(absorbed.model, absorbed.dtype, absorbed.device).modules == 0
+    assert mla.restore_mla(absorbed.model) == layers and mla.absorbed_of(m) is None
+
+
+def test_the_latent_cache_is_sized_by_what_it_holds(hf_checkpoint):
+    """A latent cache holds R + P numbers per token and layer (not the expanded keys and values of every head):
+    the bytes per token the KV budget divides by, against what the cache allocated after a step."""
+    _, folder = hf_checkpoint("deepseek_v3")
+    host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=64)
+    conf = host.config
+    want = int(conf.num_hidden_layers) * (int(conf.kv_lora_rank) + int(conf.qk_rope_head_dim)) * 4
+    assert host.kv_bytes_per_token() == want
+    _run(host, _executor(folder))
+    tokens = host.kv.capacity_tokens + 1  # (the trash slot)
+    assert host.kv.allocated_bytes() == want * tokens
+
+
+def test_the_decode_kernel_compiles_for_hopper_at_deepseek_v3s_shape():
+    """Triton's compiler (no GPU needed) builds the decode kernel for sm_90 at DeepSeek-V3's latent (R 512,
+    P 64, bf16) and its shared memory and registers fit one program (the compile fails otherwise)."""
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("the kernel is built for the interpreter here, or runs for real (the GPU test)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = mla._kernel()
+    consts = dict(R=512, BR=512, P=64, BP=64, BH=mla.BLOCK_H, BN=mla.BLOCK_N, PRECISION="tf32")
+    types = "*bf16 *bf16 *bf16 *bf16 *bf16 *i32 fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32".split()
+    sig = dict(zip([a for a in fn.arg_names if a not in consts], types))
+    out = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "mma" in out.asm["ptx"]  # tensor-core products (wgmma or mma), not scalar FMAs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,r,p", [(128, 512, 64), (16, 512, 64), (4, 32, 16)])
+def test_the_decode_kernel_on_the_gpu(h, r, p):
+    """The check the host runs at install, at DeepSeek-V3's shape and the tiny models', then a ragged batch
+    with long contexts against the float64 loop (bf16 inputs)."""
+    dev = torch.device("cuda")
+    assert mla.check_mla_decode(dev, torch.bfloat16, h, r, p) is None
+    ql, qr, c, kr, cu = _case(2, [1, 700, 0, 33, 2049], h, r, p, torch.bfloat16)
+    args = [t.to(dev) for t in (ql, qr, c, kr, cu)]
+    got = mla.mla_decode(*args[:4], args[4], 2049, (r + p) ** -0.5).cpu()
+    want = _decode_loop(ql, qr, c, kr, cu, (r + p) ** -0.5)
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
+
+
+def test_an_fp8_kv_b_proj_is_dequantized_once_and_counted(hf_checkpoint):
+    """An FP8 checkpoint's kv_b_proj (``Fp8Linear``: e4m3 codes + 128 x 128 block scales) gives W_UK / W_UV as
+    codes x scales in the host's dtype, held once per module and counted in the host's memory."""
+    from ray_moe.model.fp8_linear import Fp8Linear
+    from ray_moe.moe.experts.fp8 import dequantize, quantize
+
+    _, folder = hf_checkpoint("deepseek_v3")
+    host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=64)
+    mods = [m for m in host.model.modules() if mla.is_mla(m)]
+    codes, scales = quantize(mods[0].kv_b_proj.weight.detach(), (128, 128))
+    mods[0].kv_b_proj = Fp8Linear(codes, scales, (128, 128))
+    before = host.memory()["module_bytes"]
+    host.mla = mla.absorb_mla(host.model, host.dtype, host.device)
+    dense = dequantize(codes, scales, (128, 128), torch.float32)
+    assert host.mla.dequantized_bytes == dense.numel() * 4 and host.mla.modules == len(mods)
+    ab = mla.absorbed_of(mods[0])
+    h, n = int(mods[0].num_heads), int(mods[0].qk_nope_head_dim)
+    torch.testing.assert_close(ab.w_uk, dense.view(h, -1, dense.shape[1])[:, :n], rtol=0, atol=0)
+    assert host.memory()["module_bytes"] == before + dense.numel() * 4
