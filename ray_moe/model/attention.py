@@ -126,9 +126,11 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     q = query[:, :, :n]
     d, dv = int(query.shape[-1]), int(value.shape[-1])
     scale = float(scaling) if scaling is not None else d ** -0.5
-    ab = mla.absorbed_of(module) if gathered else None
-    if ab is not None:  # MLA on its latent: key / value are the gathered latent c [1, 1, K, R] and rotary key
+    ab = mla.absorbed_of(module)
+    if ab is not None:  # MLA on its latent: key / value are the latent c [1, 1, K, R] and rotary key [1, 1, K, P]
         qs = q[0].transpose(0, 1)
+        if plan.in_place:  # a decode step reading the latent cache in place (key / value: the cache tensors)
+            return mla.attend_in_place(ab, qs, key[0, 0], value[0, 0], plan.slots, plan.cu_k, plan.k_end, scale)[None]
         if plan.backend is AttentionBackend.MASKED:
             mask = None if plan.mask is None else plan.mask[0, 0]
             return mla.attend_masked(ab, qs, key[0, 0], value[0, 0], mask, scale)[None]

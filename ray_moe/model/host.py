@@ -82,10 +82,13 @@ class ModelHost:
         register()
         self.attention, self.attention_reason = self._pick_attention(AttentionBackend(attention), varlen_kernel)
         # a layer that transforms what it caches before attending (DeepSeek's MLA expands its latent): its
-        # attention takes the step's contexts gathered by the cache, never the cache itself
+        # attention takes the step's contexts gathered by the cache; once its modules attend the latent
+        # (``fuse_kernels``: ``model/mla.py``) its decode steps read the cache in place
         self.latent_cache = getattr(self.config, "kv_lora_rank", None) is not None
+        self.mla = AbsorbedMLA()  # which MLA modules attend on their latent (``fuse_kernels``: decode absorbed)
         # a varlen decode step reads the cache in place when the kernel serves here (else it gathers)
         decode, self.decode_reason = self._pick_decode(decode_kernel, varlen_kernel)
+        self.reference_decode = decode_kernel is not None  # a caller's decode kernel (MLA: its torch reference)
         # whole-step graphs of token sizes read every row in place where the paged varlen kernel serves here
         in_place, self.paged_reason = self._pick_paged(varlen_kernel)
         self.kernels = attn.Kernels(varlen_kernel or attn.flash_varlen, decode, in_place)
@@ -99,7 +102,6 @@ class ModelHost:
         self.rotary = FusedRotary()  # and which modeling modules' rotary embedding
         self.routers = FusedRouters()  # which routers take the fused softmax top-k
         self.qkv = FusedQKV()  # which attention modules run one Q/K/V GEMM
-        self.mla = AbsorbedMLA()  # which MLA modules attend on their latent (decode absorbed)
         # an FP8 checkpoint's dense projections kept in FP8 (``_load``): {"modules": n, "reasons": {(out, in): why
         # not (None: the kernel serves)}}
         self.fp8_dense: dict[str, Any] = {"modules": 0}
@@ -364,7 +366,9 @@ class ModelHost:
         views of one buffer per module: ``memory`` counts the same bytes. On every device, MLA attention modules
         (DeepSeek) attend on their latent (``model.mla``: decode absorbed, no per-step expansion of the contexts;
         an FP8 kv_b_proj dequantized once, ``self.mla.dequantized_bytes``). Elsewhere nothing changes."""
-        self.mla = absorb_mla(self.model, self.dtype, self.device)
+        self.mla = absorb_mla(self.model, self.dtype, self.device, reference_in_place=self.reference_decode)
+        if self.mla.in_place and self.varlen:
+            self.decode_reason = None  # MLA decode steps read the latent in place
         if self.device.type == "cuda":
             self.norms = fuse_rms_norms(self.model)
             self.rotary = fuse_rotary(self.model, self.device, self.dtype)
@@ -386,8 +390,9 @@ class ModelHost:
 
     @property
     def paged_decode(self) -> bool:
-        """One-row sequences read the cache in place (``AttentionPlan.slots``)."""
-        return self.kernels.decode is not None
+        """One-row sequences read the cache in place (``AttentionPlan.slots``): the decode kernel, or MLA modules
+        attending their latent in place (decode steps only: a latent cache's mixed steps gather)."""
+        return self.kernels.decode is not None or (self.mla.in_place and self.varlen)
 
     @property
     def decode_kernel(self):
@@ -407,6 +412,7 @@ class ModelHost:
         """A step's rows and exact attention plan (``PagedKVCache.plan_step`` with this host's backend)."""
         ids = token_ids.numpy() if isinstance(token_ids, torch.Tensor) else token_ids
         return self.kv.plan_step(chunks, ids.astype("int64", copy=False), self.attention, paged=self.paged_decode,
+                                 paged_mixed=not self.latent_cache,
                                  rows=rows, last_rows=last_rows, mask_dtype=self.dtype)
 
     @torch.no_grad()

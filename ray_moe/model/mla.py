@@ -45,6 +45,9 @@ BLOCK_N = 32  # latent keys per inner iteration
 
 # (q_lat [n, H, R], q_rot [n, H, P], c [K, R], kr [K, P], cu_k [n + 1] int32, max_k, scale) -> o_lat [n, H, R]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+# (q_lat, q_rot, c_cache [C, R], kr_cache [C, P], slots [K] int64, cu_k int32, k_end [n] int32 or None, scale)
+#   -> o_lat [n, H, R]: the latent read in place
+PagedFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,13 +57,16 @@ class Absorbed:
     w_uk:   [H, N, R] kv_b_proj's key rows per head (N = qk_nope_head_dim, R = kv_lora_rank)
     w_uv:   [H, V, R] its value rows per head (V = v_head_dim)
     expand: the module's own ``expand_kv`` (prefill chunks expand their gathered latent)
-    decode: the decode attention on the latent (``mla_decode`` or ``mla_decode_reference``)
+    decode: the decode attention on the gathered latent (``mla_decode`` or ``mla_decode_reference``)
+    paged:  the decode attention reading the latent cache in place (``mla_decode_paged``; None: decode steps
+            gather their contexts)
     """
 
     w_uk: torch.Tensor
     w_uv: torch.Tensor
     expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     decode: DecodeFn
+    paged: PagedFn | None = None
 
     @property
     def nope(self) -> int:
@@ -70,12 +76,14 @@ class Absorbed:
 @dataclass(frozen=True)
 class AbsorbedMLA:
     """What ``absorb_mla`` did: ``modules`` MLA modules attend on their latent; ``kernel``: the decode kernel's
-    name, or why the padded-batch reference serves decode (``reason``); ``dequantized_bytes``: bytes of FP8
+    name, or why the padded-batch reference serves decode (``reason``); ``in_place``: decode steps read the
+    latent cache in place (no gather: the steps a decode graph captures); ``dequantized_bytes``: bytes of FP8
     kv_b_proj weights dequantized to keep W_UK / W_UV (0 for bf16 / float32 weights: views)."""
 
     modules: int = 0
     kernel: str | None = None
     reason: str | None = None
+    in_place: bool = False
     dequantized_bytes: int = 0
 
 
@@ -98,26 +106,31 @@ def _dense_weight(proj: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tens
     return (w if w.dtype == dtype else w.to(dtype)), (0 if w.dtype == dtype else w.numel() * dtype.itemsize)
 
 
-def absorb_mla(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> AbsorbedMLA:
+def absorb_mla(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, *,
+               reference_in_place: bool = False) -> AbsorbedMLA:
     """Every MLA attention module of ``model`` attends on its latent: its ``expand_kv`` swapped on the instance
     for a pass-through (the original kept in its ``Absorbed``), W_UK / W_UV prepared. Modules already absorbed
-    are left alone. The decode kernel where ``check_mla_decode`` passes on ``device`` (else the reference)."""
+    are left alone. The decode kernel where ``check_mla_decode`` passes on ``device``: decode steps then read the
+    latent in place; else the reference over gathered contexts (``reference_in_place``: in place through the
+    torch reference, a caller's reference kernels: tests)."""
     mods = [m for m in model.modules() if is_mla(m) and not hasattr(m, ABSORBED_ATTR)]
     if not mods:
         return AbsorbedMLA()
     m0 = mods[0]
     reason = check_mla_decode(device, dtype, int(m0.num_heads), int(m0.kv_lora_rank), int(m0.qk_rope_head_dim))
     decode: DecodeFn = mla_decode if reason is None else mla_decode_reference
+    paged: PagedFn | None = (mla_decode_paged if reason is None else
+                             mla_decode_paged_reference if reference_in_place else None)
     extra = 0
     for m in mods:
         h, n, v, r = int(m.num_heads), int(m.qk_nope_head_dim), int(m.v_head_dim), int(m.kv_lora_rank)
         w, nbytes = _dense_weight(m.kv_b_proj, dtype)
         w = w.view(h, n + v, r)
         extra += nbytes
-        ab = Absorbed(w_uk=w[:, :n], w_uv=w[:, n:], expand=m.expand_kv, decode=decode)
+        ab = Absorbed(w_uk=w[:, :n], w_uv=w[:, n:], expand=m.expand_kv, decode=decode, paged=paged)
         object.__setattr__(m, ABSORBED_ATTR, ab)
         object.__setattr__(m, "expand_kv", _pass_through)
-    return AbsorbedMLA(len(mods), "mla_decode" if reason is None else None, reason, extra)
+    return AbsorbedMLA(len(mods), "mla_decode" if reason is None else None, reason, paged is not None, extra)
 
 
 def restore_mla(model: torch.nn.Module) -> int:
@@ -204,10 +217,11 @@ def _kernel():
         return None
 
     @triton.jit
-    def _mla_decode(ql_ptr, qr_ptr, c_ptr, kr_ptr, o_ptr, cu_k_ptr, scale, H,
+    def _mla_decode(ql_ptr, qr_ptr, c_ptr, kr_ptr, o_ptr, cu_k_ptr, slots_ptr, k_end_ptr, scale, H,
                     sql_n, sql_h, sqr_n, sqr_h, sc_k, skr_k, so_n, so_h,
                     R: tl.constexpr, BR: tl.constexpr, P: tl.constexpr, BP: tl.constexpr,
-                    BH: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
+                    BH: tl.constexpr, BN: tl.constexpr, SLOTS: tl.constexpr, END: tl.constexpr,
+                    PRECISION: tl.constexpr):
         s = tl.program_id(0)
         hb = tl.program_id(1)
         heads = hb * BH + tl.arange(0, BH)
@@ -215,7 +229,10 @@ def _kernel():
         r = tl.arange(0, BR)
         p_ = tl.arange(0, BP)
         k0 = tl.load(cu_k_ptr + s).to(tl.int64)
-        kn = tl.load(cu_k_ptr + s + 1) - tl.load(cu_k_ptr + s)
+        if END:
+            kn = tl.load(k_end_ptr + s) - tl.load(cu_k_ptr + s)
+        else:
+            kn = tl.load(cu_k_ptr + s + 1) - tl.load(cu_k_ptr + s)
         ql = tl.load(ql_ptr + s * sql_n + heads[:, None] * sql_h + r[None, :], mask=h_ok[:, None] & (r[None, :] < R),
                      other=0.0)
         qr = tl.load(qr_ptr + s * sqr_n + heads[:, None] * sqr_h + p_[None, :], mask=h_ok[:, None] & (p_[None, :] < P),
@@ -228,6 +245,8 @@ def _kernel():
             keys = start + tl.arange(0, BN)
             k_ok = keys < kn
             rows = k0 + keys
+            if SLOTS:  # the latent read in place: the rows the slots name
+                rows = tl.load(slots_ptr + rows, mask=k_ok, other=0).to(tl.int64)
             ct = tl.load(c_ptr + rows[:, None] * sc_k + r[None, :], mask=k_ok[:, None] & (r[None, :] < R), other=0.0)
             kt = tl.load(kr_ptr + rows[:, None] * skr_k + p_[None, :], mask=k_ok[:, None] & (p_[None, :] < P),
                          other=0.0)
@@ -255,10 +274,7 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
 
 
-def mla_decode(q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_k: torch.Tensor,
-               max_k: int, scale: float) -> torch.Tensor:
-    """``mla_decode_reference``'s contract in one Triton launch, grid (n, ceil(H / BLOCK_H)); last dimensions
-    contiguous. ``max_k`` is not needed (each program walks its own keys): kept for the contract."""
+def _launch(q_lat, q_rot, c, kr, cu_k, slots, k_end, scale) -> torch.Tensor:
     kern = _kernel()
     if kern is None:
         raise RuntimeError("Triton is not importable here")
@@ -267,12 +283,44 @@ def mla_decode(q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, kr: to
     out = torch.empty_like(q_lat)
     if n == 0:
         return out
-    kern[(n, -(-h // BLOCK_H))](q_lat, q_rot, c, kr, out, cu_k, float(scale), h,
+    kern[(n, -(-h // BLOCK_H))](q_lat, q_rot, c, kr, out, cu_k, cu_k if slots is None else slots,
+                                cu_k if k_end is None else k_end, float(scale), h,
                                 q_lat.stride(0), q_lat.stride(1), q_rot.stride(0), q_rot.stride(1),
                                 c.stride(0), kr.stride(0), out.stride(0), out.stride(1),
-                                R=r, BR=_pow2(r), P=p, BP=_pow2(p), BH=BLOCK_H, BN=BLOCK_N,
-                                PRECISION=dot_precision(q_lat.dtype), num_warps=4)
+                                R=r, BR=_pow2(r), P=p, BP=_pow2(p), BH=BLOCK_H, BN=BLOCK_N, SLOTS=slots is not None,
+                                END=k_end is not None, PRECISION=dot_precision(q_lat.dtype), num_warps=4)
     return out
+
+
+def mla_decode(q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_k: torch.Tensor,
+               max_k: int, scale: float) -> torch.Tensor:
+    """``mla_decode_reference``'s contract in one Triton launch, grid (n, ceil(H / BLOCK_H)); last dimensions
+    contiguous. ``max_k`` is not needed (each program walks its own keys): kept for the contract."""
+    return _launch(q_lat, q_rot, c, kr, cu_k, None, None, scale)
+
+
+def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, c_cache: torch.Tensor, kr_cache: torch.Tensor,
+                     slots: torch.Tensor, cu_k: torch.Tensor, k_end: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The decode contract reading the latent cache in place (a ``PagedFn``): sequence i's keys are the cache
+    rows ``slots[cu_k[i]:k_end[i]]`` (``k_end`` None: ``cu_k[i + 1]``); c_cache [C, R], kr_cache [C, P]. One
+    launch, no host sync (CUDA-graph capturable: the grid depends on n and H only)."""
+    return _launch(q_lat, q_rot, c_cache, kr_cache, cu_k, slots, k_end, scale)
+
+
+def mla_decode_paged_reference(q_lat: torch.Tensor, q_rot: torch.Tensor, c_cache: torch.Tensor,
+                               kr_cache: torch.Tensor, slots: torch.Tensor, cu_k: torch.Tensor,
+                               k_end: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``mla_decode_paged``'s contract in torch (any device; reads its lengths on the host: not capturable): each
+    sequence's slots gathered, then ``mla_decode_reference``."""
+    starts = cu_k[:-1].to(torch.int64) if k_end is None else cu_k[:q_lat.shape[0]].to(torch.int64)
+    ends = cu_k[1:].to(torch.int64) if k_end is None else k_end.to(torch.int64)
+    pieces = [slots[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+    lens = [int(x.numel()) for x in pieces]
+    idx = torch.cat(pieces) if pieces else slots[:0]
+    cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32,
+                      device=q_lat.device)
+    return mla_decode_reference(q_lat, q_rot, c_cache.index_select(0, idx), kr_cache.index_select(0, idx), cu,
+                                max(lens, default=1), scale)
 
 
 def check_mla_decode(device: torch.device, dtype: torch.dtype, heads: int, rank: int, rope: int) -> str | None:
@@ -307,6 +355,16 @@ def check_mla_decode(device: torch.device, dtype: torch.dtype, heads: int, rank:
     return None
 
 
+def attend_in_place(ab: Absorbed, q: torch.Tensor, c_cache: torch.Tensor, kr_cache: torch.Tensor,
+                    slots: torch.Tensor, cu_k: torch.Tensor, k_end: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A decode step over the latent cache read in place: q [n, H, N + P], c_cache [C, R], kr_cache [C, P],
+    every row a one-row sequence whose keys the slots name -> [n, H, V]."""
+    if ab.paged is None:
+        raise RuntimeError("an in-place decode plan reached an MLA module whose decode gathers its contexts")
+    q_lat, q_rot = absorb_query(ab, q)
+    return absorb_output(ab, ab.paged(q_lat, q_rot, c_cache, kr_cache, slots, cu_k, k_end, scale), q.dtype)
+
+
 def attend_varlen(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_q: torch.Tensor,
                   cu_k: torch.Tensor, max_q: int, max_k: int, single: int, cu_q_rest: torch.Tensor | None,
                   scale: float, varlen: Any) -> torch.Tensor:
@@ -330,5 +388,6 @@ def attend_varlen(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tens
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-__all__ = ["ABSORBED_ATTR", "Absorbed", "AbsorbedMLA", "absorb_mla", "absorbed_of", "attend_masked", "attend_varlen",
-           "check_mla_decode", "is_mla", "mla_decode", "mla_decode_reference", "restore_mla"]
+__all__ = ["ABSORBED_ATTR", "Absorbed", "AbsorbedMLA", "absorb_mla", "absorbed_of", "attend_in_place", "attend_masked",
+           "attend_varlen", "check_mla_decode", "is_mla", "mla_decode", "mla_decode_paged", "mla_decode_paged_reference",
+           "mla_decode_reference", "restore_mla"]

@@ -123,12 +123,15 @@ class StepGraphRunner:
         self.lattice = lattice
         self.decode_sizes = token_buckets(min(lattice.rank_running, int(decode_cap)))
         off = None if capture else why_not
-        if off is None and host.latent_cache:
-            off = "the model's attention expands a latent cache (MLA): its steps gather their contexts eagerly"
+        # a latent cache (MLA): decode steps read it in place where its modules attend the latent (``model/mla.py``);
+        # prefill and mixed steps gather their contexts and expand them, eagerly
+        latent = ("the model's attention expands a latent cache (MLA): its prefill and mixed steps gather their "
+                  "contexts eagerly") if host.latent_cache else None
         self.decode_off = off or (None if host.paged_decode else
                                   f"decode attention gathers its contexts ({host.decode_reason})")
-        self.tokens_off = off or (None if one_rank and local else
-                                  "an expert-parallel group's prefill and mixed steps agree their counts on the host")
+        self.tokens_off = off or latent or (None if one_rank and local else
+                                            "an expert-parallel group's prefill and mixed steps agree their counts on "
+                                            "the host")
         self.whole_off = self.tokens_off or (None if host.paged_varlen else
                                              f"the in-place varlen kernel is unavailable ({host.paged_reason})")
         if self.whole_off is None and lattice.whole_rows < lattice.token_sizes[0]:

@@ -140,12 +140,14 @@ def test_the_decode_kernel_compiles_for_hopper_at_deepseek_v3s_shape():
     from triton.compiler import ASTSource
 
     fn = mla._kernel()
-    consts = dict(R=512, BR=512, P=64, BP=64, BH=mla.BLOCK_H, BN=mla.BLOCK_N, PRECISION="tf32")
-    types = "*bf16 *bf16 *bf16 *bf16 *bf16 *i32 fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32".split()
-    sig = dict(zip([a for a in fn.arg_names if a not in consts], types))
-    out = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert "mma" in out.asm["ptx"]  # tensor-core products (wgmma or mma), not scalar FMAs
+    for in_place in (False, True):  # over gathered contexts, and the cache read in place (slots, k_end)
+        consts = dict(R=512, BR=512, P=64, BP=64, BH=mla.BLOCK_H, BN=mla.BLOCK_N, SLOTS=in_place, END=in_place,
+                      PRECISION="tf32")
+        types = "*bf16 *bf16 *bf16 *bf16 *bf16 *i32 *i64 *i32 fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32".split()
+        sig = dict(zip([a for a in fn.arg_names if a not in consts], types))
+        out = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "mma" in out.asm["ptx"]  # tensor-core products (wgmma or mma), not scalar FMAs
 
 
 @pytest.mark.gpu
@@ -181,3 +183,46 @@ def test_an_fp8_kv_b_proj_is_dequantized_once_and_counted(hf_checkpoint):
     h, n = int(mods[0].num_heads), int(mods[0].qk_nope_head_dim)
     torch.testing.assert_close(ab.w_uk, dense.view(h, -1, dense.shape[1])[:, :n], rtol=0, atol=0)
     assert host.memory()["module_bytes"] == before + dense.numel() * 4
+
+
+def test_decode_steps_read_the_latent_in_place_and_mixed_steps_gather(hf_checkpoint):
+    """Where the decode attention reads the latent cache in place (the kernel on a GPU; here its torch reference,
+    as a caller's reference kernels ask), a decode step's plan names slots and gathers nothing (the steps a decode
+    graph captures), a mixed step gathers every context; logits equal transformers' expansion throughout."""
+    from ray_moe.model.paged_decode import paged_decode_reference
+
+    _, folder = hf_checkpoint("deepseek_v3")
+    kw = dict(attention=AttentionBackend.VARLEN, varlen_kernel=sequence_reference, kv_tokens=512)
+    plain = ModelHost.from_checkpoint(folder, **kw)
+    host = ModelHost.from_checkpoint(folder, decode_kernel=paged_decode_reference, **kw)
+    assert not host.paged_decode and "latent cache" in host.decode_reason
+    host.fuse_kernels()
+    assert host.mla.in_place and host.paged_decode and host.decode_reason is None
+    ex = _executor(folder)
+    for got, want in zip(_run(host, ex), _run(plain, ex)):
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+    for c in STEPS[1] + STEPS[2]:
+        host.kv.reserve(c.seq_id, c.start + c.num_tokens + 8)
+    _, decode = host.plan([SeqChunk("a", 8, 1), SeqChunk("b", 14, 1)], np.zeros(2, dtype=np.int64))
+    assert decode.in_place and decode.gather is None
+    _, mixed = host.plan([SeqChunk("a", 8, 1), SeqChunk("b", 14, 3)], np.zeros(4, dtype=np.int64))
+    assert mixed.slots is None and mixed.gather is not None and mixed.single_rows == 1
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU needs TRITON_INTERPRET=1")
+def test_the_in_place_kernel_equals_its_reference_under_the_interpreter():
+    """Keys through scattered slots, segments with room after them (``k_end``), a sequence with no key."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(4)
+    h, r, p, cap = 20, 64, 16, 400
+    c, kr = torch.randn(cap, r, generator=g), torch.randn(cap, p, generator=g)
+    lens, room = [5, 0, 70, 1], [3, 2, 0, 4]
+    slots = torch.randperm(cap, generator=g)[:sum(lens) + sum(room)]
+    starts = np.concatenate([[0], np.cumsum(np.add(lens, room))])[:-1]
+    cu_k = torch.tensor(np.concatenate([starts, [starts[-1] + lens[-1] + room[-1]]]), dtype=torch.int32)
+    k_end = torch.tensor(starts + np.array(lens), dtype=torch.int32)
+    ql, qr = torch.randn(4, h, r, generator=g), torch.randn(4, h, p, generator=g)
+    got = mla.mla_decode_paged(ql, qr, c, kr, slots, cu_k, k_end, 0.25)
+    want = mla.mla_decode_paged_reference(ql, qr, c, kr, slots, cu_k, k_end, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not want[1].any()

@@ -147,7 +147,9 @@ def test_generate_and_stream_equal_transformers(served):
     # on CPU the model keeps transformers' own norms and rotary (the fused kernels are CUDA-only)
     assert all(st["fused_kernels"] == {"norm_layers": 0, "rotary_modules": [], "router_layers": 0, "qkv_modules": 0,
                                        "skipped": {}, "fp8_dense_modules": [], "fp8_dense_dequantized": {},
-                                       "fp8_qkv_modules": 0, "fp8_launch_table": None}
+                                       "fp8_qkv_modules": 0, "fp8_launch_table": None,
+                                       "mla": {"absorbed_modules": 0, "decode_kernel": None, "decode_reason": None,
+                                               "dequantized_bytes": 0}}
                for st in rt.shard_status().values())
 
 
@@ -228,7 +230,7 @@ def test_one_rank_steps_replay_the_lattice_captured_at_start_equal_greedy(tmp_pa
     c = _counts(dep)[0]
     assert not c.get("graphs_captured_serving"), c
     if family == "deepseek_v3":  # (its latent cache: graphs off, every step eager, the path says why)
-        assert c.get("piecewise_steps", 0) == 0 and "latent cache" in core.generator.graph_runner.paths()["decode"]
+        assert c.get("piecewise_steps", 0) == 0 and "latent cache" in core.generator.graph_runner.paths()["prefill_mixed"]
         # every MLA layer attended on its latent (decode absorbed: model/mla.py), tokens equal all the same
         assert c.get("absorbed_mla_modules") == model.config.num_hidden_layers, c
         assert core.generator.fused_kernels()["mla"]["absorbed_modules"] == model.config.num_hidden_layers

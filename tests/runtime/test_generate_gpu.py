@@ -22,7 +22,7 @@ def _prompts(seed: int, lens) -> list[list[int]]:
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_cuda_generation_replays_the_lattice_captured_at_start(ray_session, tmp_path, family):
     """float32 (the masked backend: decode steps take the piecewise token sizes): token-equal to transformers;
-    DeepSeek's MLA attends gathered contexts eagerly (and its path says so)."""
+    DeepSeek's MLA gathers its latent eagerly on the masked backend (and its paths say so)."""
     model, folder = tiny_model(family, tmp_path / family)
     model.eval()
     cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, device="cuda", dtype="float32",
@@ -38,7 +38,7 @@ def test_cuda_generation_replays_the_lattice_captured_at_start(ray_session, tmp_
         steps, counters = status["steps"], status["counters"]
         capture = steps["captures"][min(steps["captures"])]
         if family == "deepseek_v3":
-            assert capture["piecewise_graphs"] == 0 and "latent cache" in steps["paths"]["decode"], steps
+            assert capture["piecewise_graphs"] == 0 and "latent cache" in steps["paths"]["prefill_mixed"], steps
         else:
             assert capture["piecewise_graphs"] == len(steps["lattice"]["token_sizes"]) and not capture["errors"], capture
             assert counters.get("piecewise_steps", 0) >= 8 and not counters.get("eager_steps"), counters
@@ -116,3 +116,35 @@ def test_bf16_graphs_on_the_varlen_backend_match_its_eager_steps(ray_session, tm
           _prefix_agreement(outs["graphs"], outs["masked"]))
     assert agree >= 0.75, (agree, outs)
     assert _prefix_agreement(outs["graphs"], outs["masked"]) >= 0.6
+
+
+def test_bf16_deepseek_decode_graphs_read_the_latent_in_place(ray_session, tmp_path):
+    """bf16 DeepSeek-V3 on the varlen backend: its MLA modules attend on the latent (``model/mla.py``), decode
+    steps read the latent cache in place through the Triton kernel and replay whole-step decode graphs captured
+    at start; prefill and mixed steps gather and expand eagerly. The same model with the kernels off
+    (``fused_kernels=False``: transformers' expansion in every step) gives the same greedy tokens up to bf16
+    drift; nothing captured after start."""
+    _, folder = tiny_model("deepseek_v3", tmp_path / "ds")
+    prompts = _prompts(3, (9, 70, 33, 5, 48, 17))
+    outs, infos = {}, {}
+    for name, fused in (("absorbed", True), ("expanded", False)):
+        cfg = ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1, device="cuda", dtype="bfloat16",
+                                                    name=f"gpu-mla-{name}")
+        rt = ray_moe.Runtime.start(cfg)
+        try:
+            rt.serving(step_tokens=64, fused_kernels=fused)
+            outs[name] = rt.generate(prompts, max_new_tokens=16)
+            st = rt.shard_status()[0]
+            infos[name] = (st["counters"], st["steps"], st.get("fused_kernels"))
+        finally:
+            rt.shutdown()
+    c, steps, fused = infos["absorbed"]
+    assert fused["mla"]["absorbed_modules"] > 0 and fused["mla"]["decode_kernel"] == "mla_decode", fused
+    assert steps["paths"]["decode"].startswith("decode graph"), steps["paths"]
+    assert "latent cache" in steps["paths"]["prefill_mixed"], steps["paths"]
+    assert c.get("decode_graph_steps", 0) >= 5 and not c.get("graphs_captured_serving"), c
+    ce = infos["expanded"][0]
+    assert not ce.get("decode_graph_steps") and ce.get("eager_steps", 0) >= 5, ce
+    agree = _prefix_agreement(outs["absorbed"], outs["expanded"])
+    print("absorbed (graphs) vs expanded (eager) greedy prefix agreement:", agree)
+    assert agree >= 0.6, (agree, outs)
