@@ -120,22 +120,16 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
            plan: AttentionPlan, scaling: float | None, kernels: Kernels, *, gathered: bool = False) -> torch.Tensor:
     """The plan's real rows of one attention layer: query [1, Hq, R >= n, D]; key [1, Hk, C + 1, D] / value
     [1, Hk, C + 1, Dv], the cache tensors (``gathered``: the contexts the plan's ``gather`` names, [1, Hk, K, D],
-    already gathered by the cache; an MLA module absorbed by ``mla.absorb_mla`` hands its latent [1, 1, K, R] and
-    rotary key [1, 1, K, P] instead: ``model/mla.py`` attends them) -> [1, n, Hq, Dv]."""
+    already gathered by the cache; an MLA module absorbed by ``mla.absorb_mla`` is handed its latent cache
+    [1, 1, C + 1, R] and rotary keys [1, 1, C + 1, P], never gathered: ``mla.attend_step`` reads them) ->
+    [1, n, Hq, Dv]."""
     n = plan.rows
     q = query[:, :, :n]
     d, dv = int(query.shape[-1]), int(value.shape[-1])
     scale = float(scaling) if scaling is not None else d ** -0.5
     ab = mla.absorbed_of(module)
-    if ab is not None:  # MLA on its latent: key / value are the latent c [1, 1, K, R] and rotary key [1, 1, K, P]
-        qs = q[0].transpose(0, 1)
-        if plan.in_place:  # a decode step reading the latent cache in place (key / value: the cache tensors)
-            return mla.attend_in_place(ab, qs, key[0, 0], value[0, 0], plan.slots, plan.cu_k, plan.k_end, scale)[None]
-        if plan.backend is AttentionBackend.MASKED:
-            mask = None if plan.mask is None else plan.mask[0, 0]
-            return mla.attend_masked(ab, qs, key[0, 0], value[0, 0], mask, scale)[None]
-        return mla.attend_varlen(ab, qs, key[0, 0], value[0, 0], plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
-                                 plan.single_rows, plan.cu_q_rest, scale, kernels.varlen)[None]
+    if ab is not None:  # MLA on its latent: key / value are the cache's latent [1, 1, C + 1, R] and rotary keys
+        return mla.attend_step(ab, q[0].transpose(0, 1), key[0, 0], value[0, 0], plan, scale, kernels.varlen)[None]
     if plan.backend is AttentionBackend.MASKED:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

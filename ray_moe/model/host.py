@@ -389,6 +389,12 @@ class ModelHost:
         return self.attention is AttentionBackend.VARLEN
 
     @property
+    def cache_gathers(self) -> bool:
+        """The cache hands attention the step's gathered contexts rather than its tensors: a latent cache whose
+        modules expand it (transformers' own MLA; absorbed modules read the cache and gather what they need)."""
+        return self.latent_cache and self.mla.modules == 0
+
+    @property
     def paged_decode(self) -> bool:
         """One-row sequences read the cache in place (``AttentionPlan.slots``): the decode kernel, or MLA modules
         attending their latent in place (decode steps only: a latent cache's mixed steps gather)."""
@@ -412,7 +418,7 @@ class ModelHost:
         """A step's rows and exact attention plan (``PagedKVCache.plan_step`` with this host's backend)."""
         ids = token_ids.numpy() if isinstance(token_ids, torch.Tensor) else token_ids
         return self.kv.plan_step(chunks, ids.astype("int64", copy=False), self.attention, paged=self.paged_decode,
-                                 paged_mixed=not self.latent_cache,
+                                 paged_mixed=not self.cache_gathers,
                                  rows=rows, last_rows=last_rows, mask_dtype=self.dtype)
 
     @torch.no_grad()
@@ -420,15 +426,15 @@ class ModelHost:
         """chunks: the step's sequences in packed order; token_ids: [N] int64 their new tokens (packed).
         Returns [S, V] float32 logits at each sequence's last new token. Positions must be reserved."""
         rows, plan = self.plan(chunks, token_ids.cpu())
-        return self.forward_rows(rows, attn.InlineAttention(plan, self.kernels, self.latent_cache), executor,
-                                 gather=plan.gather if self.latent_cache else None)
+        return self.forward_rows(rows, attn.InlineAttention(plan, self.kernels, self.cache_gathers), executor,
+                                 gather=plan.gather if self.cache_gathers else None)
 
     @torch.no_grad()
     def forward_rows(self, rows: StepRows, attention: Any, executor: Any,
                      gather: torch.Tensor | None = None) -> torch.Tensor:
         """The model over one step's rows: logits [L, V] float32 at ``rows.last`` (None: [R, V], every row).
         ``attention``: the step's ``StepAttention`` (every attention layer calls it); ``gather``: a latent
-        cache's contexts handed back by ``update`` (``latent_cache``). No host sync: static rows run inside a
+        cache's contexts handed back by ``update`` (``cache_gathers``). No host sync: static rows run inside a
         CUDA graph capture as well."""
         self.seam.moe_forward = executor.layer_entry
         kv = self.kv

@@ -365,29 +365,57 @@ def attend_in_place(ab: Absorbed, q: torch.Tensor, c_cache: torch.Tensor, kr_cac
     return absorb_output(ab, ab.paged(q_lat, q_rot, c_cache, kr_cache, slots, cu_k, k_end, scale), q.dtype)
 
 
-def attend_varlen(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_q: torch.Tensor,
-                  cu_k: torch.Tensor, max_q: int, max_k: int, single: int, cu_q_rest: torch.Tensor | None,
-                  scale: float, varlen: Any) -> torch.Tensor:
-    """The varlen backend's rows over the gathered latent: q [n, H, N + P], c [K, R], kr [K, P]; ``single``
-    leading one-row sequences (all when ``max_q`` is 1) attend absorbed, the others over their expanded keys
-    with ``varlen`` (FlashAttention's contract; values zero-padded to the key head size) -> [n, H, V]."""
+def attend_step(ab: Absorbed, q: torch.Tensor, c_cache: torch.Tensor, kr_cache: torch.Tensor, plan: Any,
+                scale: float, varlen: Any) -> torch.Tensor:
+    """One attention layer of a step on the latent cache itself (the cache hands an absorbed module its tensors,
+    never gathered contexts): q [n, H, N + P] the step's real rows, c_cache [C + 1, R], kr_cache [C + 1, P],
+    ``plan`` the step's ``AttentionPlan`` -> [n, H, V].
+      MASKED:           the plan's contexts gathered, every row absorbed over its mask
+      in place:         a decode step: every row through the in-place decode kernel
+      VARLEN + slots:   a mixed step: the leading one-row group in place; the other sequences' contexts (the plan's
+                        ``gather``, and only those) gathered and expanded, then ``varlen`` (FlashAttention's contract)
+      VARLEN:           the contexts gathered; the leading one-row group (every row when ``max_q`` is 1) absorbed
+                        over them, the others expanded (every gathered context: the path without the kernel)"""
+    from ray_moe.core.types import AttentionBackend
+
+    if plan.backend is AttentionBackend.MASKED:
+        mask = None if plan.mask is None else plan.mask[0, 0]
+        return attend_masked(ab, q, c_cache.index_select(0, plan.gather), kr_cache.index_select(0, plan.gather),
+                             mask, scale)
+    if plan.in_place:
+        return attend_in_place(ab, q, c_cache, kr_cache, plan.slots, plan.cu_k, plan.k_end, scale)
     n = int(q.shape[0])
-    nd = n if max_q <= 1 else int(single)
+    if plan.slots is not None:  # 1. the one-row group in place, 2. the others over their own gathered contexts
+        nd = int(plan.single_rows)
+        parts = [attend_in_place(ab, q[:nd], c_cache, kr_cache, plan.slots, plan.cu_k[:nd + 1], None, scale)]
+        rest = plan.cu_q_rest if plan.cu_q_rest is not None else plan.cu_q[nd:] - nd
+        parts.append(_expanded(ab, q[nd:], c_cache.index_select(0, plan.gather), kr_cache.index_select(0, plan.gather),
+                               rest, plan.cu_k[nd + 1:], plan.max_q, plan.max_k, scale, varlen))
+        return torch.cat(parts)
+    c, kr = c_cache.index_select(0, plan.gather), kr_cache.index_select(0, plan.gather)
+    nd = n if plan.max_q <= 1 else int(plan.single_rows)
     parts = []
     if nd:
         q_lat, q_rot = absorb_query(ab, q[:nd])
-        parts.append(absorb_output(ab, ab.decode(q_lat, q_rot, c, kr, cu_k[:nd + 1], max_k, scale), q.dtype))
+        parts.append(absorb_output(ab, ab.decode(q_lat, q_rot, c, kr, plan.cu_k[:nd + 1], plan.max_k, scale), q.dtype))
     if nd < n:
-        key, value = ab.expand(c[None, None], kr[None, None])  # [1, H, K, N + P], [1, H, K, V]
-        kg, vg = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        d, dv = int(kg.shape[-1]), int(vg.shape[-1])
-        if dv != d:
-            vg = torch.nn.functional.pad(vg, (0, d - dv))
-        rest = cu_q_rest if cu_q_rest is not None else cu_q[nd:] - nd
-        parts.append(varlen(q[nd:], kg, vg, rest, cu_k[nd:], max_q, max_k, scale)[..., :dv])
+        rest = plan.cu_q_rest if plan.cu_q_rest is not None else plan.cu_q[nd:] - nd
+        parts.append(_expanded(ab, q[nd:], c, kr, rest, plan.cu_k[nd:], plan.max_q, plan.max_k, scale, varlen))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _expanded(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_q: torch.Tensor,
+              cu_k: torch.Tensor, max_q: int, max_k: int, scale: float, varlen: Any) -> torch.Tensor:
+    """Rows over their contexts expanded by the module's own ``expand_kv``: q [m, H, N + P], c [K, R], kr [K, P]
+    -> [m, H, V] (``varlen``: values zero-padded to the key head size, the output cut back)."""
+    key, value = ab.expand(c[None, None], kr[None, None])  # [1, H, K, N + P], [1, H, K, V]
+    kg, vg = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    d, dv = int(kg.shape[-1]), int(vg.shape[-1])
+    if dv != d:
+        vg = torch.nn.functional.pad(vg, (0, d - dv))
+    return varlen(q, kg, vg, cu_q, cu_k, max_q, max_k, scale)[..., :dv]
+
+
 __all__ = ["ABSORBED_ATTR", "Absorbed", "AbsorbedMLA", "absorb_mla", "absorbed_of", "attend_in_place", "attend_masked",
-           "attend_varlen", "check_mla_decode", "is_mla", "mla_decode", "mla_decode_paged", "mla_decode_paged_reference",
+           "attend_step", "check_mla_decode", "is_mla", "mla_decode", "mla_decode_paged", "mla_decode_paged_reference",
            "mla_decode_reference", "restore_mla"]

@@ -432,8 +432,8 @@ class TokenStepExecutor:
             rec = RouteRecorder(split, len(view.snapshots)) if marked else None
             rows, plan = host.plan(items, packed_ids(items))
             fill_rows(rows.token_ids, items, batch.fills)
-            logits = host.forward_rows(rows, InlineAttention(plan, host.kernels, host.latent_cache),
-                                       split if rec is None else rec, gather=plan.gather if host.latent_cache else None)
+            logits = host.forward_rows(rows, InlineAttention(plan, host.kernels, host.cache_gathers),
+                                       split if rec is None else rec, gather=plan.gather if host.cache_gathers else None)
             want = [(i, it) for i, it in enumerate(items) if it.sample is not None]
             if want:
                 idx = torch.tensor([i for i, _ in want], dtype=torch.int64, device=logits.device)

@@ -66,7 +66,7 @@ def test_varlen_host_equals_masked_host_in_bf16(hf_checkpoint, family):
     # a padded step (the rows a captured step runs): padding rows past the real ones change no real row
     chunks = [SeqChunk("a", 31, 1), SeqChunk("b", 29, 1), SeqChunk("c", 17, 1)]
     rows, plan = varlen.plan(chunks, np.asarray([5, 6, 7]), rows=8, last_rows=4)
-    got = varlen.forward_rows(rows, InlineAttention(plan, varlen.kernels, varlen.latent_cache), ex,
-                              gather=plan.gather if varlen.latent_cache else None)
+    got = varlen.forward_rows(rows, InlineAttention(plan, varlen.kernels, varlen.cache_gathers), ex,
+                              gather=plan.gather if varlen.cache_gathers else None)
     want = masked.forward(chunks, torch.tensor([5, 6, 7]), ex)
     torch.testing.assert_close(got[:3], want, atol=0.1, rtol=0.05)

@@ -188,7 +188,8 @@ def test_an_fp8_kv_b_proj_is_dequantized_once_and_counted(hf_checkpoint):
 def test_decode_steps_read_the_latent_in_place_and_mixed_steps_gather(hf_checkpoint):
     """Where the decode attention reads the latent cache in place (the kernel on a GPU; here its torch reference,
     as a caller's reference kernels ask), a decode step's plan names slots and gathers nothing (the steps a decode
-    graph captures), a mixed step gathers every context; logits equal transformers' expansion throughout."""
+    graph captures); a mixed step reads its one-row group in place and gathers (then expands) only the other
+    sequences' contexts; logits equal transformers' expansion throughout."""
     from ray_moe.model.paged_decode import paged_decode_reference
 
     _, folder = hf_checkpoint("deepseek_v3")
@@ -206,7 +207,8 @@ def test_decode_steps_read_the_latent_in_place_and_mixed_steps_gather(hf_checkpo
     _, decode = host.plan([SeqChunk("a", 8, 1), SeqChunk("b", 14, 1)], np.zeros(2, dtype=np.int64))
     assert decode.in_place and decode.gather is None
     _, mixed = host.plan([SeqChunk("a", 8, 1), SeqChunk("b", 14, 3)], np.zeros(4, dtype=np.int64))
-    assert mixed.slots is None and mixed.gather is not None and mixed.single_rows == 1
+    assert mixed.single_rows == 1 and mixed.slots.numel() == 9 and mixed.gather.numel() == 17  # a's 9 keys, b's 17
+    assert not host.cache_gathers and plain.cache_gathers
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU needs TRITON_INTERPRET=1")
