@@ -153,6 +153,13 @@ def absorbed_of(module: torch.nn.Module) -> Absorbed | None:
     return getattr(module, ABSORBED_ATTR, None)
 
 
+def output_dim(module: torch.nn.Module, value: torch.Tensor) -> int:
+    """The head size an attention call of ``module`` returns: V for an absorbed module (its ``value`` is the
+    rotary key cache), else ``value``'s own."""
+    ab = absorbed_of(module)
+    return int(value.shape[-1]) if ab is None else int(ab.w_uv.shape[1])
+
+
 # ---------------------------------------------------------------------------------------------- the math
 def absorb_query(ab: Absorbed, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, H, N + P] -> (q_lat [n, H, R] = q_nope W_UK, q_rot [n, H, P]) in q's dtype (products in fp32 or wider)."""
@@ -325,7 +332,8 @@ def mla_decode_paged_reference(q_lat: torch.Tensor, q_rot: torch.Tensor, c_cache
 
 def check_mla_decode(device: torch.device, dtype: torch.dtype, heads: int, rank: int, rope: int) -> str | None:
     """Why ``mla_decode`` cannot serve decode here (None: it can): CUDA, Triton compiling (not its interpreter),
-    and the kernel reproducing ``mla_decode_reference`` on a ragged batch (keys 1, 0, 77, 300) at this shape."""
+    and the kernel reproducing ``mla_decode_reference`` on a ragged batch (keys 1, 0, 77, 300) at this shape,
+    over gathered contexts and in place (``mla_decode_paged``, with and without segment ends)."""
     import os
 
     device = torch.device(device)
@@ -345,9 +353,17 @@ def check_mla_decode(device: torch.device, dtype: torch.dtype, heads: int, rank:
         c = torch.randn(k, rank, generator=g).to(device, dtype)
         kr = torch.randn(k, rope, generator=g).to(device, dtype)
         scale = (rank + rope) ** -0.5
-        got = mla_decode(ql, qr, c, kr, cu, max(lens), scale).float()
         want = mla_decode_reference(ql.float(), qr.float(), c.float(), kr.float(), cu, max(lens), scale)
-        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        # over gathered contexts, and in place through slots (without and with segment ends): every variant a
+        # step launches compiled here, at install, never on the request path
+        perm = torch.randperm(k, generator=g).to(device)
+        cc, kk = torch.empty_like(c), torch.empty_like(kr)
+        cc[perm], kk[perm] = c, kr  # key j of the packed order lives in cache row perm[j]
+        err = 0.0
+        for got in (mla_decode(ql, qr, c, kr, cu, max(lens), scale),
+                    mla_decode_paged(ql, qr, cc, kk, perm, cu, None, scale),
+                    mla_decode_paged(ql, qr, cc, kk, perm, cu, cu[1:].contiguous(), scale)):
+            err = max(err, float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)))
     except Exception as exc:  # noqa: BLE001 - the kernel is unavailable here: say why, keep the reference
         return f"the MLA decode kernel failed here: {type(exc).__name__}: {str(exc)[:200]}"
     if not err < 2e-2:
@@ -417,5 +433,5 @@ def _expanded(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, 
 
 
 __all__ = ["ABSORBED_ATTR", "Absorbed", "AbsorbedMLA", "absorb_mla", "absorbed_of", "attend_in_place", "attend_masked",
-           "attend_step", "check_mla_decode", "is_mla", "mla_decode", "mla_decode_paged", "mla_decode_paged_reference",
+           "attend_step", "check_mla_decode", "is_mla", "output_dim", "mla_decode", "mla_decode_paged", "mla_decode_paged_reference",
            "mla_decode_reference", "restore_mla"]

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ray_moe.model.attention import AttentionPlan, Kernels, attend
+from ray_moe.model import mla
 from ray_moe.moe.decode.graphs import copy_inputs, weak
 
 
@@ -88,7 +89,7 @@ class _Cutter:
         self.current = None
 
     def __call__(self, module, query, key, value, scaling):
-        out = self.arena.view(int(query.shape[2]), int(query.shape[1]), int(value.shape[-1]))
+        out = self.arena.view(int(query.shape[2]), int(query.shape[1]), mla.output_dim(module, value))
         self.end()
         self.graph.holes.append(Hole(module, weak(query), key, value, scaling, out))
         self.begin()

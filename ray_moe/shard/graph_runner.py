@@ -123,10 +123,11 @@ class StepGraphRunner:
         self.lattice = lattice
         self.decode_sizes = token_buckets(min(lattice.rank_running, int(decode_cap)))
         off = None if capture else why_not
-        # a latent cache (MLA): decode steps read it in place where its modules attend the latent (``model/mla.py``);
-        # prefill and mixed steps gather their contexts and expand them, eagerly
-        latent = ("the model's attention expands a latent cache (MLA): its prefill and mixed steps gather their "
-                  "contexts eagerly") if host.latent_cache else None
+        # a latent cache (MLA) whose modules attend the latent (``model/mla.py``) is read like any cache: decode
+        # steps in place, prefill and mixed steps as piecewise graphs whose holes gather and expand what they need;
+        # one whose modules expand it (fused kernels off) hands every step gathered contexts: eager
+        latent = ("the model's attention expands a latent cache (MLA): its steps gather their contexts eagerly"
+                  if host.cache_gathers else None)
         self.decode_off = off or (None if host.paged_decode else
                                   f"decode attention gathers its contexts ({host.decode_reason})")
         self.tokens_off = off or latent or (None if one_rank and local else
@@ -247,8 +248,8 @@ class StepGraphRunner:
         request path (on the H200 a mixed step once took 484 ms instead of ~140 ms: the host compiling it while
         the device waited). Nothing to do without the kernel (the masked backend, MLA, a CPU)."""
         host = self.host
-        if self.tokens_off is not None or not host.paged_decode or host.device.type != "cuda":
-            return
+        if self.tokens_off is not None or host.kernels.decode is None or host.device.type != "cuda":
+            return  # (MLA's decode kernel: every variant compiled by its check at install)
         from ray_moe.model.paged_decode import BLOCK_N, MAX_SPLITS
 
         c = host.config
