@@ -73,7 +73,10 @@ for what in "$@"; do
     # timed step writes it inside its box. The other shape's checkpoint is removed first (the disk holds one).
     # JSON: $RAY_MOE_RESULTS_DIR/fp8-<shape>/<system>/<workload>/ (the write: .../fp8-<shape>/checkpoint.json).
     # Each step one box under 600 s (the driver's --timeout per worker: the writer, then the system). vLLM as
-    # serving-vllm (Qwen: attention_backend FLASH_ATTN; DeepSeek: its own MLA default)
+    # serving-vllm (Qwen: attention_backend FLASH_ATTN; DeepSeek: its own MLA default). vLLM's start of the DeepSeek
+    # slice outran the 440 s box on an H100 (50a7d4d: still capturing): run fp8-ds-vllm in two device calls, the
+    # first filling vLLM's torch.compile cache on the machine's disk, the second measuring. vLLM's PYTHONPATH must
+    # not put ray-moe's wheel site (/tmp/site: another transformers) before its own
     fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm)
       sys=${what##*-}; sys=${sys/ray/ray_moe}
       fp8_root=${FP8_ROOT:-/tmp/ray-moe-fp8}
