@@ -162,17 +162,15 @@ def output_dim(module: torch.nn.Module, value: torch.Tensor) -> int:
 
 # ---------------------------------------------------------------------------------------------- the math
 def absorb_query(ab: Absorbed, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [n, H, N + P] -> (q_lat [n, H, R] = q_nope W_UK, q_rot [n, H, P]) in q's dtype (products in fp32 or wider)."""
-    acc = torch.promote_types(q.dtype, torch.float32)
+    """q [n, H, N + P] -> (q_lat [n, H, R] = q_nope W_UK, q_rot [n, H, P]) in q's dtype: one batched GEMM per
+    head in the weights' dtype (bf16 products accumulate in fp32 inside the GEMM; no widened weight copy)."""
     q_nope, q_rot = q[..., :ab.nope], q[..., ab.nope:]
-    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.to(acc), ab.w_uk.to(acc)).to(q.dtype)
-    return q_lat, q_rot
+    return torch.einsum("nhd,hdr->nhr", q_nope.to(ab.w_uk.dtype), ab.w_uk).to(q.dtype), q_rot
 
 
 def absorb_output(ab: Absorbed, o_lat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """o_lat [n, H, R] -> [n, H, V] = o_lat W_UV^T in ``dtype``."""
-    acc = torch.promote_types(o_lat.dtype, torch.float32)
-    return torch.einsum("nhr,hvr->nhv", o_lat.to(acc), ab.w_uv.to(acc)).to(dtype)
+    """o_lat [n, H, R] -> [n, H, V] = o_lat W_UV^T in ``dtype`` (as ``absorb_query``)."""
+    return torch.einsum("nhr,hvr->nhv", o_lat.to(ab.w_uv.dtype), ab.w_uv).to(dtype)
 
 
 def attend_masked(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, mask: torch.Tensor | None,
