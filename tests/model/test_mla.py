@@ -90,12 +90,14 @@ def _run(host, ex, seed: int = 0) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("backend", ["masked", "varlen"])
-def test_an_absorbed_host_gives_the_logits_of_transformers_expansion(hf_checkpoint, backend):
-    """The same DeepSeek-V3 checkpoint, two hosts: transformers' path (every context expanded each step) and the
-    absorbed one; fp32 logits equal over prefill, mixed and decode steps. Varlen: the per-sequence reference is
-    the varlen kernel (the GPU's FlashAttention contract); the one-row group goes through the decode contract."""
-    _, folder = hf_checkpoint("deepseek_v3")
+@pytest.mark.parametrize("family,backend", [("deepseek_v3", "masked"), ("deepseek_v3", "varlen"),
+                                            ("deepseek_v2", "masked"), ("deepseek_v2", "varlen")])
+def test_an_absorbed_host_gives_the_logits_of_transformers_expansion(hf_checkpoint, family, backend):
+    """The same DeepSeek checkpoint (V3; V2: its own rotary), two hosts: transformers' path (every context expanded
+    each step) and the absorbed one; fp32 logits equal over prefill, mixed and decode steps. Varlen: the
+    per-sequence reference is the varlen kernel (the GPU's FlashAttention contract); the one-row group goes through
+    the decode contract."""
+    _, folder = hf_checkpoint(family)
     kw = dict(attention=AttentionBackend(backend), kv_tokens=512)
     if backend == "varlen":
         kw["varlen_kernel"] = sequence_reference
