@@ -143,7 +143,8 @@ class ModelHost:
         if self.attention is not AttentionBackend.VARLEN:
             return None, "the masked backend gathers the contexts"
         if self.latent_cache:
-            return None, "the model's attention expands a latent cache (MLA): its contexts are gathered"
+            return None, ("a latent cache (MLA): its prefill and mixed steps gather the prompt chunks' contexts "
+                          "(no in-place varlen kernel on the latent)")
         if varlen_kernel is not None:
             return None, "a caller's varlen kernel attends the gathered contexts"
         heads, kv_heads, dq, dv = _attention_dims(self.config)
@@ -367,8 +368,9 @@ class ModelHost:
         (DeepSeek) attend on their latent (``model.mla``: decode absorbed, no per-step expansion of the contexts;
         an FP8 kv_b_proj dequantized once, ``self.mla.dequantized_bytes``). Elsewhere nothing changes."""
         self.mla = absorb_mla(self.model, self.dtype, self.device, reference_in_place=self.reference_decode)
-        if self.mla.in_place and self.varlen:
-            self.decode_reason = None  # MLA decode steps read the latent in place
+        if self.mla.modules and self.varlen:  # MLA decode steps read the latent in place, or say why not
+            self.decode_reason = None if self.mla.in_place else (
+                f"MLA decode attends its gathered latent: the in-place kernel does not serve here ({self.mla.reason})")
         if self.device.type == "cuda":
             self.norms = fuse_rms_norms(self.model)
             self.rotary = fuse_rotary(self.model, self.device, self.dtype)
