@@ -23,7 +23,7 @@ and values of H x (N + P) and H x V per token copied. Absorbing ``kv_b_proj`` in
 latent itself: R + P per key, no expansion. Prefill chunks keep the expansion (their queries outnumber the
 heads' absorbed work there).
 
-The decode kernel (``mla_decode``) is one Triton program per (sequence, 16 heads) walking its sequence's latent
+The decode kernel (``mla_decode``) is one Triton program per (16 heads, sequence) walking its sequence's latent
 keys in tiles with an online softmax in fp32; its contract is ``mla_decode_reference`` (padded batch, torch),
 which is also the path where Triton does not serve; ``check_mla_decode`` compares the two on the device at
 install. Exactness against transformers' own forward is tested in float32 on CPU (the masked backend).
@@ -227,8 +227,8 @@ def _kernel():
                     R: tl.constexpr, BR: tl.constexpr, P: tl.constexpr, BP: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, SLOTS: tl.constexpr, END: tl.constexpr,
                     PRECISION: tl.constexpr):
-        s = tl.program_id(0)
-        hb = tl.program_id(1)
+        hb = tl.program_id(0)  # head blocks vary fastest: one sequence's programs run together, its latent in L2
+        s = tl.program_id(1)
         heads = hb * BH + tl.arange(0, BH)
         h_ok = heads < H
         r = tl.arange(0, BR)
@@ -288,7 +288,7 @@ def _launch(q_lat, q_rot, c, kr, cu_k, slots, k_end, scale) -> torch.Tensor:
     out = torch.empty_like(q_lat)
     if n == 0:
         return out
-    kern[(n, -(-h // BLOCK_H))](q_lat, q_rot, c, kr, out, cu_k, cu_k if slots is None else slots,
+    kern[(-(-h // BLOCK_H), n)](q_lat, q_rot, c, kr, out, cu_k, cu_k if slots is None else slots,
                                 cu_k if k_end is None else k_end, float(scale), h,
                                 q_lat.stride(0), q_lat.stride(1), q_rot.stride(0), q_rot.stride(1),
                                 c.stride(0), kr.stride(0), out.stride(0), out.stride(1),
@@ -299,7 +299,8 @@ def _launch(q_lat, q_rot, c, kr, cu_k, slots, k_end, scale) -> torch.Tensor:
 
 def mla_decode(q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_k: torch.Tensor,
                max_k: int, scale: float) -> torch.Tensor:
-    """``mla_decode_reference``'s contract in one Triton launch, grid (n, ceil(H / BLOCK_H)); last dimensions
+    """``mla_decode_reference``'s contract in one Triton launch, grid (ceil(H / BLOCK_H), n): the head blocks of a
+    sequence are neighbours, so its latent is read from HBM about once and from L2 by the others; last dimensions
     contiguous. ``max_k`` is not needed (each program walks its own keys): kept for the contract."""
     return _launch(q_lat, q_rot, c, kr, cu_k, None, None, scale)
 
