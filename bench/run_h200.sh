@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm|fp8-profile|profile|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|rebalance
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -74,8 +74,8 @@ for what in "$@"; do
     # JSON: $RAY_MOE_RESULTS_DIR/fp8-<shape>/<system>/<workload>/ (the write: .../fp8-<shape>/checkpoint.json).
     # Each step one box under 600 s (the driver's --timeout per worker: the writer, then the system). vLLM as
     # serving-vllm (Qwen: attention_backend FLASH_ATTN; DeepSeek: its own MLA default). vLLM's start of the DeepSeek
-    # slice outran the 440 s box on an H100 (50a7d4d: still capturing): run fp8-ds-vllm in two device calls, the
-    # first filling vLLM's torch.compile cache on the machine's disk, the second measuring. vLLM's PYTHONPATH must
+    # slice outran the 440 s box on an H100 (50a7d4d: still capturing): fp8-ds-vllm-warm in one device call (vLLM's
+    # caches filled on the machine's disk), then fp8-ds-vllm in the next. vLLM's PYTHONPATH must
     # not put ray-moe's wheel site (/tmp/site: another transformers) before its own
     fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm)
       sys=${what##*-}; sys=${sys/ray/ray_moe}
@@ -94,6 +94,13 @@ for what in "$@"; do
           --fp8-dir "$fp8_root/$shape" --systems "$sys" "${extra[@]}" --workloads "${works[@]}" --timeout 440 \
           --out "$RAY_MOE_RESULTS_DIR/fp8-$shape/$sys"
       fi ;;
+    # vLLM's start of the DeepSeek slice alone (4 requests, no warm-up; its JSON under /tmp, not a figure): fills its
+    # torch.compile and Triton caches on the machine's disk so that fp8-ds-vllm, in the next device call, starts
+    # within its box (50a7d4d: a cold start was still capturing graphs at 440 s on an H100)
+    fp8-ds-vllm-warm)
+      run 590 python3 -m ray_moe_bench.serving --config-only --quantization fp8 --shape deepseek-v3 \
+        --fp8-dir "${FP8_ROOT:-/tmp/ray-moe-fp8}/deepseek-v3" --systems vllm --workloads mixed --requests 4 \
+        --no-warmup --timeout 560 --out /tmp/vllm-ds-warm ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
     # where an FP8 decode step's time goes: the FP8 checkpoint fp8-write made (the whole 48-layer shape), in process
     # (WORKLOAD=chat WINDOWS=40:42: steps with a few hundred prompt tokens beside the decoding sequences)
