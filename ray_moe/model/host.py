@@ -304,8 +304,9 @@ class ModelHost:
 
     def memory(self) -> dict[str, int]:
         """Bytes this host holds (MEASURED from the tensors): the model's non-expert parameters and buffers and
-        absorbed MLA weights dequantized from FP8 (``module_bytes``; the routed experts live in the shard's slot buffers) and the KV cache's tensors allocated
-        so far (``kv_bytes``: a layer's are allocated at its first step)."""
+        absorbed MLA weights dequantized from FP8 (``module_bytes``; the routed experts live in the shard's slot
+        buffers) and the KV cache's tensors allocated so far (``kv_bytes``: a layer's are allocated at its first
+        step)."""
         seen: set[int] = set()
         module = 0
         for t in (*self.model.parameters(), *self.model.buffers()):
@@ -399,7 +400,7 @@ class ModelHost:
     @property
     def paged_decode(self) -> bool:
         """One-row sequences read the cache in place (``AttentionPlan.slots``): the decode kernel, or MLA modules
-        attending their latent in place (decode steps only: a latent cache's mixed steps gather)."""
+        attending their latent in place (``model/mla.py``; their mixed steps gather only the other sequences')."""
         return self.kernels.decode is not None or (self.mla.in_place and self.varlen)
 
     @property
@@ -420,7 +421,6 @@ class ModelHost:
         """A step's rows and exact attention plan (``PagedKVCache.plan_step`` with this host's backend)."""
         ids = token_ids.numpy() if isinstance(token_ids, torch.Tensor) else token_ids
         return self.kv.plan_step(chunks, ids.astype("int64", copy=False), self.attention, paged=self.paged_decode,
-                                 paged_mixed=not self.cache_gathers,
                                  rows=rows, last_rows=last_rows, mask_dtype=self.dtype)
 
     @torch.no_grad()

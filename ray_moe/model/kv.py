@@ -258,17 +258,15 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ one step
     def plan_step(self, chunks: "Sequence[Chunk] | HostChunks", token_ids: np.ndarray, backend: AttentionBackend, *,
-                  paged: bool = False, paged_mixed: bool = True, rows: int | None = None,
-                  last_rows: int | None = None, mask_dtype: torch.dtype = torch.float32
-                  ) -> tuple[StepRows, AttentionPlan]:
+                  paged: bool = False, rows: int | None = None, last_rows: int | None = None,
+                  mask_dtype: torch.dtype = torch.float32) -> tuple[StepRows, AttentionPlan]:
         """The rows and the exact attention plan of one step (every chunk's positions reserved first), host
         arrays built once (numpy, no per-token Python) and uploaded in one copy.
 
         chunks: the step's sequences in packed order (or their ``HostChunks``, e.g. a warm-up's over the trash
         slot); token_ids: [n] their new tokens; rows: pad the rows to this many (None: n); last_rows: the
         ``last`` entries (None: one per sequence); paged (VARLEN): the leading one-row sequences read their
-        slots in place (``AttentionPlan.slots``), the other contexts are gathered (``paged_mixed`` False: in place
-        only when every sequence has one row, a latent cache's mixed steps gathering all); mask_dtype: MASKED's mask.
+        slots in place (``AttentionPlan.slots``), the other contexts are gathered; mask_dtype: MASKED's mask.
           1. host arrays: each chunk's context slots, the rows' write slots and positions
           2. the plan's vectors: gather / slots and offsets (VARLEN) or the mask's keys (MASKED)
           3. one upload; row_valid and the mask built on the device"""
@@ -281,7 +279,7 @@ class PagedKVCache:
                              f"of {s} sequences")
         nd = leading_single_rows_of(c.lens)
         varlen = backend is AttentionBackend.VARLEN
-        paged = paged and varlen and nd > 0 and (paged_mixed or nd == s)
+        paged = paged and varlen and nd > 0
         kd = int(c.ends[:nd].sum()) if paged else 0
         # 1. the rows (real, then padding) and every context's slots in packed order
         sizes = {"write_index": r, "positions": r, "token_ids": r, "last": nl, "read": k}

@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from ray_moe.model.paged_decode import dot_precision
+from ray_moe.core.types import AttentionBackend
+from ray_moe.model.paged_decode import dot_precision, pow2_block
 
 ABSORBED_ATTR = "_ray_moe_mla_absorbed"
 BLOCK_H = 16  # heads per program (the rows of its matrix products)
@@ -255,7 +256,8 @@ def _kernel():
             ct = tl.load(c_ptr + rows[:, None] * sc_k + r[None, :], mask=k_ok[:, None] & (r[None, :] < R), other=0.0)
             kt = tl.load(kr_ptr + rows[:, None] * skr_k + p_[None, :], mask=k_ok[:, None] & (p_[None, :] < P),
                          other=0.0)
-            sc = tl.dot(ql, tl.trans(ct), input_precision=PRECISION) + tl.dot(qr, tl.trans(kt), input_precision=PRECISION)
+            sc = (tl.dot(ql, tl.trans(ct), input_precision=PRECISION)
+                  + tl.dot(qr, tl.trans(kt), input_precision=PRECISION))
             sc = tl.where(k_ok[None, :], sc * qscale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             pr = tl.exp2(sc - m_new[:, None])
@@ -275,10 +277,6 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (int(n) - 1).bit_length())
-
-
 def _launch(q_lat, q_rot, c, kr, cu_k, slots, k_end, scale) -> torch.Tensor:
     kern = _kernel()
     if kern is None:
@@ -292,8 +290,9 @@ def _launch(q_lat, q_rot, c, kr, cu_k, slots, k_end, scale) -> torch.Tensor:
                                 cu_k if k_end is None else k_end, float(scale), h,
                                 q_lat.stride(0), q_lat.stride(1), q_rot.stride(0), q_rot.stride(1),
                                 c.stride(0), kr.stride(0), out.stride(0), out.stride(1),
-                                R=r, BR=_pow2(r), P=p, BP=_pow2(p), BH=BLOCK_H, BN=BLOCK_N, SLOTS=slots is not None,
-                                END=k_end is not None, PRECISION=dot_precision(q_lat.dtype), num_warps=4)
+                                R=r, BR=pow2_block(r), P=p, BP=pow2_block(p), BH=BLOCK_H, BN=BLOCK_N,
+                                SLOTS=slots is not None, END=k_end is not None,
+                                PRECISION=dot_precision(q_lat.dtype), num_warps=4)
     return out
 
 
@@ -391,8 +390,6 @@ def attend_step(ab: Absorbed, q: torch.Tensor, c_cache: torch.Tensor, kr_cache: 
                         ``gather``, and only those) gathered and expanded, then ``varlen`` (FlashAttention's contract)
       VARLEN:           the contexts gathered; the leading one-row group (every row when ``max_q`` is 1) absorbed
                         over them, the others expanded (every gathered context: the path without the kernel)"""
-    from ray_moe.core.types import AttentionBackend
-
     if plan.backend is AttentionBackend.MASKED:
         mask = None if plan.mask is None else plan.mask[0, 0]
         return attend_masked(ab, q, c_cache.index_select(0, plan.gather), kr_cache.index_select(0, plan.gather),
@@ -432,5 +429,5 @@ def _expanded(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, 
 
 
 __all__ = ["ABSORBED_ATTR", "Absorbed", "AbsorbedMLA", "absorb_mla", "absorbed_of", "attend_in_place", "attend_masked",
-           "attend_step", "check_mla_decode", "is_mla", "output_dim", "mla_decode", "mla_decode_paged", "mla_decode_paged_reference",
-           "mla_decode_reference", "restore_mla"]
+           "attend_step", "check_mla_decode", "is_mla", "output_dim", "mla_decode", "mla_decode_paged",
+           "mla_decode_paged_reference", "mla_decode_reference", "restore_mla"]

@@ -75,6 +75,12 @@ def decode_splits(rows: int, kv_heads: int, max_k: int, sms: int = _SMS_H200) ->
     return 1 << (n.bit_length() - 1)
 
 
+def pow2_block(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= ``n`` and >= ``floor``: a Triton block over a dimension of ``n`` (``tl.dot``
+    takes dimensions of 16 and up; the attention kernels of this package share it)."""
+    return max(floor, 1 << (int(n) - 1).bit_length())
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """The kernels' ``tl.dot`` input precision for ``dtype`` activations: float32 in full IEEE float32 (Triton's
     default for float32 is TF32, 10 mantissa bits: a float32 deployment would attend at bf16-like precision);
@@ -248,5 +254,5 @@ def check_paged(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
     return None
 
 
-__all__ = ["DecodeKernel", "paged_decode", "paged_decode_reference", "decode_splits", "check_paged", "available",
+__all__ = ["DecodeKernel", "pow2_block", "paged_decode", "paged_decode_reference", "decode_splits", "check_paged", "available",
            "BLOCK_N"]

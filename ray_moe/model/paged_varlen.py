@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ray_moe.model.paged_decode import dot_precision
+from ray_moe.model.paged_decode import dot_precision, pow2_block
 
 BLOCK_M = 128  # rows of one program's products: query rows x the Hq / Hk heads of its kv head
 BLOCK_N = 64  # keys per inner iteration
@@ -48,7 +48,7 @@ PagedVarlenKernel = Callable[..., torch.Tensor]
 def block_rows(num_heads: int, num_kv_heads: int) -> int:
     """Query rows of one program of a longer sequence: ``BLOCK_M`` product rows over the kv head's query heads
     (16 at Hq / Hk = 8), at most 64."""
-    return max(1, min(64, BLOCK_M // _pow2(num_heads // num_kv_heads, 1)))
+    return max(1, min(64, BLOCK_M // pow2_block(num_heads // num_kv_heads, 1)))
 
 
 def table_sizes(rows: int, sequences: int, block_q: int) -> tuple[int, int]:
@@ -192,10 +192,6 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (int(n) - 1).bit_length())
-
-
 def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                  cu_q: torch.Tensor, cu_k: torch.Tensor, one: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -213,15 +209,15 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if n == 0:
         return out
     g = hq // hk
-    bd, bdv = _pow2(d), _pow2(dv)  # tl.dot: dimensions >= 16
+    bd, bdv = pow2_block(d), pow2_block(dv)  # tl.dot: dimensions >= 16
     common = (q, k_cache, v_cache, out, slots, cu_q, cu_k)
     strides = (scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                v_cache.stride(1), out.stride(0), out.stride(1))
     # 1. one-row sequences: G query heads padded to 16 rows of one product (as the decode kernel does)
-    attend[(one.numel(), hk)](*common, one, one, *strides, G=g, GP=_pow2(g), BQ=1, D=d, BD=bd, DV=dv, BDV=bdv,
+    attend[(one.numel(), hk)](*common, one, one, *strides, G=g, GP=pow2_block(g), BQ=1, D=d, BD=bd, DV=dv, BDV=bdv,
                               BN=BLOCK_N, BLOCKS=False, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=3)
     # 2. blocks of ``block_rows`` query rows of the longer sequences (the tables' block size)
-    gp, bq = _pow2(g, 1), block_rows(hq, hk)
+    gp, bq = pow2_block(g, 1), block_rows(hq, hk)
     attend[(seq.numel(), hk)](*common, seq, first, *strides, G=g, GP=gp, BQ=bq, D=d, BD=bd, DV=dv, BDV=bdv,
                               BN=BLOCK_N, BLOCKS=True, PRECISION=dot_precision(q.dtype),
                               num_warps=8 if gp * bq >= 128 else 4, num_stages=3)
