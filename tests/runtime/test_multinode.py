@@ -76,6 +76,7 @@ def test_add_rank_from_a_connected_runtime_keeps_every_rank_in_the_topology(mult
 @pytest.mark.timeout(900)
 def test_ray_job_submit_of_jobs_serve_answers_over_http(multinode):
     out = _ok(multinode, "job_submit")
+    assert len(out["retried"]) <= 1, out["retried"]  # one resubmission, only after the working-dir import failure
     assert out["submit_rc"] == 0, out["submit"]
     body = out["completion"]
     assert body is not None, out.get("logs")

@@ -209,7 +209,10 @@ def _free_port() -> int:
 
 def job_submit(cluster) -> dict[str, Any]:
     """``ray job submit --working-dir <repo> -- python jobs/serve.py MODEL ...`` to the cluster (its dashboard's
-    job server), answered over HTTP by the Serve proxy on the head node; ``ray job stop`` ends it."""
+    job server), answered over HTTP by the Serve proxy on the head node; ``ray job stop`` ends it. A job whose
+    driver failed to import a module of its unpacked working directory (``WORKING_DIR_IMPORT``: Ray's working-dir
+    handling on nodes that share a session directory; cause not established) is stopped and submitted once more,
+    its logs kept in ``retried``; any other failure is the result."""
     import httpx
 
     from ray_moe_dev.testing.hf_models import tiny_model
@@ -234,47 +237,81 @@ def job_submit(cluster) -> dict[str, Any]:
             pass
         time.sleep(0.5)
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    out: dict[str, Any] = {"want": want, "retried": []}
+    for attempt in range(2):  # a second submission only after the working-dir import failure (below)
+        sid = "ray-moe-mn-job" if attempt == 0 else f"ray-moe-mn-job-{attempt}"
+        done = _submit_and_ask(ray_cli, address, env, sid, folder, port, prompt, marks, out)
+        if done != "working_dir_import":
+            break
+        out["retried"].append(out.pop("first_logs"))
+    marks["stopped"] = time.monotonic()
+    out["marks"] = {k: round(v - marks["t0"], 1) for k, v in marks.items()}
+    return out
+
+
+#: what a job's driver printed when its unpacked working directory lacked a module of the package it had begun to
+#: import (seen twice in ~10 CI runs on a 3-node ``cluster_utils`` cluster, whose nodes share one session
+#: directory: ``cannot import name 'launch' from 'ray_moe.ray' (.../runtime_resources/working_dir_files/...)``)
+WORKING_DIR_IMPORT = ("ImportError", "runtime_resources/working_dir_files")
+
+
+def _submit_and_ask(ray_cli: str, address: str, env: dict, sid: str, folder: str, port: int, prompt: list[int],
+                    marks: dict, out: dict) -> str:
+    """Submit ``jobs/serve.py`` as ``sid`` and ask it for a completion until it answers (240 s); its logs, status
+    and the stop into ``out``. Returns "answered", "failed" or "working_dir_import" (the job's driver hit
+    ``WORKING_DIR_IMPORT``: its logs are kept in ``out["first_logs"]``)."""
+    import httpx
+
     deadline = time.monotonic() + 90
     while True:  # the job server answers before its agents register ("No available agent"): ask again
         sub = subprocess.run([ray_cli, "job", "submit", "--no-wait", "--address", address, "--working-dir", REPO,
-                              "--submission-id", "ray-moe-mn-job", "--", sys.executable, "jobs/serve.py", folder,
+                              "--submission-id", sid, "--", sys.executable, "jobs/serve.py", folder,
                               "--data-parallel-size", "2", "--port", str(port), "--name", "mn-job", "--kv-tokens",
                               "256"], capture_output=True, text=True, timeout=180, env=env)
         if sub.returncode == 0 or "No available agent" not in sub.stderr or time.monotonic() > deadline:
             break
         time.sleep(2.0)
     marks["submitted"] = time.monotonic()
-    out: dict[str, Any] = {"submit_rc": sub.returncode, "submit": (sub.stdout + sub.stderr)[-1500:]}
+    out.update(submit_rc=sub.returncode, submit=(sub.stdout + sub.stderr)[-1500:])
     if sub.returncode != 0:
-        return out
+        return "failed"
+
+    def logs() -> str:
+        return subprocess.run([ray_cli, "job", "logs", "--address", address, sid], capture_output=True, text=True,
+                              timeout=60, env=env).stdout[-3000:]
+
+    result = "failed"
     try:
         deadline = time.monotonic() + 240
         body = None
+        polls = 0
         while time.monotonic() < deadline:
             try:
                 r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                               json={"model": "tiny-job", "prompt": prompt, "max_tokens": 6,
-                                     "temperature": 0})
+                               json={"model": "tiny-job", "prompt": prompt, "max_tokens": 6, "temperature": 0})
                 if r.status_code == 200:
                     body = r.json()
+                    result = "answered"
                     break
             except httpx.HTTPError:
                 pass
+            polls += 1
+            if polls % 10 == 0 and all(m in logs() for m in WORKING_DIR_IMPORT):
+                result = "working_dir_import"
+                break
             time.sleep(1.0)
         marks["answered"] = time.monotonic()
-        out["completion"], out["want"] = body, want
-        out["status"] = subprocess.run([ray_cli, "job", "status", "--address", address, "ray-moe-mn-job"],
+        out["completion"] = body
+        out["status"] = subprocess.run([ray_cli, "job", "status", "--address", address, sid],
                                        capture_output=True, text=True, timeout=60, env=env).stdout[-500:]
     finally:
-        logs = subprocess.run([ray_cli, "job", "logs", "--address", address, "ray-moe-mn-job"], capture_output=True,
-                              text=True, timeout=60, env=env)
-        out["logs"] = logs.stdout[-3000:]
-        stop = subprocess.run([ray_cli, "job", "stop", "--no-wait", "--address", address, "ray-moe-mn-job"],
+        out["logs"] = logs()
+        if result == "working_dir_import":
+            out["first_logs"] = out["logs"]
+        stop = subprocess.run([ray_cli, "job", "stop", "--no-wait", "--address", address, sid],
                               capture_output=True, text=True, timeout=120, env=env)
         out["stop_rc"] = stop.returncode  # (the job ends with the cluster; not waited for here)
-        marks["stopped"] = time.monotonic()
-        out["marks"] = {k: round(v - marks["t0"], 1) for k, v in marks.items()}
-    return out
+    return result
 
 
 SCENARIOS: dict[str, Callable[[Any], dict[str, Any]]] = {
