@@ -1151,18 +1151,30 @@ def run_worker(role: Role, spec: dict, workdir: str, timeout_s: float, *, in_pro
         why = f"{role.value} worker ran past {timeout_s} s"
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
         if saved is None:
-            return {"status": "error", "error": why, "stderr_tail": tail, "process_s": took}
-        res = {**saved, "status": "error", "error": f"{why} (the passes it finished are kept)", "stderr_tail": tail}
+            return {"status": "error", "error": why, "stderr_tail": tail, "stderr_errors": _error_lines(proc),
+                    "process_s": took}
+        res = {**saved, "status": "error", "error": f"{why} (the passes it finished are kept)", "stderr_tail": tail,
+               "stderr_errors": _error_lines(proc)}
     elif saved is None or (proc.returncode != 0 and saved.get("status") == "ok"):
         tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
         return {**(saved or {}), "status": "error", "error": f"{role.value} worker exited {proc.returncode}",
-                "stderr_tail": tail, "process_s": took}
+                "stderr_tail": tail, "stderr_errors": _error_lines(proc), "process_s": took}
     else:
         res = {**saved, "exit_code": proc.returncode}
+        if proc.returncode or saved.get("status") != "ok":
+            res["stderr_errors"] = _error_lines(proc)
     res["process_s"] = took
     if mem.report() is not None:
         res.setdefault("memory", {})["nvidia_smi"] = mem.report()
     return res
+
+
+def _error_lines(proc: subprocess.CompletedProcess, keep: int = 20) -> list[str]:
+    """The worker's lines naming an error or exception (the first ``keep``): a root cause printed long before
+    its last lines (vLLM's engine core: the OutOfMemoryError of its graph capture, then a page of re-raises),
+    which ``stderr_tail`` alone loses."""
+    text = (proc.stderr or "") + "\n" + (proc.stdout or "")
+    return [ln[:400] for ln in text.splitlines() if "Error" in ln or "Exception" in ln][:keep]
 
 
 def system_entry(res: dict[str, Any], name: str, workloads: list[str]) -> dict[str, Any]:

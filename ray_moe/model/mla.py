@@ -103,7 +103,7 @@ def _dense_weight(proj: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tens
 
         w = dequantize(codes, proj.scale_inv, proj.block, dtype)
         return w, w.numel() * w.element_size()
-    w = proj.weight
+    w = proj.weight.detach()  # (a Parameter's views would carry autograd into every absorbed product)
     return (w if w.dtype == dtype else w.to(dtype)), (0 if w.dtype == dtype else w.numel() * dtype.itemsize)
 
 

@@ -136,9 +136,12 @@ class PiecewiseGraph:
         self.output = weak(out)
         return pool
 
+    @torch.no_grad()
     def replay(self, staged: dict[str, torch.Tensor], plan: AttentionPlan, kernels: Kernels) -> Any:
         """``staged``: this step's static inputs (same names; a shorter 1-D one fills a prefix); ``plan``: its
-        attention over the real rows. Returns the captured outputs (valid until the next replay of any graph)."""
+        attention over the real rows. Returns the captured outputs (valid until the next replay of any graph). The
+        holes run without autograd, as the captured pieces did (a hole's output is copied into a static buffer made
+        under ``no_grad``)."""
         copy_inputs(self.inputs, staged)
         for piece, hole in zip(self.pieces, self.holes):
             piece.replay()

@@ -187,6 +187,32 @@ def test_an_fp8_kv_b_proj_is_dequantized_once_and_counted(hf_checkpoint):
     assert host.memory()["module_bytes"] == before + dense.numel() * 4
 
 
+def test_absorbed_products_carry_no_autograd_from_the_weights_they_view(hf_checkpoint):
+    """W_UK / W_UV view a bf16 / float32 kv_b_proj that transformers loads as a Parameter requiring grad: the
+    views are detached, so an absorbed product made with grad enabled (a piecewise graph's hole runs between
+    replayed pieces) needs no autograd and copies into a static buffer made under ``no_grad`` (the GPU failure of
+    82474f4: "a view was created in no_grad mode and is being modified inplace with grad mode enabled")."""
+    _, folder = hf_checkpoint("deepseek_v3")
+    host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=64)
+    mods = [m for m in host.model.modules() if mla.is_mla(m)]
+    mods[0].kv_b_proj.weight.requires_grad_(True)
+    host.mla = mla.absorb_mla(host.model, host.dtype, host.device)
+    ab = mla.absorbed_of(mods[0])
+    assert not ab.w_uk.requires_grad and not ab.w_uv.requires_grad
+    assert ab.w_uk.data_ptr() == mods[0].kv_b_proj.weight.data_ptr()  # still a view: no second copy
+    h, r = int(mods[0].num_heads), int(mods[0].kv_lora_rank)
+    q = torch.randn(3, h, ab.nope + int(mods[0].qk_rope_head_dim))
+    with torch.no_grad():
+        static = torch.zeros(2, 3, h, r)[0]
+    with torch.enable_grad():
+        q_lat, _ = mla.absorb_query(ab, q)
+        assert not q_lat.requires_grad
+        static.copy_(q_lat)
+        out = mla.absorb_output(ab, q_lat, q.dtype)
+    assert not out.requires_grad
+    torch.testing.assert_close(static, q_lat)
+
+
 def test_decode_steps_read_the_latent_in_place_and_mixed_steps_gather(hf_checkpoint):
     """Where the decode attention reads the latent cache in place (the kernel on a GPU; here its torch reference,
     as a caller's reference kernels ask), a decode step's plan names slots and gathers nothing (the steps a decode

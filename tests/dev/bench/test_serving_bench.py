@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import json
 import math
+import subprocess
 
 import httpx
 import numpy as np
@@ -280,6 +281,18 @@ def test_a_failed_worker_exits_nonzero_and_keeps_its_result(tmp_path, monkeypatc
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "error"
     monkeypatch.setattr(serving, "WORKERS", {Role.RAY_MOE: lambda spec, save: {"passes": {}}})
     assert serving.worker_main(Role.RAY_MOE, str(tmp_path / "s.json")) == 0
+
+
+def test_a_failed_workers_error_lines_are_kept_beside_its_last_lines():
+    """The root cause a worker printed early (vLLM's engine core: an OutOfMemoryError, then pages of re-raises
+    whose last 15 lines name only the wrapper) is kept in ``stderr_errors``."""
+    lines = ["loading"] * 50 + ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.88 GiB"] + \
+        ["  File x.py, line 1"] * 40 + ["RuntimeError: Engine core initialization failed"]
+    proc = subprocess.CompletedProcess([], 1, "ValueError: from stdout", "\n".join(lines))
+    assert serving._error_lines(proc) == ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.88 GiB",
+                                          "RuntimeError: Engine core initialization failed",
+                                          "ValueError: from stdout"]
+    assert len(serving._error_lines(subprocess.CompletedProcess([], 1, "", "KeyError\n" * 50))) == 20
 
 
 def test_config_only_builds_transformers_on_the_device_without_weights(tmp_path):
