@@ -9,6 +9,13 @@ LOG=${LOG:-/dev/stdout}
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
 run() { local t=$1; shift; echo "=== $* (timeout ${t}s) $(date +%T)" >>"$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$? $(date +%T)" >>"$LOG"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+# vLLM on the DeepSeek slice: its defaults (gpu_memory_utilization 0.9) on an 80 GB card ran out of memory capturing
+# its graphs (FA3's MLA decode workspace, 3.9 GiB outside its budget; d67ffcc's H100 lease), and at 0.85 its engine
+# died serving; 0.8 there (a non-default, listed in the JSON), its defaults on larger cards
+vllm_ds_args() {
+  local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ "${mib:-0}" -lt 100000 ]; then echo '{"gpu_memory_utilization": 0.8}'; else echo '{}'; fi
+}
 for what in "$@"; do
   case $what in
     tests)    run 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests -W ignore ;;
@@ -90,6 +97,7 @@ for what in "$@"; do
           --report "$RAY_MOE_RESULTS_DIR/fp8-$shape/checkpoint.json"
       else
         extra=(); [ "$sys" = vllm ] && [ "$shape" = qwen3-30b-a3b ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')
+        [ "$sys" = vllm ] && [ "$shape" = deepseek-v3 ] && extra=(--vllm-args "$(vllm_ds_args)")
         run 590 python3 -m ray_moe_bench.serving --config-only --quantization fp8 --shape "$shape" \
           --fp8-dir "$fp8_root/$shape" --systems "$sys" "${extra[@]}" --workloads "${works[@]}" --timeout 440 \
           --out "$RAY_MOE_RESULTS_DIR/fp8-$shape/$sys"
@@ -99,7 +107,8 @@ for what in "$@"; do
     # within its box (50a7d4d: a cold start was still capturing graphs at 440 s on an H100)
     fp8-ds-vllm-warm)
       run 590 python3 -m ray_moe_bench.serving --config-only --quantization fp8 --shape deepseek-v3 \
-        --fp8-dir "${FP8_ROOT:-/tmp/ray-moe-fp8}/deepseek-v3" --systems vllm --workloads mixed --requests 4 \
+        --fp8-dir "${FP8_ROOT:-/tmp/ray-moe-fp8}/deepseek-v3" --systems vllm --vllm-args "$(vllm_ds_args)" \
+        --workloads mixed --requests 4 \
         --no-warmup --timeout 560 --out /tmp/vllm-ds-warm ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
     # where an FP8 decode step's time goes: the FP8 checkpoint fp8-write made (the whole 48-layer shape), in process

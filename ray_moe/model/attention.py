@@ -71,6 +71,25 @@ class Kernels:
     paged: PagedVarlenKernel | None = None
 
 
+EXPAND_KEYS = 8192  # gathered keys one expansion run holds (MLA: ~200 KB a key at DeepSeek-V3's 128 heads)
+
+
+@dataclass(frozen=True)
+class ExpandGroup:
+    """One run of a plan's ``rest_groups``: rest sequences [seq_lo, seq_hi) (indices after the one-row group),
+    their query rows [q_lo, q_hi) (from the rest's first row), their keys [k_lo, k_hi) in the plan's gathered
+    keys, and the run's longest query run and context (host ints)."""
+
+    seq_lo: int
+    seq_hi: int
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    max_q: int
+    max_k: int
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionPlan:
     """How one step's real rows attend the paged cache (all tensors on the cache's device).
@@ -94,6 +113,10 @@ class AttentionPlan:
     tables:      (one [NA], seq [NB], first [NB]) int32 work tables (``paged_varlen.work_tables``): every row is
                  read in place by the paged varlen kernel over ``slots`` / ``cu_q`` / ``cu_k`` (all S + 1
                  sequences' offsets); ``rows`` then counts every row of the step (the tables name the real ones)
+    rest_groups: VARLEN, the sequences after the one-row group cut into runs whose gathered keys stay within
+                 ``EXPAND_KEYS`` (host ints, ``ExpandGroup``; a longer context is a run of its own): a module
+                 that expands its contexts before attending (MLA's prompt rows) expands one run at a time, so a
+                 step's transient memory is bounded by the run, not by every context of the step. None: one run
     """
 
     rows: int
@@ -109,6 +132,7 @@ class AttentionPlan:
     k_end: torch.Tensor | None = None
     cu_q_rest: torch.Tensor | None = None
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    rest_groups: tuple[ExpandGroup, ...] | None = None
 
     @property
     def in_place(self) -> bool:
@@ -257,6 +281,6 @@ def sequence_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
     return out
 
 
-__all__ = ["AttentionBackend", "AttentionPlan", "InlineAttention", "Kernels", "StepAttention", "VarlenKernel",
+__all__ = ["AttentionBackend", "AttentionPlan", "EXPAND_KEYS", "ExpandGroup", "InlineAttention", "Kernels", "StepAttention", "VarlenKernel",
            "attend", "flash_varlen", "step_attention", "register", "check_flash", "sequence_reference",
            "ATTENTION_NAME", "ATTENTION_KW"]

@@ -326,6 +326,18 @@ class ModelHost:
         _, kv_heads, dq, dv = _attention_dims(self.config)
         return layers * kv_heads * (dq + dv) * elem
 
+    def expansion_bytes(self) -> int:
+        """Transient bytes one expansion run takes (a latent cache, MLA: ``EXPAND_KEYS`` gathered keys expanded
+        through kv_b_proj into every head's keys [H, dq] and values [H, dv], the values padded to dq and the
+        attention kernel's contiguous copies, counted twice); 0 for caches of keys and values. What the KV budget
+        keeps beside the shared workspace for a prompt step's attention (82474f4's DeepSeek slice: 11 steps out
+        of memory in one pass, its budget then backed off to a quarter)."""
+        if not self.latent_cache:
+            return 0
+        heads, _, dq, dv = _attention_dims(self.config)
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * attn.EXPAND_KEYS * heads * (2 * dq + dv) * elem
+
     def size_kv(self, memory_fraction: float, workspace_bytes: int) -> int:
         """Re-make the (still empty) cache as large as this process's share of the GPU allows: ``memory_fraction``
         of the device's memory, less what is in use now (weights: this rank's non-expert modules and expert

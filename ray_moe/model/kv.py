@@ -32,7 +32,7 @@ import torch
 
 from ray_moe.core.errors import RayMoEError
 from ray_moe.core.types import AttentionBackend
-from ray_moe.model.attention import AttentionPlan
+from ray_moe.model.attention import EXPAND_KEYS, AttentionPlan, ExpandGroup
 from ray_moe.model.kv_host import HostChunks, plan_decode_steps, plan_token_step, send, staging
 from ray_moe.model.prefix_cache import BlockPool
 
@@ -117,12 +117,34 @@ def leading_single_rows_of(lens: np.ndarray) -> int:
     return int(lens.size if ones.size == 0 else ones[0])
 
 
+def expand_groups(lens: np.ndarray, ends: np.ndarray, k_base: int,
+                  bound: int = EXPAND_KEYS) -> tuple[ExpandGroup, ...] | None:
+    """``AttentionPlan.rest_groups``: runs of consecutive sequences (query lengths ``lens`` [S], contexts
+    ``ends`` [S], host) whose contexts sum to at most ``bound`` keys (a longer context is a run alone), keys
+    counted from ``k_base`` in the gathered keys; None where one run holds them all."""
+    if lens.size < 2 or int(ends.sum()) <= bound:
+        return None
+    cuts = [0]
+    keys = 0
+    for i, e in enumerate(ends.tolist()):
+        if i > cuts[-1] and keys + e > bound:
+            cuts.append(i)
+            keys = 0
+        keys += e
+    cuts.append(int(lens.size))
+    cq = np.concatenate([[0], np.cumsum(lens)])
+    ck = np.concatenate([[0], np.cumsum(ends)])
+    return tuple(ExpandGroup(a, b, int(cq[a]), int(cq[b]), k_base + int(ck[a]), k_base + int(ck[b]),
+                             int(lens[a:b].max()), int(ends[a:b].max())) for a, b in zip(cuts, cuts[1:]))
+
+
 class PagedKVCache:
     """Per-rank paged cache: ``num_blocks`` blocks of ``block_size`` token slots, shared by every layer's
     two tensors. ``update`` is the transformers ``Cache.update`` seam (duck-typed: the model only calls
     ``update`` with a 4D mask given)."""
 
     is_compileable = False
+    expand_keys = EXPAND_KEYS  # the keys of one expansion run a plan's ``rest_groups`` cut to (tests: fewer)
 
     def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
@@ -314,10 +336,12 @@ class PagedKVCache:
         if varlen:
             slots = up["read"][:kd] if paged else None
             gather = None if paged and nd == s else up["read"][kd:]
+            groups = expand_groups(c.lens[nd:], c.ends[nd:], 0 if paged else int(c.ends[:nd].sum()),
+                                   self.expand_keys)
             plan = AttentionPlan(n, backend, gather=gather, cu_q=up["cu_q"].to(torch.int32),
                                  cu_k=up["cu_k"].to(torch.int32), max_q=int(c.lens.max(initial=1)),
                                  max_k=int(c.ends.max(initial=1)), single_rows=nd if (paged or nd < s) else 0,
-                                 slots=slots, cu_q_rest=up["cu_q_rest"].to(torch.int32))
+                                 slots=slots, cu_q_rest=up["cu_q_rest"].to(torch.int32), rest_groups=groups)
             return step, plan
         plain = s == 1 and int(c.starts[0]) == 0  # one sequence from its first position: SDPA's causal kernel
         mask = None if plain else _mask(up["q_seq"], up["positions"][:n], up["k_seq"], up["k_pos"], mask_dtype)

@@ -402,7 +402,7 @@ def attend_step(ab: Absorbed, q: torch.Tensor, c_cache: torch.Tensor, kr_cache: 
         parts = [attend_in_place(ab, q[:nd], c_cache, kr_cache, plan.slots, plan.cu_k[:nd + 1], None, scale)]
         rest = plan.cu_q_rest if plan.cu_q_rest is not None else plan.cu_q[nd:] - nd
         parts.append(_expanded(ab, q[nd:], c_cache.index_select(0, plan.gather), kr_cache.index_select(0, plan.gather),
-                               rest, plan.cu_k[nd + 1:], plan.max_q, plan.max_k, scale, varlen))
+                               rest, plan.cu_k[nd + 1:], plan.max_q, plan.max_k, scale, varlen, plan.rest_groups))
         return torch.cat(parts)
     c, kr = c_cache.index_select(0, plan.gather), kr_cache.index_select(0, plan.gather)
     nd = n if plan.max_q <= 1 else int(plan.single_rows)
@@ -412,14 +412,22 @@ def attend_step(ab: Absorbed, q: torch.Tensor, c_cache: torch.Tensor, kr_cache: 
         parts.append(absorb_output(ab, ab.decode(q_lat, q_rot, c, kr, plan.cu_k[:nd + 1], plan.max_k, scale), q.dtype))
     if nd < n:
         rest = plan.cu_q_rest if plan.cu_q_rest is not None else plan.cu_q[nd:] - nd
-        parts.append(_expanded(ab, q[nd:], c, kr, rest, plan.cu_k[nd:], plan.max_q, plan.max_k, scale, varlen))
+        parts.append(_expanded(ab, q[nd:], c, kr, rest, plan.cu_k[nd:], plan.max_q, plan.max_k, scale, varlen,
+                               plan.rest_groups))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _expanded(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, cu_q: torch.Tensor,
-              cu_k: torch.Tensor, max_q: int, max_k: int, scale: float, varlen: Any) -> torch.Tensor:
+              cu_k: torch.Tensor, max_q: int, max_k: int, scale: float, varlen: Any,
+              groups: Any = None) -> torch.Tensor:
     """Rows over their contexts expanded by the module's own ``expand_kv``: q [m, H, N + P], c [K, R], kr [K, P]
-    -> [m, H, V] (``varlen``: values zero-padded to the key head size, the output cut back)."""
+    -> [m, H, V] (``varlen``: values zero-padded to the key head size, the output cut back). ``groups``: the
+    plan's ``rest_groups`` (runs of sequences, their rows and keys): one run expanded at a time (~200 KB a key
+    at DeepSeek-V3's shape: every context of a long-prompt step at once took gigabytes), None: all at once."""
+    if groups is not None:
+        return torch.cat([_expanded(ab, q[g.q_lo:g.q_hi], c[g.k_lo:g.k_hi], kr[g.k_lo:g.k_hi],
+                                    cu_q[g.seq_lo:g.seq_hi + 1] - g.q_lo, cu_k[g.seq_lo:g.seq_hi + 1] - g.k_lo,
+                                    g.max_q, g.max_k, scale, varlen) for g in groups])
     key, value = ab.expand(c[None, None], kr[None, None])  # [1, H, K, N + P], [1, H, K, V]
     kg, vg = key[0].transpose(0, 1), value[0].transpose(0, 1)
     d, dv = int(kg.shape[-1]), int(vg.shape[-1])

@@ -170,8 +170,8 @@ class StepGraphRunner:
         return generation in self.reports
 
     def capture(self, generation: int, paths: Any, make_ctx: ContextFactory, *, at_start: bool) -> CaptureReport:
-        """Every lattice size of ``generation`` (decode sizes, then token sizes), each a warm-up step then a
-        capture; the graphs go into the shard's store under ``generation`` (released at its retirement). A
+        """Every lattice size of ``generation`` (token sizes, then decode sizes, largest first), each a warm-up
+        step then a capture; the graphs go into the shard's store under ``generation`` (released at its retirement). A
         failed capture of a kind leaves that kind eager, its reason in the report (and the step path)."""
         rep = CaptureReport(generation, at_start)
         self.reports[generation] = rep
@@ -186,18 +186,13 @@ class StepGraphRunner:
         if at_start:
             self._warm_hole_kernels(rep)
         key = "graphs_captured_start" if at_start else "graphs_captured_serving"
-        if self.decode_off is None:
-            for rows in self.decode_sizes:
-                try:
-                    self._capture_decode(generation, rows, paths, make_ctx)
-                except Exception as exc:  # noqa: BLE001 - decode steps then take the other paths; say why
-                    rep.errors["decode"] = capture_failure(exc)
-                    self.decode_off = f"decode capture failed: {rep.errors['decode']}"
-                    break
-                rep.decode_graphs += 1
-                self.count(key)
+        # largest first (token sizes, then decode sizes, each descending), as vLLM and SGLang capture: every
+        # graph allocates from the one pool, and a smaller graph's activations fit the segments a larger one
+        # left; ascending, each larger size adds segments the smaller ones cannot merge, and the pool grows
+        # with the lattice (82474f4's DeepSeek slice on an H100: 8.7 GiB by its 26th piecewise size, then an
+        # out-of-memory capture that left every prompt step eager)
         if self.tokens_off is None:
-            for rows in lat.token_sizes:
+            for rows in reversed(lat.token_sizes):
                 if self.whole_off is None and lat.whole(rows):
                     try:
                         self._capture_token_graph(generation, rows, paths, make_ctx)
@@ -214,6 +209,16 @@ class StepGraphRunner:
                     self.tokens_off = f"piecewise capture failed: {rep.errors['tokens']}"
                     break
                 rep.piecewise_graphs += 1
+                self.count(key)
+        if self.decode_off is None:
+            for rows in reversed(self.decode_sizes):
+                try:
+                    self._capture_decode(generation, rows, paths, make_ctx)
+                except Exception as exc:  # noqa: BLE001 - decode steps then take the other paths; say why
+                    rep.errors["decode"] = capture_failure(exc)
+                    self.decode_off = f"decode capture failed: {rep.errors['decode']}"
+                    break
+                rep.decode_graphs += 1
                 self.count(key)
         if dev.type == "cuda":  # (the warm-ups' eager activations go back to the device; the graphs keep theirs)
             torch.cuda.synchronize(dev)

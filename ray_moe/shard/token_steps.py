@@ -112,7 +112,8 @@ class TokenStepExecutor:
             host.fuse_kernels()
         if sized and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            host.size_kv(float(memory_fraction), max(WORKSPACE_MIN_BYTES, int(WORKSPACE_SHARE * total)))
+            host.size_kv(float(memory_fraction),
+                         max(WORKSPACE_MIN_BYTES, int(WORKSPACE_SHARE * total)) + host.expansion_bytes())
         executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype, pipeline=pipeline,
                        prefix_caching=prefix_caching)
         for key, n in (("fused_norm_layers", host.norms.modules), ("fused_rotary_modules", len(host.rotary.modules)),

@@ -123,3 +123,32 @@ def test_chain_hashes_equal_block_hashes_chained():
         want.append(parent)
     assert chain_hashes(77, toks, 4) == want and chain_hashes(None, list(toks[:3]), 4) == []
     assert chain_hashes(None, toks, 4)[0] == block_hash(None, toks[:4])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 30)), min_size=0, max_size=12),
+       st.integers(1, 40), st.integers(0, 50))
+def test_expansion_runs_partition_the_sequences_within_their_bound(seqs, bound, base):
+    """``expand_groups``: consecutive runs covering every sequence once, in order; each run's rows and keys the
+    cumulative sums of its sequences' (keys from ``base``); a run over the bound holds one sequence; no two
+    neighbouring runs could have been one; None exactly where every key fits one run (or there is one sequence)."""
+    from ray_moe.model.kv import expand_groups
+
+    lens = np.array([q for q, _ in seqs], dtype=np.int64)
+    ends = np.array([q + e for q, e in seqs], dtype=np.int64)  # a context holds its own rows
+    groups = expand_groups(lens, ends, base, bound)
+    if len(seqs) < 2 or int(ends.sum()) <= bound:
+        assert groups is None
+        return
+    assert groups is not None and len(groups) > 1
+    cq, ck = np.concatenate([[0], np.cumsum(lens)]), np.concatenate([[0], np.cumsum(ends)])
+    assert groups[0].seq_lo == 0 and groups[-1].seq_hi == len(seqs)
+    for g, h in zip(groups, groups[1:]):
+        assert g.seq_hi == h.seq_lo
+        assert (g.k_hi - g.k_lo) + int(ends[h.seq_lo]) > bound  # the next sequence did not fit this run
+    for g in groups:
+        assert g.seq_lo < g.seq_hi
+        assert (g.q_lo, g.q_hi) == (cq[g.seq_lo], cq[g.seq_hi])
+        assert (g.k_lo, g.k_hi) == (base + ck[g.seq_lo], base + ck[g.seq_hi])
+        assert g.k_hi - g.k_lo <= bound or g.seq_hi - g.seq_lo == 1
+        assert (g.max_q, g.max_k) == (lens[g.seq_lo:g.seq_hi].max(), ends[g.seq_lo:g.seq_hi].max())

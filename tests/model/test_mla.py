@@ -119,6 +119,38 @@ def test_an_absorbed_host_gives_the_logits_of_transformers_expansion(hf_checkpoi
     assert mla.restore_mla(absorbed.model) == layers and mla.absorbed_of(m) is None
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_prompt_rows_expand_their_contexts_one_run_at_a_time(hf_checkpoint, monkeypatch, in_place):
+    """A step whose prompt sequences' contexts exceed the expansion bound (here 12 keys, as 8,192 on a GPU)
+    expands them run by run (``AttentionPlan.rest_groups``), and its logits still equal transformers' expansion
+    of every context at once; with the one-row group read in place (gathered keys from the rest) or gathered."""
+    from ray_moe.model.kv import PagedKVCache
+    from ray_moe.model.paged_decode import paged_decode_reference
+
+    _, folder = hf_checkpoint("deepseek_v3")
+    kw = dict(attention=AttentionBackend.VARLEN, varlen_kernel=sequence_reference, kv_tokens=512)
+    plain = ModelHost.from_checkpoint(folder, **kw)
+    host = ModelHost.from_checkpoint(folder, **kw, **({"decode_kernel": paged_decode_reference} if in_place else {}))
+    host.fuse_kernels()
+    assert host.paged_decode is in_place
+    monkeypatch.setattr(PagedKVCache, "expand_keys", 12)
+    seen = []
+    real = mla._expanded
+
+    def spy(*args, **kw):
+        if len(args) > 10 and args[10] is not None:
+            seen.append([(g.seq_lo, g.seq_hi, g.k_hi - g.k_lo) for g in args[10]])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mla, "_expanded", spy)
+    ex = _executor(folder)
+    for got, want in zip(_run(host, ex), _run(plain, ex)):
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+    layers = int(host.config.num_hidden_layers)
+    # step 0: a (5 keys) and b (9) in two runs; step 1: b (13: alone, over the bound) then c (7)
+    assert seen == [[(0, 1, 5), (1, 2, 9)]] * layers + [[(0, 1, 13), (1, 2, 7)]] * layers
+
+
 def test_the_latent_cache_is_sized_by_what_it_holds(hf_checkpoint):
     """A latent cache holds R + P numbers per token and layer (not the expanded keys and values of every head):
     the bytes per token the KV budget divides by, against what the cache allocated after a step."""
@@ -256,3 +288,24 @@ def test_the_in_place_kernel_equals_its_reference_under_the_interpreter():
     want = mla.mla_decode_paged_reference(ql, qr, c, kr, slots, cu_k, k_end, 0.25)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not want[1].any()
+
+
+def test_the_kv_budget_keeps_one_expansion_run(hf_checkpoint):
+    """``ModelHost.expansion_bytes``: what expanding one run of ``EXPAND_KEYS`` keys allocates (measured here
+    from the module's own expansion of 64 keys: keys, values, values padded to the key size, the kernel's
+    contiguous copies), with at most 2x to spare; a cache of keys and values (Qwen3-MoE) keeps none."""
+    from ray_moe.model.attention import EXPAND_KEYS
+
+    _, folder = hf_checkpoint("deepseek_v3")
+    host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=64)
+    host.fuse_kernels()
+    m = next(m for m in host.model.modules() if mla.is_mla(m))
+    ab = mla.absorbed_of(m)
+    c, kr = torch.zeros(64, int(m.kv_lora_rank)), torch.zeros(64, int(m.qk_rope_head_dim))
+    key, value = ab.expand(c[None, None], kr[None, None])
+    kg, vg = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
+    padded = torch.nn.functional.pad(vg, (0, kg.shape[-1] - vg.shape[-1]))
+    per_key = sum(t.numel() * t.element_size() for t in (key, value, kg, vg, padded)) / 64
+    assert EXPAND_KEYS * per_key <= host.expansion_bytes() <= 2 * EXPAND_KEYS * per_key
+    _, qwen = hf_checkpoint("qwen3_moe")
+    assert ModelHost.from_checkpoint(qwen, kv_tokens=64).expansion_bytes() == 0
