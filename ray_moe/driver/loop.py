@@ -214,6 +214,11 @@ class GenerationLoop:
         except BaseException:
             self.gc.close()
             raise
+        # a rank whose start capture ran out of memory made its (empty) cache smaller and captured again
+        # (``TokenStepExecutor.refit_kv``): the scheduler plans the smallest cache any rank holds now
+        refit = [int(r["kv_blocks"]) for r in self.steps_report if r.get("kv_blocks") is not None]
+        if info and refit and min(refit) < int(info["kv_blocks"]):
+            info = {**info, "kv_blocks": min(refit)}
         self._warn_slow_paths()
         if device == "cuda":
             self.gc.freeze()
@@ -341,8 +346,20 @@ class GenerationLoop:
         return min(infos, key=lambda i: int(i["kv_blocks"])) if infos else {}
 
     def _warn_slow_paths(self) -> None:
-        """Say at start which step kinds leave the captured graphs on the GPU, and why (``warnings``, logged)."""
+        """Say at start which step kinds leave the captured graphs on the GPU, and why, and which rank made its
+        cache smaller to capture them (``warnings``, logged)."""
+        for rep in self.steps_report:
+            refit = (rep.get("capture") or {}).get("kv_refit")
+            if refit:
+                kinds = ", ".join(refit["errors"])
+                self.warnings.append(
+                    f"rank {rep.get('rank')}: the start capture ran out of device memory ({kinds}): the KV cache was "
+                    f"made smaller, {refit['from_tokens']} -> {refit['to_tokens']} tokens (keeping "
+                    f"{refit['workspace_bytes'] / 2**30:.1f} GiB for activations and graphs), and the lattice "
+                    f"captured again")
         if self.device != "cuda":
+            for w in self.warnings:
+                log.warning("ray-moe: %s", w)
             return
         if self._fp8_layers and self._fp8_reason:
             self.warnings.append(f"{self._fp8_layers} MoE layers hold FP8 experts: they compute on their dequantized "

@@ -85,6 +85,9 @@ class CaptureReport:
     seconds: float = 0.0
     reserved_bytes: int = 0
     errors: dict[str, str] = field(default_factory=dict)
+    # a first capture that ran out of memory, the KV cache then made smaller and the lattice captured again
+    # (``TokenStepExecutor.capture``): its errors, the cache's tokens before and after, the workspace kept
+    kv_refit: dict[str, Any] | None = None
 
 
 # a step's MoE context for captured rows: (row_valid [R] bool, the dispatcher, the step's tag) -> MoEStep
@@ -110,6 +113,7 @@ class StepGraphRunner:
         self.arena: OutputArena | None = None  # the holes' shared attention output
         self.max_k = 1  # the decode graphs' context bound (the decode kernel's split count is a static shape)
         self.decode_sizes: tuple[int, ...] = ()  # the lattice's, up to the decode bucket's capacity
+        self.configured = (self.decode_off, self.tokens_off, self.whole_off)  # (``configure``'s, for ``drop``)
 
     # ------------------------------------------------------------------ configuration
     def configure(self, lattice: StepLattice, *, capture: bool, one_rank: bool, local: bool, why_not: str,
@@ -138,6 +142,15 @@ class StepGraphRunner:
         if self.whole_off is None and lattice.whole_rows < lattice.token_sizes[0]:
             self.whole_off = "whole_rows=0"
         self.max_k = int(getattr(host.config, "max_position_embeddings", 1 << 15))
+        self.configured = (self.decode_off, self.tokens_off, self.whole_off)
+
+    def drop(self, generation: int) -> None:
+        """Forget ``generation``'s capture so that it can be captured again (the caller released its graphs
+        from the store): the shared buffers re-made at the next capture (the slot vector names the cache's
+        trash slot), each kind's path back to what ``configure`` chose."""
+        self.reports.pop(generation, None)
+        self.slots = self.arena = None
+        self.decode_off, self.tokens_off, self.whole_off = self.configured
 
     def paths(self) -> dict[str, str]:
         """The path each step kind takes here, in words (``status``)."""

@@ -51,6 +51,7 @@ DEFAULT_MEMORY_FRACTION = 0.9
 WORKSPACE_MIN_BYTES = 2 << 30
 WORKSPACE_SHARE = 0.05
 CPU_KV_TOKENS = 8192  # kv_tokens=None on a CPU: no device memory to size from
+REFIT_MIN_BYTES = 2 << 30  # what a refit keeps at least beyond the workspace (a capture out of memory at start)
 
 
 class TokenStepExecutor:
@@ -70,6 +71,8 @@ class TokenStepExecutor:
         self.pipeline = pipeline or StepPipeline()
         self.graph_runner = StepGraphRunner(host, self.pipeline)
         self.batcher = StepBatcher(lambda: self.host.kv, prefix_caching, self.count)
+        # a cache sized from memory: (memory_fraction, workspace bytes) it was sized with (None: a given size)
+        self.kv_sizing: tuple[float, int] | None = None
         # device timing (CUDA): the launching step's start event, the last completed step's end event
         self._start: torch.cuda.Event | None = None
         self._last_end: torch.cuda.Event | None = None
@@ -110,12 +113,15 @@ class TokenStepExecutor:
             raise ValueError(f"num_layers={num_layers} but the model has {host.moe_layers} MoE layers")
         if fused_kernels:
             host.fuse_kernels()
+        workspace = None
         if sized and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            host.size_kv(float(memory_fraction),
-                         max(WORKSPACE_MIN_BYTES, int(WORKSPACE_SHARE * total)) + host.expansion_bytes())
+            workspace = max(WORKSPACE_MIN_BYTES, int(WORKSPACE_SHARE * total)) + host.expansion_bytes()
+            host.size_kv(float(memory_fraction), workspace)
         executor = cls(rank, host, hidden_size=hidden_size, top_k=top_k, dtype=dtype, pipeline=pipeline,
                        prefix_caching=prefix_caching)
+        if workspace is not None:
+            executor.kv_sizing = (float(memory_fraction), workspace)
         for key, n in (("fused_norm_layers", host.norms.modules), ("fused_rotary_modules", len(host.rotary.modules)),
                        ("fused_router_layers", host.routers.modules), ("fused_qkv_modules", host.qkv.modules),
                        ("fp8_dense_modules", host.fp8_dense["modules"]), ("absorbed_mla_modules", host.mla.modules)):
@@ -169,9 +175,41 @@ class TokenStepExecutor:
 
     def capture(self, view: PlacementView, paths: Any, *, at_start: bool) -> dict[str, Any]:
         """Capture the lattice of ``view``'s generation (every rank of the group at once: a decode warm-up of
-        an expert-parallel group exchanges); returns what it took."""
-        rep = self.graph_runner.capture(view.generation, paths, self._context_factory(view, paths), at_start=at_start)
+        an expert-parallel group exchanges); returns what it took. At start, a capture that ran out of memory
+        over a cache sized from memory refits the cache (``refit_kv``) and captures the lattice once more."""
+        make = self._context_factory(view, paths)
+        rep = self.graph_runner.capture(view.generation, paths, make, at_start=at_start)
+        refit = self.refit_kv(rep, view.generation, paths) if at_start else None
+        if refit is not None:
+            rep = self.graph_runner.capture(view.generation, paths, make, at_start=at_start)
+            rep.kv_refit = refit
         return vars(rep)
+
+    def refit_kv(self, rep: Any, generation: int, paths: Any) -> dict[str, Any] | None:
+        """After a start capture some of whose kinds ran out of device memory: the cache (sized from memory,
+        still empty) made smaller by twice what the graphs held when it failed (at least ``REFIT_MIN_BYTES``),
+        the generation's graphs released, so that the lattice can be captured again (the caller does). A
+        group of one only (an expert-parallel group's ranks capture together: one rank alone cannot start
+        over). Returns what changed, or None where nothing did.
+          1. the graphs released and forgotten, the allocator's cache returned
+          2. the cache re-made (``ModelHost.size_kv``) with the larger workspace"""
+        host = self.host
+        oom = [k for k, e in rep.errors.items() if "OutOfMemoryError" in e]
+        if not oom or self.kv_sizing is None or paths.exchange.size != 1 or host.kv.sequences():
+            return None
+        fraction, workspace = self.kv_sizing
+        before = host.kv.capacity_tokens
+        grow = max(2 * int(rep.reserved_bytes), REFIT_MIN_BYTES)
+        self.pipeline.graphs.release(generation)  # 1.
+        self.graph_runner.drop(generation)
+        if host.device.type == "cuda":
+            torch.cuda.synchronize(host.device)
+            torch.cuda.empty_cache()
+        host.size_kv(fraction, workspace + grow)  # 2.
+        self.kv_sizing = (fraction, workspace + grow)
+        self.count("kv_refits")
+        return {"errors": {k: rep.errors[k] for k in oom}, "from_tokens": before,
+                "to_tokens": host.kv.capacity_tokens, "workspace_bytes": workspace + grow}
 
     def _context_factory(self, view: PlacementView, paths: Any):
         def make(row_valid: torch.Tensor, dispatcher: Any, tag: str) -> MoEStep:
@@ -475,7 +513,8 @@ class TokenStepExecutor:
 
     def status(self) -> dict[str, Any]:
         """The step shapes (lattice, paths, captures) and the graph runner's counts."""
-        return {**self.graph_runner.status(), "counters": dict(self.graph_runner.counters)}
+        return {**self.graph_runner.status(), "counters": dict(self.graph_runner.counters),
+                "kv_blocks": self.host.kv.num_blocks}
 
 
 def sampled_items(items: tuple[WorkItem, ...]) -> tuple[WorkItem, ...]:

@@ -238,6 +238,66 @@ def test_one_rank_steps_replay_the_lattice_captured_at_start_equal_greedy(tmp_pa
     assert kinds == {"tokens"}  # (the masked backend on CPU: decode steps take the token sizes)
 
 
+def test_a_start_capture_out_of_memory_refits_the_cache_and_captures_again(tmp_path, eager_capture, monkeypatch):
+    """A cache sized from memory whose start capture runs out of device memory (here: the largest piecewise
+    size, once, as the DeepSeek slice's did on an H100) is made smaller with twice the graphs' memory kept beside
+    it, the lattice captured again, and the driver plans the smaller cache and says so; every step then replays
+    a graph, tokens equal to greedy. (CPU: the cache's sizing and the error stand in for the GPU's.)"""
+    from ray_moe.driver.loop import GenerationLoop
+    from ray_moe.model.host import ModelHost
+    from ray_moe.model.kv import PagedKVCache
+    from ray_moe.model.sampling import SamplingParams
+    from ray_moe.shard import token_steps
+    from ray_moe.shard.graph_runner import StepGraphRunner
+    from ray_moe_dev.testing.inprocess import LocalTransport
+
+    load, capture_tokens = token_steps.TokenStepExecutor.load.__func__, StepGraphRunner._capture_tokens
+    sized: list[int] = []
+
+    def load_sized(cls, *a, **k):  # a cache "sized from memory" with a 1 MiB workspace
+        ex = load(cls, *a, **k)
+        ex.kv_sizing = (0.9, 1 << 20)
+        return ex
+
+    def size_kv(self, fraction, workspace):  # the GPU's sizing, on CPU: half the blocks
+        sized.append(workspace)
+        self.kv = PagedKVCache(self.kv.num_blocks // 2, self.kv.block_size, device=self.device, dtype=self.dtype)
+        return self.kv.capacity_tokens
+
+    failed: list[int] = []
+
+    def capture_once(self, generation, rows, *a):
+        if not failed:
+            failed.append(rows)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 384.00 MiB")
+        return capture_tokens(self, generation, rows, *a)
+
+    monkeypatch.setattr(token_steps.TokenStepExecutor, "load", classmethod(load_sized))
+    monkeypatch.setattr(ModelHost, "size_kv", size_kv)
+    monkeypatch.setattr(StepGraphRunner, "_capture_tokens", capture_once)
+    model, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1))
+    transport = LocalTransport(dep)
+    loop = GenerationLoop(transport, device="cpu", kv_tokens=1024, block_size=8, step_tokens=64)
+    try:
+        rep = loop.steps_report[0]["capture"]
+        assert failed == [max(loop.steps_report[0]["lattice"]["token_sizes"])]  # the largest size first
+        assert rep["kv_refit"]["from_tokens"] == 1024 and rep["kv_refit"]["to_tokens"] == 512
+        assert list(rep["kv_refit"]["errors"]) == ["tokens"] and not rep["errors"]
+        assert sized == [(1 << 20) + token_steps.REFIT_MIN_BYTES] and rep["piecewise_graphs"] > 0
+        assert loop.scheduler.kv_blocks == 512 // 8 and loop.rank_kv_tokens == 512
+        assert any("1024 -> 512 tokens" in w for w in loop.warnings), loop.warnings
+        prompts = _prompts(11, (9, 20, 4))
+        handles = [loop.submit(p, SamplingParams(max_new_tokens=5)) for p in prompts]
+        assert [h.result(120) for h in handles] == _reference(model, prompts, 5)
+    finally:
+        loop.close()
+        transport.close()
+    c = _counts(dep)[0]
+    assert c.get("kv_refits") == 1 and c.get("eager_steps", 0) == 0 and not c.get("graphs_captured_serving"), c
+
+
 @pytest.mark.parametrize("family,whole_rows", [("qwen3_moe", None), ("qwen3_moe", 0), ("qwen3_moe", 16),
                                                ("deepseek_v3", None)])
 def test_the_h200_paths_on_cpu_stay_token_equal(tmp_path, eager_capture, paged_references, monkeypatch, family,
