@@ -349,7 +349,10 @@ class ModelHost:
             raise ConfigError(f"device {self.device.type}: a memory-sized KV cache needs CUDA (give kv_tokens)")
         if self.kv.sequences():
             raise RuntimeError("size_kv: the cache already holds sequences")
-        torch.cuda.empty_cache()  # blocks this process's allocator cached (e.g. a device draw's temporaries) count as free
+        # the cache held so far goes first (a refit after captures: its layers' tensors are allocated), then the
+        # blocks this process's allocator cached (e.g. a device draw's temporaries) count as free
+        self.kv = PagedKVCache(1, self.kv.block_size, device=self.device, dtype=self.dtype)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(memory_fraction * total) - (total - free) - int(workspace_bytes)
         per_token = self.kv_bytes_per_token()

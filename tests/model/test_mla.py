@@ -309,3 +309,30 @@ def test_the_kv_budget_keeps_one_expansion_run(hf_checkpoint):
     assert EXPAND_KEYS * per_key <= host.expansion_bytes() <= 2 * EXPAND_KEYS * per_key
     _, qwen = hf_checkpoint("qwen3_moe")
     assert ModelHost.from_checkpoint(qwen, kv_tokens=64).expansion_bytes() == 0
+
+
+def test_a_refit_measures_the_device_without_the_cache_it_replaces(hf_checkpoint, monkeypatch):
+    """``size_kv`` over a cache whose layers are allocated (a refit after the start captures) releases that cache
+    before it reads the device's free memory: the new budget counts the old cache's bytes as free. (The device is
+    simulated: free memory falls by the old cache's bytes while any reference to it lives.)"""
+    import weakref
+
+    _, folder = hf_checkpoint("deepseek_v3")
+    host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=256)
+    _run(host, _executor(folder))
+    for c in STEPS[0] + STEPS[1]:
+        host.kv.free(c.seq_id)
+    old_bytes, old = host.kv.allocated_bytes(), weakref.ref(host.kv)
+    assert old_bytes > 0
+    total, used = 1 << 30, 100 << 20  # weights and the rest: 100 MiB of a 1 GiB device
+
+    def mem_get_info(device=None):
+        return total - used - (old_bytes if old() is not None else 0), total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    host.device = torch.device("cuda")  # (nothing is allocated on it: the cache allocates at a step)
+    tokens = host.size_kv(0.5, 64 << 20)
+    per_token = host.kv_bytes_per_token()
+    want = ((total // 2) - used - (64 << 20)) // (per_token * host.kv.block_size) * host.kv.block_size
+    assert old() is None and tokens == want and host.kv.capacity_tokens == want
