@@ -512,7 +512,8 @@ class TokenStepExecutor:
         self.counters[key] = self.counters.get(key, 0) + n
 
     def status(self) -> dict[str, Any]:
-        """The step shapes (lattice, paths, captures) and the graph runner's counts."""
+        """The step shapes (lattice, paths, captures), the graph runner's counts, and the cache's blocks (fewer
+        than at load after a refit)."""
         return {**self.graph_runner.status(), "counters": dict(self.graph_runner.counters),
                 "kv_blocks": self.host.kv.num_blocks}
 
