@@ -282,5 +282,5 @@ def sequence_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
 
 
 __all__ = ["AttentionBackend", "AttentionPlan", "EXPAND_KEYS", "ExpandGroup", "InlineAttention", "Kernels",
-           "StepAttention", "VarlenKernel", "attend", "flash_varlen", "step_attention", "register", "check_flash", "sequence_reference",
-           "ATTENTION_NAME", "ATTENTION_KW"]
+           "StepAttention", "VarlenKernel", "attend", "flash_varlen", "step_attention", "register", "check_flash",
+           "sequence_reference", "ATTENTION_NAME", "ATTENTION_KW"]

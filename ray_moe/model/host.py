@@ -436,7 +436,8 @@ class ModelHost:
         """A step's rows and exact attention plan (``PagedKVCache.plan_step`` with this host's backend)."""
         ids = token_ids.numpy() if isinstance(token_ids, torch.Tensor) else token_ids
         return self.kv.plan_step(chunks, ids.astype("int64", copy=False), self.attention, paged=self.paged_decode,
-                                 rows=rows, last_rows=last_rows, mask_dtype=self.dtype)
+                                 rows=rows, last_rows=last_rows, mask_dtype=self.dtype,
+                                 expand_keys=attn.EXPAND_KEYS if self.latent_cache else None)
 
     @torch.no_grad()
     def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:

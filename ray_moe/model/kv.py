@@ -144,7 +144,6 @@ class PagedKVCache:
     ``update`` with a 4D mask given)."""
 
     is_compileable = False
-    expand_keys = EXPAND_KEYS  # the keys of one expansion run a plan's ``rest_groups`` cut to (tests: fewer)
 
     def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
@@ -281,14 +280,17 @@ class PagedKVCache:
     # ------------------------------------------------------------------ one step
     def plan_step(self, chunks: "Sequence[Chunk] | HostChunks", token_ids: np.ndarray, backend: AttentionBackend, *,
                   paged: bool = False, rows: int | None = None, last_rows: int | None = None,
-                  mask_dtype: torch.dtype = torch.float32) -> tuple[StepRows, AttentionPlan]:
+                  mask_dtype: torch.dtype = torch.float32,
+                  expand_keys: int | None = None) -> tuple[StepRows, AttentionPlan]:
         """The rows and the exact attention plan of one step (every chunk's positions reserved first), host
         arrays built once (numpy, no per-token Python) and uploaded in one copy.
 
         chunks: the step's sequences in packed order (or their ``HostChunks``, e.g. a warm-up's over the trash
         slot); token_ids: [n] their new tokens; rows: pad the rows to this many (None: n); last_rows: the
         ``last`` entries (None: one per sequence); paged (VARLEN): the leading one-row sequences read their
-        slots in place (``AttentionPlan.slots``), the other contexts are gathered; mask_dtype: MASKED's mask.
+        slots in place (``AttentionPlan.slots``), the other contexts are gathered; mask_dtype: MASKED's mask;
+        expand_keys (VARLEN): the plan's ``rest_groups`` cut at this many gathered keys (a model that expands
+        its contexts before attending; None: not cut).
           1. host arrays: each chunk's context slots, the rows' write slots and positions
           2. the plan's vectors: gather / slots and offsets (VARLEN) or the mask's keys (MASKED)
           3. one upload; row_valid and the mask built on the device"""
@@ -336,8 +338,8 @@ class PagedKVCache:
         if varlen:
             slots = up["read"][:kd] if paged else None
             gather = None if paged and nd == s else up["read"][kd:]
-            groups = expand_groups(c.lens[nd:], c.ends[nd:], 0 if paged else int(c.ends[:nd].sum()),
-                                   self.expand_keys)
+            groups = None if expand_keys is None else expand_groups(
+                c.lens[nd:], c.ends[nd:], 0 if paged else int(c.ends[:nd].sum()), expand_keys)
             plan = AttentionPlan(n, backend, gather=gather, cu_q=up["cu_q"].to(torch.int32),
                                  cu_k=up["cu_k"].to(torch.int32), max_q=int(c.lens.max(initial=1)),
                                  max_k=int(c.ends.max(initial=1)), single_rows=nd if (paged or nd < s) else 0,

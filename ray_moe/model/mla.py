@@ -39,6 +39,7 @@ import torch
 
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.paged_decode import dot_precision, pow2_block
+from ray_moe.model.swap import restore_forwards
 
 ABSORBED_ATTR = "_ray_moe_mla_absorbed"
 BLOCK_H = 16  # heads per program (the rows of its matrix products)
@@ -136,13 +137,7 @@ def absorb_mla(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
 
 def restore_mla(model: torch.nn.Module) -> int:
     """Every absorbed module expands its latent again (transformers' own path); returns how many."""
-    n = 0
-    for m in model.modules():
-        if hasattr(m, ABSORBED_ATTR):
-            object.__delattr__(m, "expand_kv")
-            object.__delattr__(m, ABSORBED_ATTR)
-            n += 1
-    return n
+    return restore_forwards(model, ABSORBED_ATTR, member="expand_kv")
 
 
 def _pass_through(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

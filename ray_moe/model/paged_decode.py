@@ -254,5 +254,5 @@ def check_paged(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
     return None
 
 
-__all__ = ["DecodeKernel", "pow2_block", "paged_decode", "paged_decode_reference", "decode_splits", "check_paged", "available",
-           "BLOCK_N"]
+__all__ = ["DecodeKernel", "pow2_block", "paged_decode", "paged_decode_reference", "decode_splits", "check_paged",
+           "available", "BLOCK_N"]

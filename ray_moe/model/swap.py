@@ -34,12 +34,13 @@ def swap_forward(module: torch.nn.Module, attr: str, make: Callable[[Any], Calla
     object.__setattr__(module, "forward", make(original))
 
 
-def restore_forwards(model: torch.nn.Module, attr: str) -> int:
-    """Give every module of ``model`` swapped under ``attr`` its own forward back; returns how many."""
+def restore_forwards(model: torch.nn.Module, attr: str, member: str = "forward") -> int:
+    """Give every module of ``model`` swapped under ``attr`` its own ``member`` back (the instance's override
+    removed: the class's method again); returns how many."""
     n = 0
     for module in model.modules():
         if hasattr(module, attr):
-            object.__delattr__(module, "forward")
+            object.__delattr__(module, member)
             object.__delattr__(module, attr)
             n += 1
     return n

@@ -184,8 +184,9 @@ class StepGraphRunner:
 
     def capture(self, generation: int, paths: Any, make_ctx: ContextFactory, *, at_start: bool) -> CaptureReport:
         """Every lattice size of ``generation`` (token sizes, then decode sizes, largest first), each a warm-up
-        step then a capture; the graphs go into the shard's store under ``generation`` (released at its retirement). A
-        failed capture of a kind leaves that kind eager, its reason in the report (and the step path)."""
+        step then a capture; the graphs go into the shard's store under ``generation`` (released at its
+        retirement). A failed capture of a kind leaves that kind eager, its reason in the report (and the step
+        path)."""
         rep = CaptureReport(generation, at_start)
         self.reports[generation] = rep
         lat = self.lattice

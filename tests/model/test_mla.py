@@ -124,7 +124,7 @@ def test_prompt_rows_expand_their_contexts_one_run_at_a_time(hf_checkpoint, monk
     """A step whose prompt sequences' contexts exceed the expansion bound (here 12 keys, as 8,192 on a GPU)
     expands them run by run (``AttentionPlan.rest_groups``), and its logits still equal transformers' expansion
     of every context at once; with the one-row group read in place (gathered keys from the rest) or gathered."""
-    from ray_moe.model.kv import PagedKVCache
+    from ray_moe.model import attention as attn
     from ray_moe.model.paged_decode import paged_decode_reference
 
     _, folder = hf_checkpoint("deepseek_v3")
@@ -133,7 +133,7 @@ def test_prompt_rows_expand_their_contexts_one_run_at_a_time(hf_checkpoint, monk
     host = ModelHost.from_checkpoint(folder, **kw, **({"decode_kernel": paged_decode_reference} if in_place else {}))
     host.fuse_kernels()
     assert host.paged_decode is in_place
-    monkeypatch.setattr(PagedKVCache, "expand_keys", 12)
+    monkeypatch.setattr(attn, "EXPAND_KEYS", 12)
     seen = []
     real = mla._expanded
 
