@@ -1,12 +1,15 @@
-"""Decode-size expert SwiGLU: the skinny Triton kernels against torch._grouped_mm on the same rows (one GPU).
+"""Decode- and mixed-size expert SwiGLU: the skinny Triton kernels against torch._grouped_mm on the same rows (one GPU).
 
     python -m ray_moe_bench.skinny            # Qwen3-30B-A3B, Mixtral and DeepSeek-V3 expert shapes, bf16
 
-Rows: T decode tokens, each routed to k distinct experts uniformly at random, expert-major with device-side
+Rows: T tokens, each routed to k distinct experts uniformly at random, expert-major with device-side
 offsets (the one-rank path's layout). Both sides compute the same SwiGLU experts from the same weights and
 offsets; time = CUDA events over ``--iters`` back-to-back calls; effective bandwidth = the active experts'
-weight bytes / time. The maximum difference relative to the grouped result is reported too (bf16: the
-kernels accumulate gate and up in FP32 and round once).
+weight bytes / time. The kernels are timed at the row block the runner picks (``row_block``) and at every
+block of ``ROW_BLOCKS``; ``runner_takes_kernels`` says which side the grouped runner runs at that size
+(``SKINNY_ROWS_PER_SLOT``). The token counts run past the runner's crossover (to ~190 rows a slot), so the
+measurement shows where it should sit. The maximum difference relative to the grouped result is reported too
+(bf16: the kernels accumulate gate and up in FP32 and round once).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 
 from ray_moe_bench.common import add_output_argument, write_result
 
-SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8, (1, 32, 128, 256)), "mixtral": (8, 4096, 14336, 2, (1, 8, 32, 64)),
-          "deepseek_v3": (64, 7168, 2048, 8, (1, 8, 32, 64))}  # experts, d, f, top-k, tokens
+SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8, (1, 32, 128, 256, 512, 1024, 1536, 2048, 3072)),
+          "mixtral": (8, 4096, 14336, 2, (1, 8, 32, 64, 128, 256, 512, 768)),
+          "deepseek_v3": (64, 7168, 2048, 8, (1, 8, 32, 64, 256, 512, 1024, 1536))}  # experts, d, f, top-k, tokens
 
 
 def _time_us(fn, iters: int) -> float:
@@ -36,7 +40,8 @@ def _time_us(fn, iters: int) -> float:
 
 
 def run(iters: int, shapes: list[str]) -> dict[str, Any]:
-    from ray_moe.moe.experts.runners.skinny import BLOCK_M, row_block, skinny_swiglu
+    from ray_moe.moe.experts.runners.grouped import SKINNY_ROWS_PER_SLOT
+    from ray_moe.moe.experts.runners.skinny import ROW_BLOCKS, row_block, skinny_swiglu
 
     torch.manual_seed(0)
     out: dict[str, Any] = {}
@@ -55,29 +60,33 @@ def run(iters: int, shapes: list[str]) -> dict[str, Any]:
                 u = torch._grouped_mm(x, wu.transpose(1, 2), offs=offs)
                 return torch._grouped_mm(torch.nn.functional.silu(g, inplace=True).mul_(u), wd.transpose(1, 2), offs=offs)
 
-            def kernels():
-                return skinny_swiglu(x, offs, wg, wu, wd)
+            def kernels(bm=None):
+                return skinny_swiglu(x, offs, wg, wu, wd, block_m=bm)
 
-            def smallest_block():  # the fixed 16-row block of the kernels before row_block
-                return skinny_swiglu(x, offs, wg, wu, wd, block_m=BLOCK_M)
-
-            ref, got = grouped().float(), kernels().float()
-            small = smallest_block().float()
+            ref = grouped().float()
+            scale = ref.abs().max()
+            diffs = {bm: float((kernels(bm).float() - ref).abs().max() / scale) for bm in ROW_BLOCKS}
             active = int((counts > 0).sum())
             gbytes = active * 3 * f * d * 2 / 1e9
-            tg, tk, t16 = _time_us(grouped, iters), _time_us(kernels, iters), _time_us(smallest_block, iters)
+            gflop = 6 * t * k * d * f / 1e9
+            tg, tk = _time_us(grouped, iters), _time_us(kernels, iters)
+            blocks = {bm: _time_us(lambda bm=bm: kernels(bm), iters) for bm in ROW_BLOCKS}
             out[f"{name}/tokens_{t}"] = {
-                "block_m": row_block(t * k, e_), "max_rows_per_expert": int(counts.max()), "skinny_block16_us": t16,
-                "block16_max_rel_diff": float((small - ref).abs().max() / ref.abs().max()),
+                "block_m": row_block(t * k, e_), "max_rows_per_expert": int(counts.max()),
+                "rows_per_expert_mean": t * k / e_, "runner_takes_kernels": t * k <= SKINNY_ROWS_PER_SLOT * e_,
+                "block_us": blocks, "block_max_rel_diff": diffs,
                 "experts": e_, "hidden": d, "ffn": f, "top_k": k, "tokens": t, "rows": t * k, "active_experts": active,
-                "weight_gbytes": gbytes, "grouped_mm_us": tg, "skinny_us": tk, "speedup": tg / tk,
+                "weight_gbytes": gbytes, "gflop": gflop, "grouped_mm_us": tg, "skinny_us": tk, "speedup": tg / tk,
                 "grouped_mm_tb_s": gbytes / tg * 1e3, "skinny_tb_s": gbytes / tk * 1e3,
-                "max_rel_diff": float((got - ref).abs().max() / ref.abs().max())}
+                "grouped_mm_tflop_s": gflop / tg * 1e3, "skinny_tflop_s": gflop / tk * 1e3,
+                "max_rel_diff": diffs[row_block(t * k, e_)]}
             r = out[f"{name}/tokens_{t}"]
-            print(f"{name} T={t}: grouped_mm {tg:.1f} us ({r['grouped_mm_tb_s']:.2f} TB/s), skinny {tk:.1f} us "
-                  f"({r['skinny_tb_s']:.2f} TB/s) at block {r['block_m']} (16-row block {t16:.1f} us), "
-                  f"{r['speedup']:.2f}x, max rel diff {r['max_rel_diff']:.1e}",
-                  flush=True)
+            per_block = " ".join(f"{bm}:{us:.0f}" for bm, us in blocks.items())
+            print(f"{name} T={t} ({t * k / e_:.0f} rows/expert, runner: "
+                  f"{'kernels' if r['runner_takes_kernels'] else 'grouped_mm'}): grouped_mm {tg:.1f} us "
+                  f"({r['grouped_mm_tb_s']:.2f} TB/s, {r['grouped_mm_tflop_s']:.0f} TF/s), skinny {tk:.1f} us "
+                  f"({r['skinny_tb_s']:.2f} TB/s, {r['skinny_tflop_s']:.0f} TF/s) at block {r['block_m']} "
+                  f"(blocks us {per_block}), {r['speedup']:.2f}x, max rel diff {r['max_rel_diff']:.1e}", flush=True)
     return out
 
 
