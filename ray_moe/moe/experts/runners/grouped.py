@@ -17,11 +17,10 @@ output's gate/up halves are strided views and the activation over them took 0.63
 4.57 ms end to end against 4.17 ms for the separate launches here, which also need no weight copy.
 
 Where the kernel cannot take the operands (dtype, device or 16-byte stride rules below), the same
-views run through a per-slot loop with identical semantics. Up to ``SKINNY_ROWS_PER_SLOT`` rows per slot
-on average on CUDA (decode steps, and the whole-step token graphs' mixed steps of up to 2,048 tokens at
-Qwen3-30B-A3B's top-8 of 128) ``run_offsets`` takes the skinny Triton kernels instead (``skinny.py``: the layer
-is a weight read there, which grouped_mm streams at about half of HBM bandwidth; at ~128 rows a slot the
-GEMM's arithmetic intensity, 128 FLOP a weight byte, meets the H200's ratio of bf16 FLOP/s to bytes/s).
+views run through a per-slot loop with identical semantics. At decode sizes on CUDA (at most
+``SKINNY_ROWS_PER_SLOT`` rows per slot on average) ``run_offsets`` takes the skinny Triton kernels
+instead (``skinny.py``: the layer is a weight read there, which grouped_mm streams at about half of HBM
+bandwidth).
 
 ``torch._grouped_mm`` rules honoured here (torch 2.8-2.13, ``GroupedMMUtils.h``):
   - dtypes float32 / bfloat16 / float16, offsets int32, output dtype = input dtype;
@@ -51,11 +50,12 @@ DESCRIPTOR_FIELDS = (
 DESCRIPTOR_BYTES = 8 * len(DESCRIPTOR_FIELDS)  # eight INT64 fields per active problem (0x04C teaching ABI)
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # rows per slot (on average) up to which ``run_offsets`` takes the skinny Triton kernels on CUDA (decode
-# sizes, and mixed steps of a few prompt chunks beside the decoding sequences: one 16- to 128-row block per
-# active slot); above it grouped_mm (long prefill: compute, not the weight read). It was 16 (decode only)
-# until the f048dfe lease, where a chat workload's mixed steps (~80-100 rows a slot) spent 0.48 ms a layer in
-# grouped_mm against a ~0.28 ms weight read (``bench/results/serving-h200x1-f048dfe``)
-SKINNY_ROWS_PER_SLOT = 128
+# sizes: one 16- or 32-row block per active slot); above it grouped_mm. Measured (``bench/results/
+# skinny-h100x1-76a48a1``, H100, Qwen3-30B-A3B experts): the kernels lead at 16 rows a slot (1.07x; 1.36x on an
+# H200, skinny-h200x1-qwen3-s11), tie at 32 and lose from 64 (0.80x; 0.60x at 128 with 128-row blocks): the
+# row loop inside one program per (expert, column block) does not keep the tensor cores busy once the rows
+# outgrow one block, so mixed steps (~80-130 rows a slot) keep grouped_mm
+SKINNY_ROWS_PER_SLOT = 16
 
 
 def as_counts(counts: Sequence[int] | torch.Tensor) -> list[int]:

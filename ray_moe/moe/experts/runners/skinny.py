@@ -1,11 +1,8 @@
-"""Expert SwiGLU for few to ~a hundred rows per expert (decode, and steps of a few prompt chunks beside the
-decoding sequences): Triton kernels that stream each active expert's weights once.
+"""Expert SwiGLU for few rows per expert (decode): Triton kernels that stream each active expert's weights once.
 
 At decode sizes an expert receives a handful of rows, so the expert layer is a weight read: the grouped
-GEMM (``torch._grouped_mm``) streams the active experts' weights at about half of HBM bandwidth there (and
-stays near ~2.5 TB/s up to ~100 rows per expert: a mixed chat step of ~1,500 rows took 0.48 ms a layer on an
-H200, f048dfe, against ~0.28 ms to read the weights once). These two kernels are shaped for it (expert-major
-rows, device-side offsets, no host sync, CUDA-graph capturable):
+GEMM (``torch._grouped_mm``) streams the active experts' weights at about half of HBM bandwidth there. These
+two kernels are shaped for it (expert-major rows, device-side offsets, no host sync, CUDA-graph capturable):
 
   1. gate/up: one program per (expert, column block of f), looping over the expert's rows in blocks of
      BLOCK_M (``row_block``: sized so nearly every expert's rows fit one block, since each further block
@@ -29,12 +26,7 @@ import functools
 import torch
 
 BLOCK_M = 16  # the smallest row block (the smallest tl.dot tile)
-ROW_BLOCKS = (16, 32, 64, 128)
-# (num_warps, num_stages) of (gate/up, down) per row block: a 128-row block holds two [128, 64] FP32
-# accumulators (8 warps keep them in registers); its gate/up stage is 64 KiB of shared memory (x 128 x 128,
-# two 128 x 64 weight tiles: 2 stages leave room in Hopper's 227 KiB beside the epilogue, 4 would not fit),
-# its down stage 48 KiB (3 stages)
-LAUNCH = {16: ((4, 4), (4, 4)), 32: ((4, 4), (4, 4)), 64: ((4, 4), (4, 4)), 128: ((8, 2), (8, 3))}
+ROW_BLOCKS = (16, 32, 64)
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,7 +102,7 @@ def _block(n: int, prefer: int) -> int | None:
 
 
 def row_block(rows: int, slots: int) -> int:
-    """Rows per program block for ``rows`` spread over ``slots``: the smallest of 16 / 32 / 64 / 128 holding the
+    """Rows per program block for ``rows`` spread over ``slots``: the smallest of 16 / 32 / 64 holding the
     mean rows per slot plus 2.5 standard deviations of a binomial draw (top-k routing spreads a step's rows
     about so), so nearly every slot's rows fit one block and its weights stream from HBM once. A second
     block re-reads the weights (the tiles of the 132 SMs in flight exceed the L2). Measured on one H200
@@ -157,13 +149,12 @@ def skinny_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, 
     wrow = weight_rows if weight_rows is not None else offsets  # never read without ROWS
     # tiles measured on H200 (python -m ray_moe_bench.skinny; bench/results/skinny-h200x1.json): 64 output columns, 128-deep K steps
     bn, bk = _block(f, 64), _block(d, 128)
-    (gw, gs), (dw, ds) = LAUNCH[bm]
     gate_up[(q, f // bn)](x, w_gate, w_up, offsets, a, tok, wrow, d, f, f * d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                           K=max(int(top_k), 1), GATHER=order is not None, ROWS=weight_rows is not None,
-                          num_warps=gw, num_stages=gs)
+                          num_warps=4, num_stages=4)
     bn, bk = _block(d, 64), _block(f, 128)
     down[(q, d // bn)](a, w_down, offsets, y, wrow, d, f, d * f, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       ROWS=weight_rows is not None, num_warps=dw, num_stages=ds)
+                       ROWS=weight_rows is not None, num_warps=4, num_stages=4)
     return y
 
-__all__ = ["skinny_swiglu", "available", "row_block", "BLOCK_M", "LAUNCH", "ROW_BLOCKS"]
+__all__ = ["skinny_swiglu", "available", "row_block", "BLOCK_M", "ROW_BLOCKS"]
