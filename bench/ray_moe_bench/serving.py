@@ -551,6 +551,7 @@ def run_ray_moe(spec: dict, save: Callable[[dict], None] | None = None) -> dict[
             "settings": {"ranks": ranks, "step_tokens": engine.scheduler.configured[0],
                          "max_running": engine.scheduler.configured[1], "rank_running": engine.rank_running,
                          "decode_steps": engine.scheduler.decode_steps, "kv_tokens_per_rank": engine.kv_tokens,
+                         "kv_tokens_per_running_sequence": engine.capacity.tokens_per_sequence,
                          "attention": engine.attention_backend, "prefix_caching": engine.prefix_caching,
                          "block_size": engine.block_size, "max_queued": engine.max_queued,
                          "decode_token_capacity": cfg.decode_token_capacity,

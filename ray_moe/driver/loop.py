@@ -29,7 +29,7 @@ from ray_moe.core.gc_pauses import GcPauses
 from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
 from ray_moe.shard.records import GenerationInput, StepKind, StepRequest, StepResult
 from ray_moe.model.sampling import SamplingParams, TokenLogprobs
-from ray_moe.driver.scheduler import Scheduler, SeqState, StepPlan
+from ray_moe.driver.scheduler import KvCapacity, Scheduler, SeqState, StepPlan
 from ray_moe.driver.transport import StepTransport
 from ray_moe.core.types import Phase
 
@@ -171,7 +171,8 @@ class GenerationLoop:
     The step shapes are fixed at start (``shard/lattice.py``): each rank runs at most ``rank_running`` =
     ceil(max_running / ranks) sequences, and every decode size up to it and every token size up to ``step_tokens
     + rank_running`` is captured as a CUDA graph before the loop serves (``steps``: each rank's report; a step
-    kind that runs eagerly there is warned about, with the reason, in ``warnings``)."""
+    kind that runs eagerly there is warned about, with the reason, in ``warnings``; so is a GPU-sized cache the
+    running limit outruns: ``capacity``)."""
 
     def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int | None = 8192, block_size: int = 16, step_tokens: int | None = None,
                  max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
@@ -219,7 +220,7 @@ class GenerationLoop:
         refit = [int(r["kv_blocks"]) for r in self.steps_report if r.get("kv_blocks") is not None]
         if info and refit and min(refit) < int(info["kv_blocks"]):
             info = {**info, "kv_blocks": min(refit)}
-        self._warn_slow_paths()
+        self._warn_slow_paths(info)
         if device == "cuda":
             self.gc.freeze()
         if self.kv_tokens is None:  # sized from memory on each rank: the cache tokens the first rank holds
@@ -345,9 +346,13 @@ class GenerationLoop:
         # the scheduler plans one cache size for every rank: the smallest (memory-sized caches may differ)
         return min(infos, key=lambda i: int(i["kv_blocks"])) if infos else {}
 
-    def _warn_slow_paths(self) -> None:
-        """Say at start which step kinds leave the captured graphs on the GPU, and why, and which rank made its
-        cache smaller to capture them (``warnings``, logged)."""
+    def _warn_slow_paths(self, info: dict) -> None:
+        """Say at start which step kinds leave the captured graphs on the GPU, and why, which rank made its
+        cache smaller to capture them, and a GPU-sized cache the running limit outruns (``warnings``, logged)."""
+        self.capacity = KvCapacity(int(info["kv_blocks"]) * self.block_size, self.rank_running, int(info["max_context"]))
+        log.info("ray-moe: %s", self.capacity.note())
+        if self.kv_tokens is None and self.device == "cuda" and (thin := self.capacity.warning()):
+            self.warnings.append(thin)
         for rep in self.steps_report:
             refit = (rep.get("capture") or {}).get("kv_refit")
             if refit:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.kv import KVBudgetError, PagedKVCache, SeqChunk
 from ray_moe.model.sampling import SampleSpec, SamplingParams, sample
-from ray_moe.driver.scheduler import Scheduler, SeqState
+from ray_moe.driver.scheduler import THIN_KV_TOKENS_PER_SEQUENCE, KvCapacity, Scheduler, SeqState
 
 
 def test_paged_cache_reserves_blocks_and_lays_out_a_packed_step():
@@ -272,3 +272,18 @@ def test_a_finished_request_id_is_refused_while_a_step_for_it_may_still_commit(k
     else:  # nothing in flight can name it any more: the id is free again
         assert s.submit([1], SamplingParams(max_new_tokens=1), request_id="x") == "x"
         assert s.status("x").state is SeqState.WAITING and s.status("x").generated == []
+
+
+def test_kv_capacity_names_a_running_limit_the_cache_cannot_hold():
+    """The start's capacity record: tokens per running sequence and whole-context sequences from a rank's blocks;
+    the warning only where each running sequence gets fewer than THIN_KV_TOKENS_PER_SEQUENCE tokens
+    (the 48-layer Qwen3-30B-A3B shape's caches on an H100 and an H200, measured at f048dfe / 76a48a1)."""
+    h100 = KvCapacity(5286 * 16, 256, 40_960)
+    assert h100.tokens_per_sequence == 330 and round(h100.full_context_sequences, 2) == 2.06
+    assert "84,576 tokens a rank" in h100.note() and "2.06 sequences" in h100.note()
+    thin = h100.warning()
+    assert thin is not None and "330 tokens each" in thin and "--gpu-memory-utilization" in thin
+    h200 = KvCapacity(647_472, 256, 40_960)
+    assert h200.tokens_per_sequence == 2529 and h200.warning() is None
+    edge = KvCapacity(THIN_KV_TOKENS_PER_SEQUENCE * 8, 8, 4096)
+    assert edge.warning() is None and KvCapacity(edge.kv_tokens - 1, 8, 4096).warning() is not None

@@ -287,6 +287,7 @@ def test_a_start_capture_out_of_memory_refits_the_cache_and_captures_again(tmp_p
         assert list(rep["kv_refit"]["errors"]) == ["tokens"] and not rep["errors"]
         assert sized == [(1 << 20) + token_steps.REFIT_MIN_BYTES] and rep["piecewise_graphs"] > 0
         assert loop.scheduler.kv_blocks == 512 // 8 and loop.rank_kv_tokens == 512
+        assert loop.capacity.kv_tokens == 512 and loop.capacity.rank_running == loop.rank_running  # the refit's
         assert any("1024 -> 512 tokens" in w for w in loop.warnings), loop.warnings
         prompts = _prompts(11, (9, 20, 4))
         handles = [loop.submit(p, SamplingParams(max_new_tokens=5)) for p in prompts]
