@@ -518,7 +518,7 @@ class Runtime:
 
     # ================================================================ serving generation
     def serving(self, *, kv_tokens: int | None = None, block_size: int = 16, step_tokens: int | None = None,
-                max_running: int = 256, max_queued: int = 4096, random_model: dict[str, Any] | None = None,
+                max_running: int | None = None, max_queued: int = 4096, random_model: dict[str, Any] | None = None,
                 decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
                 memory_fraction: float | None = None, prefix_caching: bool = True) -> "GenerationLoop":
         """The deployment's generation loop (started on first use: every shard loads the model's non-expert

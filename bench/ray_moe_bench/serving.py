@@ -830,7 +830,7 @@ def _transformers_workload(model: Any, reqs: Requests, warm: Requests | None, sp
     """One workload of one output length: warm-up (when given, its own output length) and timed pass(es)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from ray_moe.driver.loop import DEFAULT_STEP_TOKENS
+    from ray_moe.driver.defaults import DEFAULT_STEP_TOKENS
 
     new = reqs.new_tokens[0]
     gen = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
@@ -1308,7 +1308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=None, help="ray-moe ranks (default: every GPU, 2 on CPU)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--max-running", type=int, default=None, help="ray-moe max_running (default: its own, 256)")
+    p.add_argument("--max-running", type=int, default=None, help="ray-moe max_running (default: its own: 1024 on CUDA, 256 on CPU)")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="ray-moe prefill tokens per step (default: its own; also transformers' max_batch_tokens)")
     p.add_argument("--decode-steps", type=int, default=None, help="ray-moe multi-step decode (default: its own)")

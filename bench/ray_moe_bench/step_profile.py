@@ -34,11 +34,8 @@ from typing import Any
 import torch
 from ray_moe_dev.testing.inprocess import InProcessDeployment, LocalTransport
 
-from ray_moe.driver.loop import (
-    DEFAULT_DECODE_STEPS_CUDA,
-    DEFAULT_STEP_TOKENS,
-    GenerationLoop,
-)
+from ray_moe.driver.defaults import DEFAULT_DECODE_STEPS_CUDA, DEFAULT_STEP_TOKENS
+from ray_moe.driver.loop import GenerationLoop
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.model.sampling import SamplingParams
 from ray_moe_bench.common import add_output_argument, host_kind, write_result
@@ -262,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     tr = RecordingTransport(dep)
     t1 = time.perf_counter()
     # (no prefix caching: the warm pass runs the same prompts, and the measured pass is a profile of computing them)
-    loop = GenerationLoop(tr, device=device, kv_tokens=8192 if a.quick else None, block_size=16, max_running=256,
+    loop = GenerationLoop(tr, device=device, kv_tokens=8192 if a.quick else None, block_size=16, max_running=None,
                           max_queued=4096, random_model=random_model, prefix_caching=False)
     tr.waiting = lambda: loop.signals().waiting
     # one per request: chat's seeded lognormal output lengths (its steps then mix prompt chunks with decoding

@@ -103,8 +103,9 @@ def add_serve_arguments(sv: argparse.ArgumentParser, bounded_int, eplb_flag) -> 
     sv.add_argument("--max-num-batched-tokens", "--step-tokens", dest="step_tokens", type=int, default=None,
                     metavar="N", help="prefill tokens per rank per step, beside the decoding sequences' tokens "
                                       "(default: 8192 on CUDA, as vllm serve; 2048 on CPU)")
-    sv.add_argument("--max-num-seqs", "--max-running", dest="max_running", type=int, default=256, metavar="N",
-                    help="sequences running at once over every rank (default 256)")
+    sv.add_argument("--max-num-seqs", "--max-running", dest="max_running", type=int, default=None, metavar="N",
+                    help="sequences running at once over every rank (default: 1024 on CUDA, as vllm serve on >= 70 "
+                         "GB GPUs; 256 on CPU)")
     sv.add_argument("--decode-steps", type=int, default=None,
                     help="multi-step decode: decode tokens per sequence per step when every sequence is decoding "
                          "and none waits (1: one token per step; default 4 on cuda, 1 on cpu)")

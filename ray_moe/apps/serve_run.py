@@ -300,7 +300,7 @@ def _start(args: Any, cfg: Any, env: EnvSettings, api_key: str | None, max_model
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     # the product's defaults (``driver/loop.py``) unless a flag says otherwise: None step_tokens / decode_steps
     serving = dict(kv_tokens=getattr(args, "kv_tokens", None), block_size=getattr(args, "block_size", 16),
-                   step_tokens=getattr(args, "step_tokens", None), max_running=getattr(args, "max_running", 256),
+                   step_tokens=getattr(args, "step_tokens", None), max_running=getattr(args, "max_running", None),
                    max_queued=getattr(args, "max_queued", 1024), decode_steps=decode_steps,
                    fused_kernels=getattr(args, "fused_kernels", True), attention=getattr(args, "attention", "auto"),
                    memory_fraction=getattr(args, "memory_fraction", None),

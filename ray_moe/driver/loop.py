@@ -29,21 +29,12 @@ from ray_moe.core.gc_pauses import GcPauses
 from ray_moe.core.errors import RayMoEError, StepMemoryError, root_cause
 from ray_moe.shard.records import GenerationInput, StepKind, StepRequest, StepResult
 from ray_moe.model.sampling import SamplingParams, TokenLogprobs
+from ray_moe.driver.defaults import serving_sizes
 from ray_moe.driver.scheduler import KvCapacity, Scheduler, SeqState, StepPlan
 from ray_moe.driver.transport import StepTransport
 from ray_moe.core.types import Phase
 
 _DONE = object()
-# ONE set of defaults for every front (``Runtime.generate``, ``ray-moe serve``, the serving benchmark):
-# decode sub-steps per actor call on CUDA (multi-step decode: a request arriving mid-call waits for the call's end to
-# join; streamed tokens arrive in bursts of that many). Measured on one H200, 48-layer Qwen3-30B-A3B shape (session
-# 17, bench/results/logs/s17/run1): decode-heavy 12,319 (4) / 12,326 (8) output tok/s, mixed 6,801 / 6,859: the
-# shorter bursts cost nothing measurable.
-DEFAULT_DECODE_STEPS_CUDA = 4
-# prefill tokens per rank per step (vLLM 0.25's ``vllm serve`` default on >= 70 GB GPUs): every captured token size
-# is at most this plus a decode row of each running sequence (``shard/lattice.py``); a shorter step stalls the
-# running sequences' next tokens less
-DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
 
 log = logging.getLogger("ray_moe")
 
@@ -156,7 +147,8 @@ class GenerationLoop:
     kv_tokens: KV cache tokens per rank (None: each rank's cache takes what ``memory_fraction``, default 0.9,
     of its GPU leaves after the weights; 8192 on CPU); attention: an ``AttentionBackend`` value (auto:
     FlashAttention varlen where it runs, else the masked SDPA path); block_size: tokens per cache block; step_tokens: prefill tokens per
-    rank per step; max_running: sequences in flight (over all ranks); max_queued: waiting requests before
+    rank per step; max_running: sequences in flight over all ranks (None: 1,024 on CUDA, 256 on CPU:
+    ``driver/defaults.py``, as step_tokens and decode_steps); max_queued: waiting requests before
     ``submit`` refuses new ones (overload); decode_steps: decode sub-steps one step may run when every
     sequence is decoding and none waits (multi-step decode: one actor call per rank for that many tokens
     per sequence; 1 turns it off). Default: 4 on CUDA, where it keeps the device fed while the host round
@@ -175,17 +167,15 @@ class GenerationLoop:
     running limit outruns: ``capacity``)."""
 
     def __init__(self, transport: StepTransport, *, device: str = "cpu", kv_tokens: int | None = 8192, block_size: int = 16, step_tokens: int | None = None,
-                 max_running: int = 256, max_queued: int = 4096, random_model: dict | None = None,
+                 max_running: int | None = None, max_queued: int = 4096, random_model: dict | None = None,
                  decode_steps: int | None = None, fused_kernels: bool = True, attention: str = "auto",
                  memory_fraction: float | None = None, prefix_caching: bool = True) -> None:
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching={prefix_caching!r}: must be a bool")
         self.prefix_caching = prefix_caching
         self.prefix_hit_tokens = self.prefix_lookup_tokens = 0  # counted from committed steps' results
-        if decode_steps is None:
-            decode_steps = DEFAULT_DECODE_STEPS_CUDA if device == "cuda" else 1
-        if step_tokens is None:
-            step_tokens = DEFAULT_STEP_TOKENS["cuda" if device == "cuda" else "cpu"]
+        step_tokens, max_running, decode_steps = serving_sizes(device, step_tokens=step_tokens, max_running=max_running,
+                                                               decode_steps=decode_steps)
         if not 1 <= int(decode_steps) <= 64:  # before any shard loads the model
             raise ValueError(f"decode_steps={decode_steps}: must be in [1, 64]")
         self.transport = transport

@@ -128,8 +128,9 @@ class TokenEvent:
 RECOVER_AFTER_STEPS = 64  # clean steps after a memory backoff before the budgets double back
 # a cache sized from GPU memory that gives each of a rank's running sequences fewer tokens than this, on average,
 # is named at start: the running limit then outruns the cache (the 48-layer Qwen3-30B-A3B shape in bf16 on one
-# 80 GB H100: 84,576 tokens for 256 sequences, 330 each, below the ~600 of the mixed benchmark's requests)
-THIN_KV_TOKENS_PER_SEQUENCE = 1024
+# 80 GB H100: 84,576 tokens, 330 each for 256 sequences and 82 for 1,024, below the ~600 of the mixed benchmark's
+# requests; on an H200, 647,472 tokens: 632 each for 1,024)
+THIN_KV_TOKENS_PER_SEQUENCE = 512
 # prefix-aware assignment: a rank that holds a request's prompt prefix takes it while it runs at most this many
 # sequences more than the least-loaded rank that fits the request
 PREFIX_LOAD_SLACK = 4

@@ -34,7 +34,7 @@ from ray_moe_bench.serving import (
     workload_spec,
 )
 
-from ray_moe.driver.loop import DEFAULT_STEP_TOKENS
+from ray_moe.driver.defaults import DEFAULT_STEP_TOKENS
 
 LATENCY_KEYS = {"p50_ms", "p99_ms", "mean_ms", "count"}
 

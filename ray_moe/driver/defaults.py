@@ -1,0 +1,37 @@
+"""ONE set of serving defaults for every front: ``Runtime.generate`` / ``Runtime.serving``, ``ray-moe serve`` and the
+serving benchmark all resolve an unset size here, by the device the shards run on (pure: no torch, no Ray).
+
+* decode sub-steps per actor call on CUDA (multi-step decode: a request arriving mid-call waits for the call's end
+  to join; streamed tokens arrive in bursts of that many). Measured on one H200, 48-layer Qwen3-30B-A3B shape
+  (session 17, bench/results/logs/s17/run1): decode-heavy 12,319 (4) / 12,326 (8) output tok/s, mixed 6,801 /
+  6,859: the shorter bursts cost nothing measurable.
+* prefill tokens per rank per step (vLLM 0.25's ``vllm serve`` default on >= 70 GB GPUs): every captured token size
+  is at most this plus a decode row of each running sequence (``shard/lattice.py``); a shorter step stalls the
+  running sequences' next tokens less.
+* sequences running at once over every rank (vLLM 0.25's ``max_num_seqs`` on >= 70 GB GPUs, offline and served):
+  a decode step reads the weights of nearly every expert whatever its rows, so more sequences a step share that
+  read. At 256 (the default until session 27) the chat workload of 1,000 requests ran 256 at a time against vLLM's
+  ~1,000 (its JSON's ``effective``; ``bench/results/serving-h200x1-f048dfe``: 0.84x). The scheduler still admits
+  only what each rank's KV cache holds (a request reserves its prompt + max_tokens), and the lattice captures every
+  decode size up to it (29 sizes to 1,024, 12 more graphs than at 256). On CPU 256 (the lattice's graphs are eager
+  stand-ins there: fewer sizes, shorter tests).
+"""
+
+from __future__ import annotations
+
+DEFAULT_DECODE_STEPS_CUDA = 4
+DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
+DEFAULT_MAX_RUNNING = {"cuda": 1024, "cpu": 256}
+
+
+def serving_sizes(device: str, *, step_tokens: int | None, max_running: int | None,
+                  decode_steps: int | None) -> tuple[int, int, int]:
+    """(step_tokens, max_running, decode_steps) with each None replaced by ``device``'s default ("cuda": the
+    GPU defaults above; anything else: the CPU ones)."""
+    gpu = device == "cuda"
+    return (int(DEFAULT_STEP_TOKENS["cuda" if gpu else "cpu"] if step_tokens is None else step_tokens),
+            int(DEFAULT_MAX_RUNNING["cuda" if gpu else "cpu"] if max_running is None else max_running),
+            int((DEFAULT_DECODE_STEPS_CUDA if gpu else 1) if decode_steps is None else decode_steps))
+
+
+__all__ = ["DEFAULT_DECODE_STEPS_CUDA", "DEFAULT_MAX_RUNNING", "DEFAULT_STEP_TOKENS", "serving_sizes"]
