@@ -16,12 +16,12 @@ routes touch, ~59 GB when it touches all of them, ~14 ms at the H200's ~4.3 TB/s
 
 * decode (``moe.dispatch.bucket.token_buckets``): fine below 64 rows (the experts touched still grow with the
   rows), coarse above (nearly every expert is read anyway; a padding row is one row of dense work): 17 sizes
-  up to 256.
+  up to 256, 29 up to 1,024 (the CUDA default running limit, ``driver/defaults.py``).
 * tokens: a step of N rows does ~6 GFLOP of matrix work per row (3 B active parameters), so it stays bound by
   its weight reads up to ~2k rows (6 GFLOP x 2k at ~790 TFLOP/s ~ 15 ms): powers of two up to 1024 (padding
   there costs almost no time), four sizes an octave to 2048, eight an octave above (at most 12.5% padding where
   rows cost compute), and the largest step exactly (``step_tokens`` prompt tokens beside a decode row of every
-  running sequence): 28 sizes for 8,192 step tokens and 256 sequences.
+  running sequence): 28 sizes for 8,192 step tokens and 256 or 1,024 sequences.
 """
 
 from __future__ import annotations
