@@ -4,7 +4,11 @@ what a whole-step token graph runs (every row in place by the paged varlen kerne
 A candidate beside them, for the prefill chunks only: cuDNN's variable-length attention through PyTorch
 (``aten._cudnn_attention_forward`` with cumulative lengths; no grouped-query heads there, so the gathered keys and
 values are repeated per query head first), with its largest difference from FlashAttention-2 (its causal mask's
-alignment for a chunk over earlier context is what the difference checks) or why it does not run here.
+alignment for a chunk over earlier context is what the difference checks) or why it does not run here. For one
+fresh chunk (a long prompt's first 8k tokens: no earlier context, so both causal alignments agree) also PyTorch's
+dense SDPA backends on it (cuDNN's fused attention, FlashAttention-2, memory-efficient; keys repeated per query head
+once, outside the timing): the f048dfe lease measured cuDNN's varlen path at 15-29 TF/s, which may be that path
+rather than cuDNN's Hopper kernel.
 
     python -m ray_moe_bench.paged_varlen [--out DIR]
 
@@ -102,6 +106,34 @@ def case(name: str, dec: int, dec_ctx: int, chunks: list[tuple[int, int]], seed:
                             "cudnn_over_flash": tc["cudnn"]["median_ms"] / tc["flash"]["median_ms"]}
         except Exception as exc:  # noqa: BLE001 - a candidate: record why it does not run here
             out["cudnn"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    if len(chunks) == 1 and not dec and chunks[0][1] == 0:  # one fresh chunk: the dense SDPA backends too
+        ref = flash_varlen(q, k.index_select(0, gather), v.index_select(0, gather), cu_q_rest, cu_k_rest, max_q, max_k,
+                           scale)
+        out["dense"] = dense_backends(q, k.index_select(0, gather), v.index_select(0, gather), scale, ref, fl)
+    return out
+
+
+def dense_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ref: torch.Tensor,
+                   flops: float) -> dict:
+    """One causal sequence (q [L, Hq, D], k / v [L, Hk, D]) through each of PyTorch's dense SDPA backends: median
+    device ms, TF/s and the largest difference from ``ref`` (FlashAttention-2's varlen output), or why it does not
+    run here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rep = q.shape[1] // k.shape[1]
+    qd = q.transpose(0, 1)[None]  # [1, Hq, L, D]
+    kd, vd = (t.repeat_interleave(rep, dim=1).transpose(0, 1)[None].contiguous() for t in (k, v))
+    out: dict = {}
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        try:
+            diff = float((run()[0].transpose(0, 1).float() - ref.float()).abs().max())
+            ms = time_interleaved({"x": run}, warmup=3, iters=15)["x"]["median_ms"]
+            out[backend.name.lower()] = {"ms": ms, "tflops": flops / ms / 1e9, "max_abs_diff_vs_flash_varlen": diff}
+        except Exception as exc:  # noqa: BLE001 - a candidate: record why it does not run here
+            out[backend.name.lower()] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return out
 
 
@@ -132,9 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{'':48s} cuDNN: " + (c["error"] if "error" in c else
                   f"{c['cudnn_ms']:8.3f} ms ({c['cudnn_tflops']:5.0f} TF/s) over FlashAttention-2 "
                   f"{c['cudnn_over_flash']:.2f}, diff {c['max_abs_diff_vs_flash']:.3g}"), flush=True)
+        for bk, c in (r.get("dense") or {}).items():
+            print(f"{'':48s} dense SDPA {bk}: " + (c["error"] if "error" in c else
+                  f"{c['ms']:8.3f} ms ({c['tflops']:5.0f} TF/s), diff {c['max_abs_diff_vs_flash_varlen']:.3g}"),
+                  flush=True)
     payload = {"what": "one layer's attention of a step: a piecewise hole (decode kernel + gathered FlashAttention-2"
                        " varlen) against the paged varlen kernel (every row in place), and for prefill chunks alone "
-                       "cuDNN's varlen attention (a candidate) against FlashAttention-2; MEASURED device ms",
+                       "cuDNN's varlen attention (a candidate) against FlashAttention-2, and for one fresh chunk "
+                       "PyTorch's dense SDPA backends (cuDNN, FlashAttention-2, memory-efficient); MEASURED device ms",
                "shape": {"heads": HQ, "kv_heads": HK, "head_dim": D, "dtype": "bfloat16"}, "cases": rows}
     print("wrote", write_result("paged_varlen", payload, out=args.out))
     return payload
