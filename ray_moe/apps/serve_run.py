@@ -298,7 +298,8 @@ def _start(args: Any, cfg: Any, env: EnvSettings, api_key: str | None, max_model
                                            ray="private" if state["started_ray"] else "joined"))
     state["record"] = True
     has_tok = any(os.path.exists(os.path.join(args.checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    # the product's defaults (``driver/loop.py``) unless a flag says otherwise: None step_tokens / decode_steps
+    # the product's defaults (``driver/defaults.py``) unless a flag says otherwise: None step_tokens / max_running /
+    # decode_steps
     serving = dict(kv_tokens=getattr(args, "kv_tokens", None), block_size=getattr(args, "block_size", 16),
                    step_tokens=getattr(args, "step_tokens", None), max_running=getattr(args, "max_running", None),
                    max_queued=getattr(args, "max_queued", 1024), decode_steps=decode_steps,
@@ -311,9 +312,11 @@ def _start(args: Any, cfg: Any, env: EnvSettings, api_key: str | None, max_model
     server = build_app(model_name, cfg.name, api_key=api_key, tokenizer_folder=args.checkpoint if has_tok else None,
                        serving=serving, max_model_len=max_model_len)
     state["app"] = app_name
-    serve.run(server.bind(), name=app_name, route_prefix="/", blocking=False)
+    handle = serve.run(server.bind(), name=app_name, route_prefix="/", blocking=False)  # (returns once it serves)
+    notes = handle.start_notes.remote().result(timeout_s=1800)  # (at once: the replica has started its engine)
     lines = [f"ray-moe serve: {model_name!r} on {url} ({args.ranks} ranks, deployment {cfg.name!r}"
              f"{', API key required' if api_key else ''}); Ctrl-C stops",
+             f"  {notes['capacity']}", *[f"  warning: {w}" for w in notes["warnings"]],
              f"  Ray: {gcs} ("
              f"{'a private instance started here: it stops with this process' if state['started_ray'] else 'joined'})",
              "  from another shell:", *[f"    {c}" for c in _commands(cfg.name, args.ranks, env)],

@@ -111,6 +111,15 @@ def _run(cmd: list[str] | str, env: dict[str, str], timeout: float = 180) -> sub
 
 
 @pytest.mark.timeout(720)
+def test_the_start_prints_the_kv_cache_against_the_running_limit(served):
+    """What the engine's start says reaches the serve terminal (the replica's log does not): its KV cache (on CPU,
+    8,192 tokens a rank) against the running limit (256 on CPU), before the commands."""
+    lines = served["lines"]
+    at = next(i for i, ln in enumerate(lines) if "KV cache:" in ln)
+    assert at < next(i for i, ln in enumerate(lines) if ln.strip() == "from another shell:")
+    assert "8,192 tokens a rank; 256 running sequences a rank get 32 tokens each" in lines[at], lines[at]
+
+
 def test_the_printed_commands_work_as_pasted(served, foreign):
     cmds = _printed_commands(served["lines"])
     assert [c.split("ray-moe ")[1].split()[0] for c in cmds] == ["status", "scale"], served["lines"]
