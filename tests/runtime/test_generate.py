@@ -607,3 +607,36 @@ def test_a_multi_step_request_agrees_its_decode_path_once(tmp_path, monkeypatch)
     decode_calls = [steps for want_decode, steps in calls if want_decode]
     assert max(decode_calls) == 4 and len(rounds) == len(decode_calls)  # one round per call, on each rank
     assert sum(decode_calls) > len(rounds)
+
+
+def test_a_thousand_sequence_running_limit_decodes_hundreds_at_once_equal_greedy(tmp_path, eager_capture,
+                                                                                  paged_references):
+    """The CUDA default running limit (1,024, ``driver/defaults.py``) on one rank, on CPU with the H200's attention
+    path standing in: the lattice holds 29 decode sizes up to 1,024; 300 requests submitted at once decode in steps
+    of more than 256 rows (decode sizes the 256 default never had), every step replays a size captured at start,
+    and every request's tokens equal transformers' greedy ones."""
+    from ray_moe.driver.loop import GenerationLoop
+    from ray_moe.model.sampling import SamplingParams
+    from ray_moe_dev.testing.inprocess import LocalTransport
+
+    model, folder = tiny_model("qwen3_moe", tmp_path / "m")
+    model.eval()
+    dep = InProcessDeployment(ray_moe.RuntimeConfig.from_pretrained(folder, num_ranks=1))
+    transport = LocalTransport(dep)
+    loop = GenerationLoop(transport, device="cpu", kv_tokens=8192, block_size=8, step_tokens=2048, max_running=1024)
+    try:
+        lattice = loop.steps_report[0]["lattice"]
+        assert lattice["rank_running"] == 1024 and len(lattice["decode_sizes"]) == 29
+        assert lattice["decode_sizes"][-1] == 1024 and loop.capacity.tokens_per_sequence == 8
+        prompts = _prompts(21, [2 + i % 7 for i in range(300)])
+        handles = [loop.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+        got = [h.result(600) for h in handles]
+        widest = max(rows for _, rows, _ in loop.step_shapes)
+    finally:
+        loop.close()
+        transport.close()
+    assert widest == 300, widest  # every request decoding in one step: beyond the old 256 limit
+    assert got == _reference(model, prompts, 6)
+    c = _counts(dep)[0]
+    assert c.get("decode_graph_steps", 0) >= 1 and not c.get("graphs_captured_serving"), c
+    assert c.get("eager_steps", 0) == 0, c
