@@ -191,8 +191,9 @@ class TokenStepExecutor:
         the generation's graphs released, so that the lattice can be captured again (the caller does). A
         group of one only (an expert-parallel group's ranks capture together: one rank alone cannot start
         over). Returns what changed, or None where nothing did.
-          1. the graphs released and forgotten, the allocator's cache returned
-          2. the cache re-made (``ModelHost.size_kv``) with the larger workspace"""
+          1. the graphs released and forgotten
+          2. the cache re-made (``ModelHost.size_kv``: the old cache and the allocator's cached blocks freed, then
+             the device's free memory read) with the larger workspace"""
         host = self.host
         oom = [k for k, e in rep.errors.items() if "OutOfMemoryError" in e]
         if not oom or self.kv_sizing is None or paths.exchange.size != 1 or host.kv.sequences():
@@ -202,10 +203,7 @@ class TokenStepExecutor:
         grow = max(2 * int(rep.reserved_bytes), REFIT_MIN_BYTES)
         self.pipeline.graphs.release(generation)  # 1.
         self.graph_runner.drop(generation)
-        if host.device.type == "cuda":
-            torch.cuda.synchronize(host.device)
-            torch.cuda.empty_cache()
-        host.size_kv(fraction, workspace + grow)  # 2.
+        host.size_kv(fraction, workspace + grow)  # 2. (it returns the allocator's cached blocks before measuring)
         self.kv_sizing = (fraction, workspace + grow)
         self.count("kv_refits")
         return {"errors": {k: rep.errors[k] for k in oom}, "from_tokens": before,
