@@ -25,6 +25,7 @@ import itertools
 import numpy as np
 import torch
 
+from ray_moe.model import dense_prefill as dp
 from ray_moe.model import paged_varlen as pv
 from ray_moe.model.attention import flash_varlen
 from ray_moe.model.paged_decode import paged_decode
@@ -39,6 +40,8 @@ SHAPES = {
     "decode100-ctx2000 + 2 chunks 1024 over 3000": (100, 2000, [(1024, 3000), (1024, 3000)]),
     "chunk8192 fresh": (0, 0, [(8192, 0)]),
     "chunk8192 over 4096": (0, 0, [(8192, 4096)]),
+    "chunk6000 over 1200": (0, 0, [(6000, 1200)]),
+    "chunk1500 over 6500": (0, 0, [(1500, 6500)]),
     "decode23-ctx7000 + chunk8169 over 6000": (23, 7000, [(8169, 6000)]),
 }
 
@@ -106,6 +109,20 @@ def case(name: str, dec: int, dec_ctx: int, chunks: list[tuple[int, int]], seed:
                             "cudnn_over_flash": tc["cudnn"]["median_ms"] / tc["flash"]["median_ms"]}
         except Exception as exc:  # noqa: BLE001 - a candidate: record why it does not run here
             out["cudnn"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    if len(chunks) == 1 and not dec:  # one chunk: the product's dense kernel (model/dense_prefill.py) on it
+        kg, vg = k.index_select(0, gather), v.index_select(0, gather)
+        try:
+            diff = float((dp.dense_causal(q, kg, vg, scale).float() - flash_varlen(
+                q, kg, vg, cu_q_rest, cu_k_rest, max_q, max_k, scale).float()).abs().max())
+            td = time_interleaved({"flash": lambda: flash_varlen(q, kg, vg, cu_q_rest, cu_k_rest, max_q, max_k, scale),
+                                   "dense": lambda: dp.dense_causal(q, kg, vg, scale)}, warmup=3, iters=15)
+            out["dense_causal"] = {"worthy": dp.dense_worthy(sum(qlens), sum(klens), dp.DENSE_MIN_ROWS),
+                                   "max_abs_diff_vs_flash": diff, "flash_ms": td["flash"]["median_ms"],
+                                   "dense_ms": td["dense"]["median_ms"],
+                                   "dense_tflops": fl / td["dense"]["median_ms"] / 1e9,
+                                   "dense_over_flash": td["dense"]["median_ms"] / td["flash"]["median_ms"]}
+        except Exception as exc:  # noqa: BLE001 - record why it does not run here
+            out["dense_causal"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if len(chunks) == 1 and not dec and chunks[0][1] == 0:  # one fresh chunk: the dense SDPA backends too
         ref = flash_varlen(q, k.index_select(0, gather), v.index_select(0, gather), cu_q_rest, cu_k_rest, max_q, max_k,
                            scale)
@@ -164,13 +181,19 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{'':48s} cuDNN: " + (c["error"] if "error" in c else
                   f"{c['cudnn_ms']:8.3f} ms ({c['cudnn_tflops']:5.0f} TF/s) over FlashAttention-2 "
                   f"{c['cudnn_over_flash']:.2f}, diff {c['max_abs_diff_vs_flash']:.3g}"), flush=True)
+        if "dense_causal" in r:
+            c = r["dense_causal"]
+            print(f"{'':48s} product dense kernel: " + (c["error"] if "error" in c else
+                  f"{c['dense_ms']:8.3f} ms ({c['dense_tflops']:5.0f} TF/s) over FlashAttention-2 "
+                  f"{c['dense_over_flash']:.2f}, diff {c['max_abs_diff_vs_flash']:.3g}, worthy {c['worthy']}"), flush=True)
         for bk, c in (r.get("dense") or {}).items():
             print(f"{'':48s} dense SDPA {bk}: " + (c["error"] if "error" in c else
                   f"{c['ms']:8.3f} ms ({c['tflops']:5.0f} TF/s), diff {c['max_abs_diff_vs_flash_varlen']:.3g}"),
                   flush=True)
     payload = {"what": "one layer's attention of a step: a piecewise hole (decode kernel + gathered FlashAttention-2"
                        " varlen) against the paged varlen kernel (every row in place), and for prefill chunks alone "
-                       "cuDNN's varlen attention (a candidate) against FlashAttention-2, and for one fresh chunk "
+                       "cuDNN's varlen attention (a candidate) against FlashAttention-2, for one chunk the product's dense kernel "
+                       "(model/dense_prefill.py: cuDNN on a padded square) against FlashAttention-2, and for one fresh chunk "
                        "PyTorch's dense SDPA backends (cuDNN, FlashAttention-2, memory-efficient); MEASURED device ms",
                "shape": {"heads": HQ, "kv_heads": HK, "head_dim": D, "dtype": "bfloat16"}, "cases": rows}
     print("wrote", write_result("paged_varlen", payload, out=args.out))

@@ -19,6 +19,9 @@
 #              in-place decode kernel (model/paged_decode.py), read their slots in place (nothing gathered)
 #     VARLEN with work tables (a whole-step graph of a token size): every row read in place by the paged varlen
 #              kernel (model/paged_varlen.py), its grids fixed by the tables' static lengths
+#     VARLEN with prefill runs (an eager step holding a long prompt chunk, where the host's dense kernel serves):
+#              the prompt chunks run by run, each long chunk through the dense kernel (cuDNN's fused attention,
+#              model/dense_prefill.py), the stretches between them through FlashAttention-2's varlen call
 #   ──> [1, n, H, Dv] back into the module (its output projection)
 # ======================================================================================================
 """Attention backends of the model host, registered with transformers' ``AttentionInterface``.
@@ -39,6 +42,7 @@ import torch
 
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model import mla
+from ray_moe.model.dense_prefill import DenseKernel, PrefillRun
 from ray_moe.model.paged_decode import DecodeKernel
 from ray_moe.model.paged_varlen import PagedVarlenKernel
 
@@ -64,11 +68,13 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
 class Kernels:
     """The host's attention kernels: ``varlen`` (FlashAttention's contract, or a caller's reference),
     ``decode`` (the in-place decode kernel, or None: one-row sequences attend gathered contexts too) and
-    ``paged`` (the in-place varlen kernel of whole-step token graphs, or None: those steps run piecewise)."""
+    ``paged`` (the in-place varlen kernel of whole-step token graphs, or None: those steps run piecewise) and
+    ``dense`` (long prompt chunks' dense kernel, ``dense_prefill.dense_causal``, or None: every chunk varlen)."""
 
     varlen: VarlenKernel = flash_varlen
     decode: DecodeKernel | None = None
     paged: PagedVarlenKernel | None = None
+    dense: DenseKernel | None = None
 
 
 EXPAND_KEYS = 8192  # gathered keys one expansion run holds (MLA: ~200 KB a key at DeepSeek-V3's 128 heads)
@@ -117,6 +123,9 @@ class AttentionPlan:
                  ``EXPAND_KEYS`` (host ints, ``ExpandGroup``; a longer context is a run of its own): a module
                  that expands its contexts before attending (MLA's prompt rows) expands one run at a time, so a
                  step's transient memory is bounded by the run, not by every context of the step. None: one run
+    prefill_runs: VARLEN, the sequences after the one-row group cut into runs around each long chunk
+                 (``dense_prefill.prefill_runs``: host ints; the dense ones attend through ``Kernels.dense``).
+                 None: one varlen call
     """
 
     rows: int
@@ -133,6 +142,7 @@ class AttentionPlan:
     cu_q_rest: torch.Tensor | None = None
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     rest_groups: tuple[ExpandGroup, ...] | None = None
+    prefill_runs: tuple[PrefillRun, ...] | None = None
 
     @property
     def in_place(self) -> bool:
@@ -181,11 +191,29 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         vg = torch.nn.functional.pad(vg, (0, d - dv))
     if s1:  # the one-row sequences (one query each: the decode grid), then the others over the same keys
         parts.append(kernels.varlen(qs[:s1], kg, vg, cu_q[:s1 + 1], cu_k[:s1 + 1], 1, plan.max_k, scale))
-        parts.append(kernels.varlen(qs[s1:], kg, vg, rest, cu_k[s1:], plan.max_q, plan.max_k, scale))
+        qs, cu_q, cu_k = qs[s1:], rest, cu_k[s1:]
+    if plan.prefill_runs is not None and kernels.dense is not None:
+        parts.extend(_attend_runs(qs, kg, vg, cu_q, cu_k, plan.prefill_runs, scale, kernels))
     else:
         parts.append(kernels.varlen(qs, kg, vg, cu_q, cu_k, plan.max_q, plan.max_k, scale))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[..., :dv][None]
+
+
+def _attend_runs(qs: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 runs: tuple[PrefillRun, ...], scale: float, kernels: Kernels) -> list[torch.Tensor]:
+    """The prompt chunks run by run: qs [Nq, Hq, D] (the chunks' rows from the first), kg / vg [K, Hk, D] the
+    gathered keys, cu_q [S + 1] (from 0) / cu_k [S + 1] (into kg) int32 -> one [rows, Hq, D] per run, in order.
+    A dense run's chunk is contiguous in both (host offsets, no sync); a varlen run passes its slice of the
+    offsets, its queries from 0 and its keys as they are."""
+    out = []
+    for r in runs:
+        if r.dense:
+            out.append(kernels.dense(qs[r.q_lo:r.q_hi], kg[r.k_lo:r.k_hi], vg[r.k_lo:r.k_hi], scale))
+        else:
+            out.append(kernels.varlen(qs[r.q_lo:r.q_hi], kg, vg, cu_q[r.seq_lo:r.seq_hi + 1] - r.q_lo,
+                                      cu_k[r.seq_lo:r.seq_hi + 1], r.max_q, r.max_k, scale))
+    return out
 
 
 class StepAttention(Protocol):

@@ -23,6 +23,7 @@ import torch
 from ray_moe.core.errors import ConfigError
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model import attention as attn
+from ray_moe.model import dense_prefill
 from ray_moe.model import paged_decode as paged
 from ray_moe.model import paged_varlen
 from ray_moe.model.fp8_linear import Fp8Linear
@@ -72,7 +73,9 @@ class ModelHost:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, kv_tokens: int,
                  block_size: int = 16, attention: AttentionBackend = AttentionBackend.AUTO,
                  varlen_kernel: "attn.VarlenKernel | None" = None,
-                 decode_kernel: "paged.DecodeKernel | None" = None) -> None:
+                 decode_kernel: "paged.DecodeKernel | None" = None,
+                 dense_kernel: "dense_prefill.DenseKernel | None" = None,
+                 dense_rows: int | None = dense_prefill.DENSE_MIN_ROWS) -> None:
         from ray_moe.model.seam import bind, register
 
         self.model = model
@@ -91,7 +94,12 @@ class ModelHost:
         self.reference_decode = decode_kernel is not None  # a caller's decode kernel (MLA: its torch reference)
         # whole-step graphs of token sizes read every row in place where the paged varlen kernel serves here
         in_place, self.paged_reason = self._pick_paged(varlen_kernel)
-        self.kernels = attn.Kernels(varlen_kernel or attn.flash_varlen, decode, in_place)
+        # long prompt chunks of eager steps attend through the dense kernel where it serves and is faster here
+        # (``dense_rows``: chunks this long or longer; None: none)
+        dense, self.dense_reason = (self._pick_dense(dense_kernel, varlen_kernel) if dense_rows is not None else
+                                    (None, "dense_rows=None"))
+        self.dense_rows = dense_rows
+        self.kernels = attn.Kernels(varlen_kernel or attn.flash_varlen, decode, in_place, dense)
         attn.register()
         self.model.config._attn_implementation = attn.ATTENTION_NAME
         self.seam = _StepSeam()
@@ -150,6 +158,22 @@ class ModelHost:
         heads, kv_heads, dq, dv = _attention_dims(self.config)
         why = paged_varlen.check_paged_varlen(self.device, self.dtype, heads, kv_heads, dq, dv)
         return (paged_varlen.paged_varlen if why is None else None), why
+
+    def _pick_dense(self, kernel: Any, varlen_kernel: Any) -> tuple[Any, str]:
+        """(long prompt chunks' dense kernel or None, what decided it): a caller's kernel as given; none off the
+        varlen backend, for a latent cache (MLA expands its contexts run by run) or beside a caller's varlen
+        kernel (the reference); else where ``dense_prefill.check_dense`` finds it equal and faster here."""
+        if self.attention is not AttentionBackend.VARLEN:
+            return None, "the masked backend attends every chunk"
+        if self.latent_cache:
+            return None, "a latent cache (MLA): its prompt chunks attend in expansion runs"
+        if kernel is not None:
+            return kernel, "a caller's dense kernel"
+        if varlen_kernel is not None:
+            return None, "a caller's varlen kernel attends every chunk"
+        heads, kv_heads, dq, dv = _attention_dims(self.config)
+        return dense_prefill.check_dense(self.device, self.dtype, heads, kv_heads, dq, dv, attn.flash_varlen,
+                                         attn.sequence_reference)
 
     @staticmethod
     def skeleton(config: Any, dtype: torch.dtype) -> torch.nn.Module:
@@ -437,7 +461,8 @@ class ModelHost:
         ids = token_ids.numpy() if isinstance(token_ids, torch.Tensor) else token_ids
         return self.kv.plan_step(chunks, ids.astype("int64", copy=False), self.attention, paged=self.paged_decode,
                                  rows=rows, last_rows=last_rows, mask_dtype=self.dtype,
-                                 expand_keys=attn.EXPAND_KEYS if self.latent_cache else None)
+                                 expand_keys=attn.EXPAND_KEYS if self.latent_cache else None,
+                                 dense_rows=self.dense_rows if self.kernels.dense is not None else None)
 
     @torch.no_grad()
     def forward(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor, executor: Any) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 from ray_moe.core.errors import RayMoEError
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.attention import EXPAND_KEYS, AttentionPlan, ExpandGroup
+from ray_moe.model.dense_prefill import prefill_runs
 from ray_moe.model.kv_host import HostChunks, plan_decode_steps, plan_token_step, send, staging
 from ray_moe.model.prefix_cache import BlockPool
 
@@ -281,7 +282,7 @@ class PagedKVCache:
     def plan_step(self, chunks: "Sequence[Chunk] | HostChunks", token_ids: np.ndarray, backend: AttentionBackend, *,
                   paged: bool = False, rows: int | None = None, last_rows: int | None = None,
                   mask_dtype: torch.dtype = torch.float32,
-                  expand_keys: int | None = None) -> tuple[StepRows, AttentionPlan]:
+                  expand_keys: int | None = None, dense_rows: int | None = None) -> tuple[StepRows, AttentionPlan]:
         """The rows and the exact attention plan of one step (every chunk's positions reserved first), host
         arrays built once (numpy, no per-token Python) and uploaded in one copy.
 
@@ -290,7 +291,8 @@ class PagedKVCache:
         ``last`` entries (None: one per sequence); paged (VARLEN): the leading one-row sequences read their
         slots in place (``AttentionPlan.slots``), the other contexts are gathered; mask_dtype: MASKED's mask;
         expand_keys (VARLEN): the plan's ``rest_groups`` cut at this many gathered keys (a model that expands
-        its contexts before attending; None: not cut).
+        its contexts before attending; None: not cut); dense_rows (VARLEN): the plan's ``prefill_runs`` around
+        each chunk of at least this many rows (``dense_prefill.prefill_runs``; None: not cut).
           1. host arrays: each chunk's context slots, the rows' write slots and positions
           2. the plan's vectors: gather / slots and offsets (VARLEN) or the mask's keys (MASKED)
           3. one upload; row_valid and the mask built on the device"""
@@ -338,12 +340,14 @@ class PagedKVCache:
         if varlen:
             slots = up["read"][:kd] if paged else None
             gather = None if paged and nd == s else up["read"][kd:]
-            groups = None if expand_keys is None else expand_groups(
-                c.lens[nd:], c.ends[nd:], 0 if paged else int(c.ends[:nd].sum()), expand_keys)
+            k_base = 0 if paged else int(c.ends[:nd].sum())
+            groups = None if expand_keys is None else expand_groups(c.lens[nd:], c.ends[nd:], k_base, expand_keys)
+            runs = None if dense_rows is None else prefill_runs(c.lens[nd:], c.ends[nd:], k_base, dense_rows)
             plan = AttentionPlan(n, backend, gather=gather, cu_q=up["cu_q"].to(torch.int32),
                                  cu_k=up["cu_k"].to(torch.int32), max_q=int(c.lens.max(initial=1)),
                                  max_k=int(c.ends.max(initial=1)), single_rows=nd if (paged or nd < s) else 0,
-                                 slots=slots, cu_q_rest=up["cu_q_rest"].to(torch.int32), rest_groups=groups)
+                                 slots=slots, cu_q_rest=up["cu_q_rest"].to(torch.int32), rest_groups=groups,
+                                 prefill_runs=runs)
             return step, plan
         plain = s == 1 and int(c.starts[0]) == 0  # one sequence from its first position: SDPA's causal kernel
         mask = None if plain else _mask(up["q_seq"], up["positions"][:n], up["k_seq"], up["k_pos"], mask_dtype)

@@ -173,6 +173,10 @@ class StepGraphRunner:
             out["decode"] += (f"; {sizes[-1] + 1}..{lat.rank_running} sequences (decode_token_capacity={sizes[-1]}): "
                               + (tok or f"eager ({self.tokens_off})"))
         out["beyond_lattice"] = "eager"
+        host = self.host
+        out["long_prompt_attention"] = (
+            f"cuDNN dense for chunks of >= {host.dense_rows} rows ({host.dense_reason})" if host.kernels.dense
+            is not None else f"FlashAttention-2 varlen ({host.dense_reason})") if host.varlen else "masked"
         return out
 
     def count(self, key: str, n: int = 1) -> None:

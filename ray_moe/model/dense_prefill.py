@@ -1,0 +1,187 @@
+# ======================================================================================================
+#  LONG PROMPT CHUNKS THROUGH A DENSE ATTENTION KERNEL (one rank, one eager step; pure torch: no Ray)
+#
+#   kv.plan_step (host, per step): the prompt chunks after the one-row group cut into runs ──> PrefillRun
+#       a chunk of >= ``min_rows`` query rows whose context before it is short enough (the padded square
+#       costs <= MAX_PAD_WORK x the causal work): a DENSE run of its own; the sequences between them: one
+#       varlen run each stretch
+#   attention.attend (per layer): each run over the step's gathered keys
+#       varlen run:  FlashAttention-2's variable-length forward (``attention.flash_varlen``) on the run's rows
+#       dense run:   ``dense_causal``: the chunk's queries placed at the bottom of a square of its context length
+#                    (the rows above them zero), the keys / values repeated to the query heads, one causal dense
+#                    SDPA call (cuDNN's fused attention on Hopper), the chunk's rows cut back out
+#   ──> [n, Hq, D] in the step's row order
+#
+#  Why: PyTorch ships FlashAttention-2 only; on Hopper its forward runs at ~310-340 TF/s (the f048dfe lease),
+#  cuDNN's dense fused attention at ~550-670 (NVIDIA's and FlashAttention's published H100 numbers), and a 6-8k
+#  prompt's step spends ~45% of its device time in attention. The host picks the dense kernel at start only where
+#  ``check_dense`` finds it equal to the reference and faster than FlashAttention-2 on this device.
+# ======================================================================================================
+"""Dense causal attention for long prompt chunks of eager steps, and the runs a step's chunks are cut into."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+DENSE_MIN_ROWS = 1024  # a chunk this long or longer attends through the dense kernel (shorter: one varlen call)
+MAX_PAD_WORK = 1.25  # the padded square's work over the chunk's causal work, at most
+CHECK_ROWS = 4096  # the start-time timing's fresh chunk (a long prompt's step holds one to a few of these)
+WARM_ROWS = 8192  # squares planned at start: to the default step's token count
+SQUARE_ROWS = 256  # the dense kernel's squares are multiples of this (cuDNN plans one shape at a time)
+MIN_SPEEDUP = 1.1  # the dense kernel must beat FlashAttention-2 by this much at CHECK_ROWS to be used
+
+# (q [Nq, Hq, D], k [Nk, Hk, D], v [Nk, Hk, Dv], scale) -> [Nq, Hq, Dv]: causal aligned at the bottom right
+DenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PrefillRun:
+    """One run of a plan's ``prefill_runs``: sequences [seq_lo, seq_hi) after the one-row group, their query rows
+    [q_lo, q_hi) (from the first such sequence's first row) and keys [k_lo, k_hi) in the gathered keys, the run's
+    longest query run and context (host ints); ``dense``: one chunk through the dense kernel."""
+
+    seq_lo: int
+    seq_hi: int
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    max_q: int
+    max_k: int
+    dense: bool
+
+
+def dense_worthy(rows: int, context: int, min_rows: int) -> bool:
+    """Whether a chunk of ``rows`` new rows over ``context`` keys (its own included) takes the dense kernel: long
+    enough, and the padded square (context^2 / 2 pairs) within MAX_PAD_WORK of the causal work
+    (rows * (context - rows / 2) pairs)."""
+    if rows < min_rows or context < rows:
+        return False
+    return context * context <= MAX_PAD_WORK * rows * (2 * context - rows)
+
+
+def prefill_runs(lens: np.ndarray, ends: np.ndarray, k_base: int, min_rows: int) -> tuple[PrefillRun, ...] | None:
+    """A step's prompt chunks (query lengths ``lens`` [S], contexts ``ends`` [S], host; after the one-row group)
+    cut into runs, keys counted from ``k_base`` in the gathered keys. None where no chunk is ``dense_worthy``
+    (the step keeps its one varlen call).
+      1. mark the dense chunks
+      2. each dense chunk a run; each stretch of others between them one varlen run"""
+    dense = [dense_worthy(int(q), int(e), min_rows) for q, e in zip(lens.tolist(), ends.tolist())]
+    if not any(dense):
+        return None
+    cq = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    ck = np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
+    cuts, runs = [0], []
+    for i in range(1, len(dense)):
+        if dense[i] or dense[i - 1]:
+            cuts.append(i)
+    cuts.append(len(dense))
+    for a, b in zip(cuts, cuts[1:]):
+        runs.append(PrefillRun(a, b, int(cq[a]), int(cq[b]), k_base + int(ck[a]), k_base + int(ck[b]),
+                               int(lens[a:b].max()), int(ends[a:b].max()), dense[a]))
+    return tuple(runs)
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One chunk's causal attention through PyTorch's dense SDPA (cuDNN's fused kernel on CUDA; the math kernel
+    on CPU, the reference): q [Nq, Hq, D] over k [Nk, Hk, D] / v [Nk, Hk, Dv], Nk >= Nq, causal aligned at the
+    bottom right (query i sees keys <= Nk - Nq + i) -> [Nq, Hq, Dv].
+      1. a square of L = Nk rounded up to SQUARE_ROWS: the queries at rows [Nk - Nq, Nk) (zero rows around them,
+         their outputs dropped), so the dense kernel's top-left causal mask is the chunk's bottom-right one; the
+         zero keys after Nk are later than every real query, which the mask hides from them (cuDNN builds one
+         execution plan per shape: a bounded set of squares, not one per prompt length)
+      2. keys / values repeated to the query heads (grouped-query heads) into the square's first Nk rows
+      3. one SDPA call on [1, H, L, D] views; the chunk's rows cut back out"""
+    nq, nk = int(q.shape[0]), int(k.shape[0])
+    hq, rep = int(q.shape[1]), int(q.shape[1]) // int(k.shape[1])
+    side = -(-nk // SQUARE_ROWS) * SQUARE_ROWS
+    qs = q.new_zeros(side, hq, q.shape[2])  # 1.
+    qs[nk - nq:nk] = q
+    ks, vs = k.new_zeros(side, k.shape[1], rep, k.shape[2]), v.new_zeros(side, v.shape[1], rep, v.shape[2])
+    ks[:nk], vs[:nk] = k[:, :, None], v[:, :, None]  # 2. head h of the query reads key head h // rep
+    qd, kd, vd = (t.reshape(side, hq, -1).transpose(0, 1)[None] for t in (qs, ks, vs))
+    if q.device.type == "cuda":  # 3.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)[nk - nq:nk]
+
+
+@functools.lru_cache(maxsize=None)
+def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                value_dim: int, varlen: Callable[..., torch.Tensor],
+                reference: Callable[..., torch.Tensor]) -> tuple[DenseKernel | None, str]:
+    """(the dense kernel, or None; what decided it), decided once a process for each device, dtype, head shape and
+    varlen kernel (a property of the device: every host of the process reads the same answer). Used only where
+      1. it reproduces the reference on this device (a fresh chunk and one over earlier context, against
+         ``reference``: the varlen contract sequence by sequence, ``attention.sequence_reference``),
+      2. it beats ``varlen`` (FlashAttention-2) by MIN_SPEEDUP on a fresh CHECK_ROWS-row chunk (CUDA events, the
+         best of 5 each), and
+      3. every square from DENSE_MIN_ROWS to WARM_ROWS plans (run once each, here at start: cuDNN builds an
+         execution plan per shape; a longer context's square is planned when first seen)."""
+    if device.type != "cuda":
+        return None, f"device {device.type}: the dense kernel is cuDNN's (CUDA)"
+    if dtype not in (torch.float16, torch.bfloat16) or head_dim != value_dim or num_heads % num_kv_heads:
+        return None, f"dtype {dtype}, head sizes {head_dim}/{value_dim}, heads {num_heads}/{num_kv_heads}: not served"
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    try:
+        err = 0.0
+        for nq, nk in ((160, 160), (96, 200)):  # 1. equal to the reference
+            q, k, v = draw(nq, num_heads, head_dim), draw(nk, num_kv_heads, head_dim), draw(nk, num_kv_heads, head_dim)
+            cu_q = torch.tensor([0, nq], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0, nk], dtype=torch.int32, device=device)
+            want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, nq, nk, head_dim ** -0.5)
+            err = max(err, float((dense_causal(q, k, v, head_dim ** -0.5).float() - want).abs().max()))
+        if not err < 0.05:
+            return None, f"the dense kernel differs from the reference by {err:.3g} here"
+        n = CHECK_ROWS  # 2. faster than FlashAttention-2
+        q, k, v = draw(n, num_heads, head_dim), draw(n, num_kv_heads, head_dim), draw(n, num_kv_heads, head_dim)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        dense_ms = _best_ms(lambda: dense_causal(q, k, v, head_dim ** -0.5))
+        flash_ms = _best_ms(lambda: varlen(q, k, v, cu, cu, n, n, head_dim ** -0.5))
+    except Exception as exc:  # noqa: BLE001 - the kernel is unavailable here: say why, keep FlashAttention-2
+        return None, f"the dense kernel failed here: {type(exc).__name__}: {str(exc)[:200]}"
+    timing = f"a fresh {n}-row chunk: dense {dense_ms:.3f} ms, FlashAttention-2 {flash_ms:.3f} ms"
+    if dense_ms * MIN_SPEEDUP > flash_ms:
+        return None, f"not faster here ({timing})"
+    try:  # 3. every square up to WARM_ROWS planned now, not on a request's step
+        t0 = time.perf_counter()
+        q = torch.randn(WARM_ROWS, num_heads, head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(WARM_ROWS, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+        for side in range(SQUARE_ROWS * -(-DENSE_MIN_ROWS // SQUARE_ROWS), WARM_ROWS + 1, SQUARE_ROWS):
+            dense_causal(q[:side], k[:side], v[:side], head_dim ** -0.5)
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - a square the kernel cannot plan: keep FlashAttention-2
+        return None, f"the dense kernel failed planning its squares: {type(exc).__name__}: {str(exc)[:200]}"
+    return dense_causal, f"{timing}; squares to {WARM_ROWS} rows planned in {time.perf_counter() - t0:.1f} s"
+
+
+def _best_ms(fn: Callable[[], torch.Tensor], reps: int = 5) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` after one warm call (CUDA events), in ms."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return best
+
+
+__all__ = ["CHECK_ROWS", "DENSE_MIN_ROWS", "DenseKernel", "MAX_PAD_WORK", "MIN_SPEEDUP", "PrefillRun", "SQUARE_ROWS", "WARM_ROWS",
+           "check_dense", "dense_causal", "dense_worthy", "prefill_runs"]
