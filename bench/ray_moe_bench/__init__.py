@@ -13,7 +13,8 @@ import importlib.resources
 import re
 
 #: helpers, not benchmarks (fp8_checkpoint: the serving benchmark's FP8 checkpoint writer, serving_fp8: its FP8 mode)
-_NOT_BENCHMARKS = frozenset({"__init__", "common", "dispatch_prototypes", "fp8_checkpoint", "serving_fp8"})
+_NOT_BENCHMARKS = frozenset({"__init__", "common", "dispatch_prototypes", "fp8_checkpoint", "serving_fp8",
+                             "serving_summary"})  # helpers: no measurement of their own
 
 
 def summary(doc: str | None) -> str:
