@@ -101,10 +101,14 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     nq, nk = int(q.shape[0]), int(k.shape[0])
     hq, rep = int(q.shape[1]), int(q.shape[1]) // int(k.shape[1])
     side = -(-nk // SQUARE_ROWS) * SQUARE_ROWS
-    qs = q.new_zeros(side, hq, q.shape[2])  # 1.
+    qs = q.new_empty(side, hq, q.shape[2])  # 1. (only the rows around the chunk zeroed: each byte written once)
+    qs[:nk - nq].zero_()
     qs[nk - nq:nk] = q
-    ks, vs = k.new_zeros(side, k.shape[1], rep, k.shape[2]), v.new_zeros(side, v.shape[1], rep, v.shape[2])
+    qs[nk:].zero_()
+    ks, vs = k.new_empty(side, k.shape[1], rep, k.shape[2]), v.new_empty(side, v.shape[1], rep, v.shape[2])
     ks[:nk], vs[:nk] = k[:, :, None], v[:, :, None]  # 2. head h of the query reads key head h // rep
+    ks[nk:].zero_()
+    vs[nk:].zero_()
     qd, kd, vd = (t.reshape(side, hq, -1).transpose(0, 1)[None] for t in (qs, ks, vs))
     if q.device.type == "cuda":  # 3.
         from torch.nn.attention import SDPBackend, sdpa_kernel
