@@ -12,15 +12,17 @@
 #                    SDPA call (cuDNN's fused attention on Hopper), the chunk's rows cut back out
 #   ──> [n, Hq, D] in the step's row order
 #
-#  Why: PyTorch ships FlashAttention-2 only; on Hopper its forward runs at ~310-340 TF/s (the f048dfe lease),
-#  cuDNN's dense fused attention at ~550-670 (NVIDIA's and FlashAttention's published H100 numbers), and a 6-8k
-#  prompt's step spends ~45% of its device time in attention. The host picks the dense kernel at start only where
-#  ``check_dense`` finds it equal to the reference and faster than FlashAttention-2 on this device.
+#  Why: PyTorch ships FlashAttention-2 only; on Hopper its forward runs at ~310-340 TF/s, cuDNN's dense fused
+#  attention at ~600 (an H100, bench/results/dense-h100x1-03bdc85: this path at 0.65-0.71x FlashAttention-2's time
+#  on 6-8k chunks), and a 6-8k prompt's step spends ~45% of its device time in attention. The host picks the dense
+#  kernel at start only where ``check_dense`` finds it equal to the reference and faster than FlashAttention-2 on
+#  this device, from the chunk length it measured it winning at.
 # ======================================================================================================
 """Dense causal attention for long prompt chunks of eager steps, and the runs a step's chunks are cut into."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -29,12 +31,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-DENSE_MIN_ROWS = 1024  # a chunk this long or longer attends through the dense kernel (shorter: one varlen call)
+DENSE_MIN_ROWS = 1024  # the shortest chunk the dense kernel may serve (its start check may raise it)
 MAX_PAD_WORK = 1.25  # the padded square's work over the chunk's causal work, at most
-CHECK_ROWS = 4096  # the start-time timing's fresh chunk (a long prompt's step holds one to a few of these)
+CHECK_SIZES = (1024, 2048, 4096)  # the start-time timings' fresh chunks (the shortest winning one is the threshold)
 WARM_ROWS = 8192  # squares planned at start: to the default step's token count
 SQUARE_ROWS = 256  # the dense kernel's squares are multiples of this (cuDNN plans one shape at a time)
-MIN_SPEEDUP = 1.1  # the dense kernel must beat FlashAttention-2 by this much at CHECK_ROWS to be used
+MIN_SPEEDUP = 1.1  # the dense kernel must beat FlashAttention-2 by this much on a chunk length to serve it
 
 # (q [Nq, Hq, D], k [Nk, Hk, D], v [Nk, Hk, Dv], scale) -> [Nq, Hq, Dv]: causal aligned at the bottom right
 DenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -120,23 +122,50 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return out[0].transpose(0, 1)[nk - nq:nk]
 
 
+@dataclass(frozen=True)
+class DenseChoice:
+    """What ``check_dense`` decided: the kernel (None: FlashAttention-2 for every chunk), the shortest chunk it
+    serves (measured: the dense kernel won from there up) and why, in words (with the timings)."""
+
+    kernel: DenseKernel | None
+    min_rows: int
+    reason: str
+
+
+def threshold(times: dict[int, tuple[float, float]]) -> int | None:
+    """The shortest measured chunk length from which the dense kernel beats FlashAttention-2 by MIN_SPEEDUP at
+    every longer measured length: ``times`` {rows: (dense ms, FlashAttention-2 ms)}. None: it loses at the
+    longest."""
+    best = None
+    for rows in sorted(times, reverse=True):
+        dense_ms, flash_ms = times[rows]
+        if dense_ms * MIN_SPEEDUP > flash_ms:
+            break
+        best = rows
+    return best
+
+
 @functools.lru_cache(maxsize=None)
 def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                 value_dim: int, varlen: Callable[..., torch.Tensor],
-                reference: Callable[..., torch.Tensor]) -> tuple[DenseKernel | None, str]:
-    """(the dense kernel, or None; what decided it), decided once a process for each device, dtype, head shape and
-    varlen kernel (a property of the device: every host of the process reads the same answer). Used only where
+                reference: Callable[..., torch.Tensor]) -> DenseChoice:
+    """Whether and from which chunk length long chunks attend through the dense kernel, decided once a process for
+    each device, dtype, head shape and varlen kernel (a property of the device: every host of the process reads the
+    same answer). Used only where
       1. it reproduces the reference on this device (a fresh chunk and one over earlier context, against
          ``reference``: the varlen contract sequence by sequence, ``attention.sequence_reference``),
-      2. it beats ``varlen`` (FlashAttention-2) by MIN_SPEEDUP on a fresh CHECK_ROWS-row chunk (CUDA events, the
-         best of 5 each), and
-      3. every square from DENSE_MIN_ROWS to WARM_ROWS plans (run once each, here at start: cuDNN builds an
-         execution plan per shape; a longer context's square is planned when first seen)."""
+      2. it beats ``varlen`` (FlashAttention-2) by MIN_SPEEDUP on fresh chunks of CHECK_SIZES rows (CUDA events,
+         the best of 5 each): from the shortest of them it wins at and above (``threshold``), and
+      3. every square from there to WARM_ROWS plans (run once each, here at start: cuDNN builds an execution plan
+         per shape; a longer context's square is planned when first seen)."""
+    off = DenseChoice(None, DENSE_MIN_ROWS, "")
     if device.type != "cuda":
-        return None, f"device {device.type}: the dense kernel is cuDNN's (CUDA)"
+        return dataclasses.replace(off, reason=f"device {device.type}: the dense kernel is cuDNN's (CUDA)")
     if dtype not in (torch.float16, torch.bfloat16) or head_dim != value_dim or num_heads % num_kv_heads:
-        return None, f"dtype {dtype}, head sizes {head_dim}/{value_dim}, heads {num_heads}/{num_kv_heads}: not served"
+        return dataclasses.replace(off, reason=f"dtype {dtype}, head sizes {head_dim}/{value_dim}, heads "
+                                               f"{num_heads}/{num_kv_heads}: not served")
     g = torch.Generator(device="cpu").manual_seed(0)
+    scale = head_dim ** -0.5
 
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device, dtype)
@@ -147,30 +176,36 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
             q, k, v = draw(nq, num_heads, head_dim), draw(nk, num_kv_heads, head_dim), draw(nk, num_kv_heads, head_dim)
             cu_q = torch.tensor([0, nq], dtype=torch.int32, device=device)
             cu_k = torch.tensor([0, nk], dtype=torch.int32, device=device)
-            want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, nq, nk, head_dim ** -0.5)
-            err = max(err, float((dense_causal(q, k, v, head_dim ** -0.5).float() - want).abs().max()))
+            want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, nq, nk, scale)
+            err = max(err, float((dense_causal(q, k, v, scale).float() - want).abs().max()))
         if not err < 0.05:
-            return None, f"the dense kernel differs from the reference by {err:.3g} here"
-        n = CHECK_ROWS  # 2. faster than FlashAttention-2
-        q, k, v = draw(n, num_heads, head_dim), draw(n, num_kv_heads, head_dim), draw(n, num_kv_heads, head_dim)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-        dense_ms = _best_ms(lambda: dense_causal(q, k, v, head_dim ** -0.5))
-        flash_ms = _best_ms(lambda: varlen(q, k, v, cu, cu, n, n, head_dim ** -0.5))
+            return dataclasses.replace(off, reason=f"the dense kernel differs from the reference by {err:.3g} here")
+        times = {}  # 2. faster than FlashAttention-2, from which length
+        top = max(CHECK_SIZES)
+        q, k, v = draw(top, num_heads, head_dim), draw(top, num_kv_heads, head_dim), draw(top, num_kv_heads, head_dim)
+        for n in CHECK_SIZES:
+            cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+            times[n] = (_best_ms(lambda: dense_causal(q[:n], k[:n], v[:n], scale)),
+                        _best_ms(lambda: varlen(q[:n], k[:n], v[:n], cu, cu, n, n, scale)))
     except Exception as exc:  # noqa: BLE001 - the kernel is unavailable here: say why, keep FlashAttention-2
-        return None, f"the dense kernel failed here: {type(exc).__name__}: {str(exc)[:200]}"
-    timing = f"a fresh {n}-row chunk: dense {dense_ms:.3f} ms, FlashAttention-2 {flash_ms:.3f} ms"
-    if dense_ms * MIN_SPEEDUP > flash_ms:
-        return None, f"not faster here ({timing})"
-    try:  # 3. every square up to WARM_ROWS planned now, not on a request's step
+        return dataclasses.replace(off, reason=f"the dense kernel failed here: {type(exc).__name__}: {str(exc)[:200]}")
+    timing = "fresh chunks, dense / FlashAttention-2 ms: " + ", ".join(
+        f"{n} rows {d:.3f} / {f:.3f}" for n, (d, f) in sorted(times.items()))
+    rows = threshold(times)
+    if rows is None:
+        return dataclasses.replace(off, reason=f"not faster here ({timing})")
+    try:  # 3. every square from there to WARM_ROWS planned now, not on a request's step
         t0 = time.perf_counter()
         q = torch.randn(WARM_ROWS, num_heads, head_dim, device=device, dtype=dtype)
         k, v = (torch.randn(WARM_ROWS, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
-        for side in range(SQUARE_ROWS * -(-DENSE_MIN_ROWS // SQUARE_ROWS), WARM_ROWS + 1, SQUARE_ROWS):
-            dense_causal(q[:side], k[:side], v[:side], head_dim ** -0.5)
+        for side in range(SQUARE_ROWS * -(-rows // SQUARE_ROWS), WARM_ROWS + 1, SQUARE_ROWS):
+            dense_causal(q[:side], k[:side], v[:side], scale)
         torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - a square the kernel cannot plan: keep FlashAttention-2
-        return None, f"the dense kernel failed planning its squares: {type(exc).__name__}: {str(exc)[:200]}"
-    return dense_causal, f"{timing}; squares to {WARM_ROWS} rows planned in {time.perf_counter() - t0:.1f} s"
+        return dataclasses.replace(off, reason=f"the dense kernel failed planning its squares: {type(exc).__name__}: "
+                                               f"{str(exc)[:200]}")
+    return DenseChoice(dense_causal, rows, f"{timing}; squares from {rows} to {WARM_ROWS} rows planned in "
+                                           f"{time.perf_counter() - t0:.1f} s")
 
 
 def _best_ms(fn: Callable[[], torch.Tensor], reps: int = 5) -> float:
@@ -187,5 +222,5 @@ def _best_ms(fn: Callable[[], torch.Tensor], reps: int = 5) -> float:
     return best
 
 
-__all__ = ["CHECK_ROWS", "DENSE_MIN_ROWS", "DenseKernel", "MAX_PAD_WORK", "MIN_SPEEDUP", "PrefillRun", "SQUARE_ROWS", "WARM_ROWS",
-           "check_dense", "dense_causal", "dense_worthy", "prefill_runs"]
+__all__ = ["CHECK_SIZES", "DENSE_MIN_ROWS", "DenseChoice", "DenseKernel", "MAX_PAD_WORK", "MIN_SPEEDUP", "PrefillRun", "SQUARE_ROWS", "WARM_ROWS",
+           "check_dense", "dense_causal", "dense_worthy", "prefill_runs", "threshold"]

@@ -14,6 +14,7 @@ weights (``bind(..., drop_weights=True)``): a rank allocates only its own expert
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Sequence
@@ -95,10 +96,12 @@ class ModelHost:
         # whole-step graphs of token sizes read every row in place where the paged varlen kernel serves here
         in_place, self.paged_reason = self._pick_paged(varlen_kernel)
         # long prompt chunks of eager steps attend through the dense kernel where it serves and is faster here
-        # (``dense_rows``: chunks this long or longer; None: none)
-        dense, self.dense_reason = (self._pick_dense(dense_kernel, varlen_kernel) if dense_rows is not None else
-                                    (None, "dense_rows=None"))
-        self.dense_rows = dense_rows
+        # (``dense_rows``: chunks this long or longer, or longer where its start check measured it winning from
+        # there; None: none)
+        choice = (self._pick_dense(dense_kernel, varlen_kernel) if dense_rows is not None else
+                  dense_prefill.DenseChoice(None, 0, "dense_rows=None"))
+        dense, self.dense_reason = choice.kernel, choice.reason
+        self.dense_rows = None if dense_rows is None else max(int(dense_rows), choice.min_rows)
         self.kernels = attn.Kernels(varlen_kernel or attn.flash_varlen, decode, in_place, dense)
         attn.register()
         self.model.config._attn_implementation = attn.ATTENTION_NAME
@@ -159,18 +162,19 @@ class ModelHost:
         why = paged_varlen.check_paged_varlen(self.device, self.dtype, heads, kv_heads, dq, dv)
         return (paged_varlen.paged_varlen if why is None else None), why
 
-    def _pick_dense(self, kernel: Any, varlen_kernel: Any) -> tuple[Any, str]:
-        """(long prompt chunks' dense kernel or None, what decided it): a caller's kernel as given; none off the
-        varlen backend, for a latent cache (MLA expands its contexts run by run) or beside a caller's varlen
+    def _pick_dense(self, kernel: Any, varlen_kernel: Any) -> "dense_prefill.DenseChoice":
+        """Long prompt chunks' dense kernel (or None), from which length, and why: a caller's kernel as given; none
+        off the varlen backend, for a latent cache (MLA expands its contexts run by run) or beside a caller's varlen
         kernel (the reference); else where ``dense_prefill.check_dense`` finds it equal and faster here."""
+        off = dense_prefill.DenseChoice(None, 0, "")
         if self.attention is not AttentionBackend.VARLEN:
-            return None, "the masked backend attends every chunk"
+            return dataclasses.replace(off, reason="the masked backend attends every chunk")
         if self.latent_cache:
-            return None, "a latent cache (MLA): its prompt chunks attend in expansion runs"
+            return dataclasses.replace(off, reason="a latent cache (MLA): its prompt chunks attend in expansion runs")
         if kernel is not None:
-            return kernel, "a caller's dense kernel"
+            return dense_prefill.DenseChoice(kernel, 0, "a caller's dense kernel")
         if varlen_kernel is not None:
-            return None, "a caller's varlen kernel attends every chunk"
+            return dataclasses.replace(off, reason="a caller's varlen kernel attends every chunk")
         heads, kv_heads, dq, dv = _attention_dims(self.config)
         return dense_prefill.check_dense(self.device, self.dtype, heads, kv_heads, dq, dv, attn.flash_varlen,
                                          attn.sequence_reference)

@@ -78,8 +78,18 @@ def test_prefill_runs_cover_every_sequence_once(seqs, k_base, min_rows):
 
 
 def test_check_dense_keeps_flash_off_cuda():
-    kernel, why = dp.check_dense(torch.device("cpu"), torch.float32, 4, 2, 16, 16, sequence_reference, sequence_reference)
-    assert kernel is None and "cpu" in why
+    choice = dp.check_dense(torch.device("cpu"), torch.float32, 4, 2, 16, 16, sequence_reference, sequence_reference)
+    assert choice.kernel is None and "cpu" in choice.reason
+
+
+def test_threshold_is_where_the_dense_kernel_wins_from_there_up():
+    """The shortest measured length from which dense beats FlashAttention-2 by MIN_SPEEDUP at every longer one."""
+    win, lose = (1.0, 2.0), (1.0, 1.05)
+    assert dp.threshold({1024: win, 2048: win, 4096: win}) == 1024
+    assert dp.threshold({1024: lose, 2048: win, 4096: win}) == 2048
+    assert dp.threshold({1024: win, 2048: lose, 4096: win}) == 4096  # a loss above 1024: not from 1024
+    assert dp.threshold({1024: win, 2048: win, 4096: lose}) is None
+    assert dp.threshold({4096: (1.0, 1.0 * dp.MIN_SPEEDUP)}) == 4096  # exactly MIN_SPEEDUP wins
 
 
 # a prefill of two fresh prompts; a mixed step (a decode row, a short tail over a longer context, a fresh prompt,

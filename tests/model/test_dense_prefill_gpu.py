@@ -43,11 +43,11 @@ def test_dense_causal_equals_flash_in_bf16(nq, nk):
 def test_check_dense_decides_on_this_gpu():
     """On a Hopper GPU the check picks cuDNN's dense kernel (equal to the reference, faster than FlashAttention-2
     on a fresh 4k chunk, every square to 8k planned); what decided it is said either way."""
-    kernel, why = dp.check_dense(DEV, torch.bfloat16, 32, 4, 128, 128, flash_varlen, sequence_reference)
-    print(why)
-    assert "FlashAttention-2" in why or "failed" in why
+    choice = dp.check_dense(DEV, torch.bfloat16, 32, 4, 128, 128, flash_varlen, sequence_reference)
+    print(choice.reason)
+    assert "FlashAttention-2" in choice.reason or "failed" in choice.reason
     if torch.cuda.get_device_capability(DEV)[0] == 9:
-        assert kernel is dp.dense_causal, why
+        assert choice.kernel is dp.dense_causal and choice.min_rows in dp.CHECK_SIZES, choice.reason
 
 
 def test_host_with_dense_chunks_equals_host_without_in_bf16(hf_checkpoint):
