@@ -38,11 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import torch
 
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model import mla
-from ray_moe.model.dense_prefill import DenseKernel, PrefillRun
 from ray_moe.model.paged_decode import DecodeKernel
 from ray_moe.model.paged_varlen import PagedVarlenKernel
 
@@ -53,6 +53,9 @@ ATTENTION_KW = "ray_moe_attention"
 #   -> [Nq, Hq, D]; causal, aligned at the bottom right of each sequence (query i of Lq sees keys <= Lk - Lq + i)
 VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float],
                         torch.Tensor]
+# (q [Nq, Hq, D], k [Nk, Hk, D], v [Nk, Hk, Dv], scale) -> [Nq, Hq, Dv]: one chunk, causal aligned at the bottom right
+# (``dense_prefill.dense_causal``)
+DenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
@@ -81,10 +84,11 @@ EXPAND_KEYS = 8192  # gathered keys one expansion run holds (MLA: ~200 KB a key 
 
 
 @dataclass(frozen=True)
-class ExpandGroup:
-    """One run of a plan's ``rest_groups``: rest sequences [seq_lo, seq_hi) (indices after the one-row group),
-    their query rows [q_lo, q_hi) (from the rest's first row), their keys [k_lo, k_hi) in the plan's gathered
-    keys, and the run's longest query run and context (host ints)."""
+class SequenceRun:
+    """A run of consecutive sequences after a plan's one-row group (one of its ``rest_groups`` or
+    ``prefill_runs``): sequences [seq_lo, seq_hi) (indices after the one-row group), their query rows [q_lo, q_hi)
+    (from the rest's first row), their keys [k_lo, k_hi) in the plan's gathered keys, and the run's longest query
+    run and context (host ints); ``dense``: one chunk through ``Kernels.dense`` (a prefill run)."""
 
     seq_lo: int
     seq_hi: int
@@ -94,6 +98,19 @@ class ExpandGroup:
     k_hi: int
     max_q: int
     max_k: int
+    dense: bool = False
+
+
+def runs_at(cuts: list[int], lens: np.ndarray, ends: np.ndarray, k_base: int,
+            dense: list[bool] | None = None) -> tuple[SequenceRun, ...]:
+    """The runs between consecutive ``cuts`` (sequence indices, from 0 to S) of sequences with query lengths
+    ``lens`` [S] and contexts ``ends`` [S] (host), keys counted from ``k_base``; ``dense[i]``: the run starting at
+    sequence i is a dense one."""
+    cq = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    ck = np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
+    return tuple(SequenceRun(a, b, int(cq[a]), int(cq[b]), k_base + int(ck[a]), k_base + int(ck[b]),
+                             int(lens[a:b].max()), int(ends[a:b].max()), bool(dense and dense[a]))
+                 for a, b in zip(cuts, cuts[1:]))
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,7 +137,7 @@ class AttentionPlan:
                  read in place by the paged varlen kernel over ``slots`` / ``cu_q`` / ``cu_k`` (all S + 1
                  sequences' offsets); ``rows`` then counts every row of the step (the tables name the real ones)
     rest_groups: VARLEN, the sequences after the one-row group cut into runs whose gathered keys stay within
-                 ``EXPAND_KEYS`` (host ints, ``ExpandGroup``; a longer context is a run of its own): a module
+                 ``EXPAND_KEYS`` (host ints, ``SequenceRun``; a longer context is a run of its own): a module
                  that expands its contexts before attending (MLA's prompt rows) expands one run at a time, so a
                  step's transient memory is bounded by the run, not by every context of the step. None: one run
     prefill_runs: VARLEN, the sequences after the one-row group cut into runs around each long chunk
@@ -141,8 +158,8 @@ class AttentionPlan:
     k_end: torch.Tensor | None = None
     cu_q_rest: torch.Tensor | None = None
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    rest_groups: tuple[ExpandGroup, ...] | None = None
-    prefill_runs: tuple[PrefillRun, ...] | None = None
+    rest_groups: tuple[SequenceRun, ...] | None = None
+    prefill_runs: tuple[SequenceRun, ...] | None = None
 
     @property
     def in_place(self) -> bool:
@@ -201,7 +218,7 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 def _attend_runs(qs: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                 runs: tuple[PrefillRun, ...], scale: float, kernels: Kernels) -> list[torch.Tensor]:
+                 runs: tuple[SequenceRun, ...], scale: float, kernels: Kernels) -> list[torch.Tensor]:
     """The prompt chunks run by run: qs [Nq, Hq, D] (the chunks' rows from the first), kg / vg [K, Hk, D] the
     gathered keys, cu_q [S + 1] (from 0) / cu_k [S + 1] (into kg) int32 -> one [rows, Hq, D] per run, in order.
     A dense run's chunk is contiguous in both (host offsets, no sync); a varlen run passes its slice of the
@@ -309,6 +326,6 @@ def sequence_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
     return out
 
 
-__all__ = ["AttentionBackend", "AttentionPlan", "EXPAND_KEYS", "ExpandGroup", "InlineAttention", "Kernels",
-           "StepAttention", "VarlenKernel", "attend", "flash_varlen", "step_attention", "register", "check_flash",
-           "sequence_reference", "ATTENTION_NAME", "ATTENTION_KW"]
+__all__ = ["AttentionBackend", "AttentionPlan", "EXPAND_KEYS", "SequenceRun", "InlineAttention", "Kernels",
+           "StepAttention", "VarlenKernel", "DenseKernel", "attend", "runs_at", "flash_varlen", "step_attention", "register",
+           "check_flash", "sequence_reference", "ATTENTION_NAME", "ATTENTION_KW"]

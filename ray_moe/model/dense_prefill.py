@@ -1,7 +1,7 @@
 # ======================================================================================================
 #  LONG PROMPT CHUNKS THROUGH A DENSE ATTENTION KERNEL (one rank, one eager step; pure torch: no Ray)
 #
-#   kv.plan_step (host, per step): the prompt chunks after the one-row group cut into runs ──> PrefillRun
+#   kv.plan_step (host, per step): the prompt chunks after the one-row group cut into runs ──> SequenceRun
 #       a chunk of >= ``min_rows`` query rows whose context before it is short enough (the padded square
 #       costs <= MAX_PAD_WORK x the causal work): a DENSE run of its own; the sequences between them: one
 #       varlen run each stretch
@@ -31,32 +31,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ray_moe.model.attention import DenseKernel, SequenceRun, runs_at
+
 DENSE_MIN_ROWS = 1024  # the shortest chunk the dense kernel may serve (its start check may raise it)
 MAX_PAD_WORK = 1.25  # the padded square's work over the chunk's causal work, at most
 CHECK_SIZES = (1024, 2048, 4096)  # the start-time timings' fresh chunks (the shortest winning one is the threshold)
 WARM_ROWS = 8192  # squares planned at start: to the default step's token count
 SQUARE_ROWS = 256  # the dense kernel's squares are multiples of this (cuDNN plans one shape at a time)
 MIN_SPEEDUP = 1.1  # the dense kernel must beat FlashAttention-2 by this much on a chunk length to serve it
-
-# (q [Nq, Hq, D], k [Nk, Hk, D], v [Nk, Hk, Dv], scale) -> [Nq, Hq, Dv]: causal aligned at the bottom right
-DenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class PrefillRun:
-    """One run of a plan's ``prefill_runs``: sequences [seq_lo, seq_hi) after the one-row group, their query rows
-    [q_lo, q_hi) (from the first such sequence's first row) and keys [k_lo, k_hi) in the gathered keys, the run's
-    longest query run and context (host ints); ``dense``: one chunk through the dense kernel."""
-
-    seq_lo: int
-    seq_hi: int
-    q_lo: int
-    q_hi: int
-    k_lo: int
-    k_hi: int
-    max_q: int
-    max_k: int
-    dense: bool
 
 
 def dense_worthy(rows: int, context: int, min_rows: int) -> bool:
@@ -68,7 +50,7 @@ def dense_worthy(rows: int, context: int, min_rows: int) -> bool:
     return context * context <= MAX_PAD_WORK * rows * (2 * context - rows)
 
 
-def prefill_runs(lens: np.ndarray, ends: np.ndarray, k_base: int, min_rows: int) -> tuple[PrefillRun, ...] | None:
+def prefill_runs(lens: np.ndarray, ends: np.ndarray, k_base: int, min_rows: int) -> tuple[SequenceRun, ...] | None:
     """A step's prompt chunks (query lengths ``lens`` [S], contexts ``ends`` [S], host; after the one-row group)
     cut into runs, keys counted from ``k_base`` in the gathered keys. None where no chunk is ``dense_worthy``
     (the step keeps its one varlen call).
@@ -77,17 +59,8 @@ def prefill_runs(lens: np.ndarray, ends: np.ndarray, k_base: int, min_rows: int)
     dense = [dense_worthy(int(q), int(e), min_rows) for q, e in zip(lens.tolist(), ends.tolist())]
     if not any(dense):
         return None
-    cq = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    ck = np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
-    cuts, runs = [0], []
-    for i in range(1, len(dense)):
-        if dense[i] or dense[i - 1]:
-            cuts.append(i)
-    cuts.append(len(dense))
-    for a, b in zip(cuts, cuts[1:]):
-        runs.append(PrefillRun(a, b, int(cq[a]), int(cq[b]), k_base + int(ck[a]), k_base + int(ck[b]),
-                               int(lens[a:b].max()), int(ends[a:b].max()), dense[a]))
-    return tuple(runs)
+    cuts = [0] + [i for i in range(1, len(dense)) if dense[i] or dense[i - 1]] + [len(dense)]
+    return runs_at(cuts, lens, ends, k_base, dense)
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -222,5 +195,5 @@ def _best_ms(fn: Callable[[], torch.Tensor], reps: int = 5) -> float:
     return best
 
 
-__all__ = ["CHECK_SIZES", "DENSE_MIN_ROWS", "DenseChoice", "DenseKernel", "MAX_PAD_WORK", "MIN_SPEEDUP", "PrefillRun", "SQUARE_ROWS", "WARM_ROWS",
+__all__ = ["CHECK_SIZES", "DENSE_MIN_ROWS", "DenseChoice", "MAX_PAD_WORK", "MIN_SPEEDUP", "SQUARE_ROWS", "WARM_ROWS",
            "check_dense", "dense_causal", "dense_worthy", "prefill_runs", "threshold"]

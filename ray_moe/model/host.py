@@ -75,7 +75,7 @@ class ModelHost:
                  block_size: int = 16, attention: AttentionBackend = AttentionBackend.AUTO,
                  varlen_kernel: "attn.VarlenKernel | None" = None,
                  decode_kernel: "paged.DecodeKernel | None" = None,
-                 dense_kernel: "dense_prefill.DenseKernel | None" = None,
+                 dense_kernel: "attn.DenseKernel | None" = None,
                  dense_rows: int | None = dense_prefill.DENSE_MIN_ROWS) -> None:
         from ray_moe.model.seam import bind, register
 

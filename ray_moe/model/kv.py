@@ -32,7 +32,7 @@ import torch
 
 from ray_moe.core.errors import RayMoEError
 from ray_moe.core.types import AttentionBackend
-from ray_moe.model.attention import EXPAND_KEYS, AttentionPlan, ExpandGroup
+from ray_moe.model.attention import EXPAND_KEYS, AttentionPlan, SequenceRun, runs_at
 from ray_moe.model.dense_prefill import prefill_runs
 from ray_moe.model.kv_host import HostChunks, plan_decode_steps, plan_token_step, send, staging
 from ray_moe.model.prefix_cache import BlockPool
@@ -119,7 +119,7 @@ def leading_single_rows_of(lens: np.ndarray) -> int:
 
 
 def expand_groups(lens: np.ndarray, ends: np.ndarray, k_base: int,
-                  bound: int = EXPAND_KEYS) -> tuple[ExpandGroup, ...] | None:
+                  bound: int = EXPAND_KEYS) -> tuple[SequenceRun, ...] | None:
     """``AttentionPlan.rest_groups``: runs of consecutive sequences (query lengths ``lens`` [S], contexts
     ``ends`` [S], host) whose contexts sum to at most ``bound`` keys (a longer context is a run alone), keys
     counted from ``k_base`` in the gathered keys; None where one run holds them all."""
@@ -133,10 +133,7 @@ def expand_groups(lens: np.ndarray, ends: np.ndarray, k_base: int,
             keys = 0
         keys += e
     cuts.append(int(lens.size))
-    cq = np.concatenate([[0], np.cumsum(lens)])
-    ck = np.concatenate([[0], np.cumsum(ends)])
-    return tuple(ExpandGroup(a, b, int(cq[a]), int(cq[b]), k_base + int(ck[a]), k_base + int(ck[b]),
-                             int(lens[a:b].max()), int(ends[a:b].max())) for a, b in zip(cuts, cuts[1:]))
+    return runs_at(cuts, lens, ends, k_base)
 
 
 class PagedKVCache:
