@@ -316,7 +316,11 @@ def _start(args: Any, cfg: Any, env: EnvSettings, api_key: str | None, max_model
     notes = handle.start_notes.remote().result(timeout_s=1800)  # (at once: the replica has started its engine)
     lines = [f"ray-moe serve: {model_name!r} on {url} ({args.ranks} ranks, deployment {cfg.name!r}"
              f"{', API key required' if api_key else ''}); Ctrl-C stops",
-             f"  {notes['capacity']}", *[f"  warning: {w}" for w in notes["warnings"]],
+             f"  {notes['capacity']}", *[f"  {kind.replace('_', ' ')} steps: {path}" for kind, path
+                                          in notes.get("paths", {}).items() if kind != "long_prompt_attention"],
+             *[f"  long prompt chunks attend through: {path}" for kind, path in notes.get("paths", {}).items()
+               if kind == "long_prompt_attention"],
+             *[f"  warning: {w}" for w in notes["warnings"]],
              f"  Ray: {gcs} ("
              f"{'a private instance started here: it stops with this process' if state['started_ray'] else 'joined'})",
              "  from another shell:", *[f"    {c}" for c in _commands(cfg.name, args.ranks, env)],

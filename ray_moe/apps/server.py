@@ -194,10 +194,13 @@ def build_app(model_name: str, deployment: str, *, api_key: str | None, tokenize
             return out
 
         def start_notes(self) -> dict[str, Any]:
-            """What the engine's start says (a Serve handle call, no route): its KV cache against the running limit
-            and every start warning (a slow path, a cache re-made smaller, a cache the running limit outruns);
-            ``ray-moe serve`` prints them, since the replica's own log does not reach its terminal."""
-            return {"capacity": self.engine.capacity.note(), "warnings": [str(w) for w in self.engine.warnings]}
+            """What the engine's start says (a Serve handle call, no route): its KV cache against the running limit,
+            the path each step kind takes on the first rank (``status``'s), and every start warning (a slow path, a
+            cache re-made smaller, a cache the running limit outruns); ``ray-moe serve`` prints them, since the
+            replica's own log does not reach its terminal."""
+            report = self.engine.steps_report
+            return {"capacity": self.engine.capacity.note(), "warnings": [str(w) for w in self.engine.warnings],
+                    "paths": dict((report[0].get("paths") or {}) if report else {})}
 
         # ------------------------------------------------------------ endpoints
         @app.get("/health")
