@@ -109,20 +109,22 @@ def case(name: str, dec: int, dec_ctx: int, chunks: list[tuple[int, int]], seed:
                             "cudnn_over_flash": tc["cudnn"]["median_ms"] / tc["flash"]["median_ms"]}
         except Exception as exc:  # noqa: BLE001 - a candidate: record why it does not run here
             out["cudnn"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    if len(chunks) == 1 and not dec:  # one chunk: the product's dense kernel (model/dense_prefill.py) on it
+    if len(chunks) == 1 and not dec:  # one chunk: the product's dense kernels (model/dense_prefill.py) on it
         kg, vg = k.index_select(0, gather), v.index_select(0, gather)
-        try:
-            diff = float((dp.dense_causal(q, kg, vg, scale).float() - flash_varlen(
-                q, kg, vg, cu_q_rest, cu_k_rest, max_q, max_k, scale).float()).abs().max())
-            td = time_interleaved({"flash": lambda: flash_varlen(q, kg, vg, cu_q_rest, cu_k_rest, max_q, max_k, scale),
-                                   "dense": lambda: dp.dense_causal(q, kg, vg, scale)}, warmup=3, iters=15)
-            out["dense_causal"] = {"worthy": dp.dense_worthy(sum(qlens), sum(klens), dp.DENSE_MIN_ROWS),
-                                   "max_abs_diff_vs_flash": diff, "flash_ms": td["flash"]["median_ms"],
-                                   "dense_ms": td["dense"]["median_ms"],
-                                   "dense_tflops": fl / td["dense"]["median_ms"] / 1e9,
-                                   "dense_over_flash": td["dense"]["median_ms"] / td["flash"]["median_ms"]}
-        except Exception as exc:  # noqa: BLE001 - record why it does not run here
-            out["dense_causal"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        for kernel in (dp.dense_causal, dp.dense_causal_gqa):
+            try:
+                diff = float((kernel(q, kg, vg, scale).float() - flash_varlen(
+                    q, kg, vg, cu_q_rest, cu_k_rest, max_q, max_k, scale).float()).abs().max())
+                td = time_interleaved({"flash": lambda: flash_varlen(q, kg, vg, cu_q_rest, cu_k_rest, max_q, max_k,
+                                                                     scale),
+                                       "dense": lambda: kernel(q, kg, vg, scale)}, warmup=3, iters=15)
+                out[kernel.__name__] = {"worthy": dp.dense_worthy(sum(qlens), sum(klens), dp.DENSE_MIN_ROWS),
+                                        "max_abs_diff_vs_flash": diff, "flash_ms": td["flash"]["median_ms"],
+                                        "dense_ms": td["dense"]["median_ms"],
+                                        "dense_tflops": fl / td["dense"]["median_ms"] / 1e9,
+                                        "dense_over_flash": td["dense"]["median_ms"] / td["flash"]["median_ms"]}
+            except Exception as exc:  # noqa: BLE001 - record why it does not run here
+                out[kernel.__name__] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if len(chunks) == 1 and not dec and chunks[0][1] == 0:  # one fresh chunk: the dense SDPA backends too
         ref = flash_varlen(q, k.index_select(0, gather), v.index_select(0, gather), cu_q_rest, cu_k_rest, max_q, max_k,
                            scale)
@@ -181,11 +183,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{'':48s} cuDNN: " + (c["error"] if "error" in c else
                   f"{c['cudnn_ms']:8.3f} ms ({c['cudnn_tflops']:5.0f} TF/s) over FlashAttention-2 "
                   f"{c['cudnn_over_flash']:.2f}, diff {c['max_abs_diff_vs_flash']:.3g}"), flush=True)
-        if "dense_causal" in r:
-            c = r["dense_causal"]
-            print(f"{'':48s} product dense kernel: " + (c["error"] if "error" in c else
-                  f"{c['dense_ms']:8.3f} ms ({c['dense_tflops']:5.0f} TF/s) over FlashAttention-2 "
-                  f"{c['dense_over_flash']:.2f}, diff {c['max_abs_diff_vs_flash']:.3g}, worthy {c['worthy']}"), flush=True)
+        for name in ("dense_causal", "dense_causal_gqa"):
+            c = r.get(name)
+            if c is not None:
+                print(f"{'':48s} product {name}: " + (c["error"] if "error" in c else
+                      f"{c['dense_ms']:8.3f} ms ({c['dense_tflops']:5.0f} TF/s) over FlashAttention-2 "
+                      f"{c['dense_over_flash']:.2f}, diff {c['max_abs_diff_vs_flash']:.3g}, worthy {c['worthy']}"),
+                      flush=True)
         for bk, c in (r.get("dense") or {}).items():
             print(f"{'':48s} dense SDPA {bk}: " + (c["error"] if "error" in c else
                   f"{c['ms']:8.3f} ms ({c['tflops']:5.0f} TF/s), diff {c['max_abs_diff_vs_flash_varlen']:.3g}"),

@@ -8,8 +8,9 @@
 #   attention.attend (per layer): each run over the step's gathered keys
 #       varlen run:  FlashAttention-2's variable-length forward (``attention.flash_varlen``) on the run's rows
 #       dense run:   ``dense_causal``: the chunk's queries placed at the bottom of a square of its context length
-#                    (the rows above them zero), the keys / values repeated to the query heads, one causal dense
-#                    SDPA call (cuDNN's fused attention on Hopper), the chunk's rows cut back out
+#                    (the rows above them zero), the keys / values repeated to the query heads (or read in place,
+#                    ``dense_causal_gqa``, where SDPA's enable_gqa serves: the start check keeps the faster), one
+#                    causal dense SDPA call (cuDNN's fused attention on Hopper), the chunk's rows cut back out
 #   ──> [n, Hq, D] in the step's row order
 #
 #  Why: PyTorch ships FlashAttention-2 only; on Hopper its forward runs at ~310-340 TF/s, cuDNN's dense fused
@@ -63,36 +64,47 @@ def prefill_runs(lens: np.ndarray, ends: np.ndarray, k_base: int, min_rows: int)
     return runs_at(cuts, lens, ends, k_base, dense)
 
 
-def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool = False) -> torch.Tensor:
     """One chunk's causal attention through PyTorch's dense SDPA (cuDNN's fused kernel on CUDA; the math kernel
     on CPU, the reference): q [Nq, Hq, D] over k [Nk, Hk, D] / v [Nk, Hk, Dv], Nk >= Nq, causal aligned at the
-    bottom right (query i sees keys <= Nk - Nq + i) -> [Nq, Hq, Dv].
+    bottom right (query i sees keys <= Nk - Nq + i) -> [Nq, Hq, Dv]. ``gqa``: the kernel reads the Hk key / value
+    heads itself (SDPA's ``enable_gqa``) instead of copies repeated to Hq heads.
       1. a square of L = Nk rounded up to SQUARE_ROWS: the queries at rows [Nk - Nq, Nk) (zero rows around them,
          their outputs dropped), so the dense kernel's top-left causal mask is the chunk's bottom-right one; the
          zero keys after Nk are later than every real query, which the mask hides from them (cuDNN builds one
-         execution plan per shape: a bounded set of squares, not one per prompt length)
-      2. keys / values repeated to the query heads (grouped-query heads) into the square's first Nk rows
+         execution plan per shape: a bounded set of squares, not one per prompt length); each byte written once
+      2. keys / values into the square's first Nk rows (repeated to the query heads unless ``gqa``: head h of the
+         query reads key head h // (Hq / Hk))
       3. one SDPA call on [1, H, L, D] views; the chunk's rows cut back out"""
     nq, nk = int(q.shape[0]), int(k.shape[0])
-    hq, rep = int(q.shape[1]), int(q.shape[1]) // int(k.shape[1])
+    hq = int(q.shape[1])
+    rep = 1 if gqa else hq // int(k.shape[1])
     side = -(-nk // SQUARE_ROWS) * SQUARE_ROWS
-    qs = q.new_empty(side, hq, q.shape[2])  # 1. (only the rows around the chunk zeroed: each byte written once)
+    qs = q.new_empty(side, hq, q.shape[2])  # 1.
     qs[:nk - nq].zero_()
     qs[nk - nq:nk] = q
     qs[nk:].zero_()
     ks, vs = k.new_empty(side, k.shape[1], rep, k.shape[2]), v.new_empty(side, v.shape[1], rep, v.shape[2])
-    ks[:nk], vs[:nk] = k[:, :, None], v[:, :, None]  # 2. head h of the query reads key head h // rep
+    ks[:nk], vs[:nk] = k[:, :, None], v[:, :, None]  # 2.
     ks[nk:].zero_()
     vs[nk:].zero_()
-    qd, kd, vd = (t.reshape(side, hq, -1).transpose(0, 1)[None] for t in (qs, ks, vs))
+    heads = int(k.shape[1]) * rep
+    qd = qs.transpose(0, 1)[None]
+    kd, vd = (t.reshape(side, heads, -1).transpose(0, 1)[None] for t in (ks, vs))
+    kw = {"enable_gqa": True} if gqa else {}
     if q.device.type == "cuda":  # 3.
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+            out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, **kw)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, **kw)
     return out[0].transpose(0, 1)[nk - nq:nk]
+
+
+def dense_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``dense_causal`` reading the key / value heads in place of repeated copies (a ``DenseKernel``)."""
+    return dense_causal(q, k, v, scale, gqa=True)
 
 
 @dataclass(frozen=True)
@@ -126,7 +138,9 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
     each device, dtype, head shape and varlen kernel (a property of the device: every host of the process reads the
     same answer). Used only where
       1. it reproduces the reference on this device (a fresh chunk and one over earlier context, against
-         ``reference``: the varlen contract sequence by sequence, ``attention.sequence_reference``),
+         ``reference``: the varlen contract sequence by sequence, ``attention.sequence_reference``): of the
+         variants that do (key / value heads read in place, ``dense_causal_gqa``, or repeated), the faster one
+         on the longest check chunk,
       2. it beats ``varlen`` (FlashAttention-2) by MIN_SPEEDUP on fresh chunks of CHECK_SIZES rows (CUDA events,
          the best of 5 each): from the shortest of them it wins at and above (``threshold``), and
       3. every square from there to WARM_ROWS plans (run once each, here at start: cuDNN builds an execution plan
@@ -143,27 +157,36 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device, dtype)
 
+    top = max(CHECK_SIZES)
+    usable, why = {}, {}  # 1. each variant equal to the reference, and its time on the longest check chunk
+    for kernel in (dense_causal_gqa, dense_causal):
+        try:
+            err = max(_error(kernel, draw, reference, nq, nk, num_heads, num_kv_heads, head_dim, scale)
+                      for nq, nk in ((160, 160), (96, 200)))
+            if not err < 0.05:
+                why[kernel.__name__] = f"differs from the reference by {err:.3g}"
+                continue
+            q, k, v = draw(top, num_heads, head_dim), draw(top, num_kv_heads, head_dim), draw(top, num_kv_heads,
+                                                                                             head_dim)
+            usable[kernel] = _best_ms(lambda: kernel(q, k, v, scale))
+        except Exception as exc:  # noqa: BLE001 - this variant is unavailable here: say why, try the next
+            why[kernel.__name__] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+    if not usable:
+        return dataclasses.replace(off, reason="the dense kernel does not serve here: " + "; ".join(
+            f"{name} {w}" for name, w in why.items()))
+    kernel = min(usable, key=usable.get)
+    times = {}  # 2. faster than FlashAttention-2, from which length
     try:
-        err = 0.0
-        for nq, nk in ((160, 160), (96, 200)):  # 1. equal to the reference
-            q, k, v = draw(nq, num_heads, head_dim), draw(nk, num_kv_heads, head_dim), draw(nk, num_kv_heads, head_dim)
-            cu_q = torch.tensor([0, nq], dtype=torch.int32, device=device)
-            cu_k = torch.tensor([0, nk], dtype=torch.int32, device=device)
-            want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, nq, nk, scale)
-            err = max(err, float((dense_causal(q, k, v, scale).float() - want).abs().max()))
-        if not err < 0.05:
-            return dataclasses.replace(off, reason=f"the dense kernel differs from the reference by {err:.3g} here")
-        times = {}  # 2. faster than FlashAttention-2, from which length
-        top = max(CHECK_SIZES)
         q, k, v = draw(top, num_heads, head_dim), draw(top, num_kv_heads, head_dim), draw(top, num_kv_heads, head_dim)
         for n in CHECK_SIZES:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-            times[n] = (_best_ms(lambda: dense_causal(q[:n], k[:n], v[:n], scale)),
+            times[n] = (_best_ms(lambda: kernel(q[:n], k[:n], v[:n], scale)),
                         _best_ms(lambda: varlen(q[:n], k[:n], v[:n], cu, cu, n, n, scale)))
-    except Exception as exc:  # noqa: BLE001 - the kernel is unavailable here: say why, keep FlashAttention-2
-        return dataclasses.replace(off, reason=f"the dense kernel failed here: {type(exc).__name__}: {str(exc)[:200]}")
-    timing = "fresh chunks, dense / FlashAttention-2 ms: " + ", ".join(
-        f"{n} rows {d:.3f} / {f:.3f}" for n, (d, f) in sorted(times.items()))
+    except Exception as exc:  # noqa: BLE001 - a length the kernels cannot run: keep FlashAttention-2
+        return dataclasses.replace(off, reason=f"the dense timing failed here: {type(exc).__name__}: {str(exc)[:200]}")
+    timing = f"{kernel.__name__}; fresh chunks, dense / FlashAttention-2 ms: " + ", ".join(
+        f"{n} rows {d:.3f} / {f:.3f}" for n, (d, f) in sorted(times.items())) + "".join(
+        f"; {name} {w}" for name, w in why.items())
     rows = threshold(times)
     if rows is None:
         return dataclasses.replace(off, reason=f"not faster here ({timing})")
@@ -172,13 +195,23 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
         q = torch.randn(WARM_ROWS, num_heads, head_dim, device=device, dtype=dtype)
         k, v = (torch.randn(WARM_ROWS, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
         for side in range(SQUARE_ROWS * -(-rows // SQUARE_ROWS), WARM_ROWS + 1, SQUARE_ROWS):
-            dense_causal(q[:side], k[:side], v[:side], scale)
+            kernel(q[:side], k[:side], v[:side], scale)
         torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - a square the kernel cannot plan: keep FlashAttention-2
         return dataclasses.replace(off, reason=f"the dense kernel failed planning its squares: {type(exc).__name__}: "
                                                f"{str(exc)[:200]}")
-    return DenseChoice(dense_causal, rows, f"{timing}; squares from {rows} to {WARM_ROWS} rows planned in "
+    return DenseChoice(kernel, rows, f"{timing}; squares from {rows} to {WARM_ROWS} rows planned in "
                                            f"{time.perf_counter() - t0:.1f} s")
+
+
+def _error(kernel: DenseKernel, draw: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], nq: int,
+           nk: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> float:
+    """The largest difference of ``kernel`` from ``reference`` on one drawn chunk of ``nq`` rows over ``nk`` keys."""
+    q, k, v = draw(nq, heads, head_dim), draw(nk, kv_heads, head_dim), draw(nk, kv_heads, head_dim)
+    cu_q = torch.tensor([0, nq], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, nk], dtype=torch.int32, device=q.device)
+    want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, nq, nk, scale)
+    return float((kernel(q, k, v, scale).float() - want).abs().max())
 
 
 def _best_ms(fn: Callable[[], torch.Tensor], reps: int = 5) -> float:
@@ -196,4 +229,4 @@ def _best_ms(fn: Callable[[], torch.Tensor], reps: int = 5) -> float:
 
 
 __all__ = ["CHECK_SIZES", "DENSE_MIN_ROWS", "DenseChoice", "MAX_PAD_WORK", "MIN_SPEEDUP", "SQUARE_ROWS", "WARM_ROWS",
-           "check_dense", "dense_causal", "dense_worthy", "prefill_runs", "threshold"]
+           "check_dense", "dense_causal", "dense_causal_gqa", "dense_worthy", "prefill_runs", "threshold"]

@@ -28,15 +28,17 @@ from ray_moe_dev.testing.local_executor import LocalExecutor
 
 @pytest.mark.parametrize("nq,nk,hq,hk", [(5, 5, 4, 2), (300, 300, 4, 1), (200, 450, 2, 2), (1, 7, 4, 2),
                                          (256, 256, 2, 1), (257, 600, 4, 2)])
-def test_dense_causal_equals_the_reference(nq, nk, hq, hk):
+@pytest.mark.parametrize("kernel", [dp.dense_causal, dp.dense_causal_gqa])
+def test_dense_causal_equals_the_reference(nq, nk, hq, hk, kernel):
     """A fresh chunk, one over earlier context (bottom-right causal), squares that are and are not multiples of
-    SQUARE_ROWS, grouped-query heads: equal to ``sequence_reference`` (float64)."""
+    SQUARE_ROWS, grouped-query heads (repeated, or read in place by SDPA's enable_gqa): equal to
+    ``sequence_reference`` (float64)."""
     g = torch.Generator().manual_seed(nq * 1000 + nk)
     q = torch.randn(nq, hq, 16, generator=g, dtype=torch.float64)
     k = torch.randn(nk, hk, 16, generator=g, dtype=torch.float64)
     v = torch.randn(nk, hk, 16, generator=g, dtype=torch.float64)
     cu_q, cu_k = torch.tensor([0, nq], dtype=torch.int32), torch.tensor([0, nk], dtype=torch.int32)
-    got = dp.dense_causal(q, k, v, 0.25)
+    got = kernel(q, k, v, 0.25)
     assert got.shape == (nq, hq, 16)
     torch.testing.assert_close(got, sequence_reference(q, k, v, cu_q, cu_k, nq, nk, 0.25))
 
