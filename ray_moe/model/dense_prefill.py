@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -92,14 +92,16 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     qd = qs.transpose(0, 1)[None]
     kd, vd = (t.reshape(side, heads, -1).transpose(0, 1)[None] for t in (ks, vs))
     kw = {"enable_gqa": True} if gqa else {}
-    if q.device.type == "cuda":  # 3.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, **kw)
-    else:
+    with _cudnn_only() if q.device.type == "cuda" else contextlib.nullcontext():  # 3.
         out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, **kw)
     return out[0].transpose(0, 1)[nk - nq:nk]
+
+
+def _cudnn_only() -> contextlib.AbstractContextManager:
+    """SDPA restricted to cuDNN's fused kernel (a shape it cannot take raises rather than running another)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
 
 
 def dense_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -145,12 +147,10 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
          the best of 5 each): from the shortest of them it wins at and above (``threshold``), and
       3. every square from there to WARM_ROWS plans (run once each, here at start: cuDNN builds an execution plan
          per shape; a longer context's square is planned when first seen)."""
-    off = DenseChoice(None, DENSE_MIN_ROWS, "")
     if device.type != "cuda":
-        return dataclasses.replace(off, reason=f"device {device.type}: the dense kernel is cuDNN's (CUDA)")
+        return _off(f"device {device.type}: the dense kernel is cuDNN's (CUDA)")
     if dtype not in (torch.float16, torch.bfloat16) or head_dim != value_dim or num_heads % num_kv_heads:
-        return dataclasses.replace(off, reason=f"dtype {dtype}, head sizes {head_dim}/{value_dim}, heads "
-                                               f"{num_heads}/{num_kv_heads}: not served")
+        return _off(f"dtype {dtype}, head sizes {head_dim}/{value_dim}, heads {num_heads}/{num_kv_heads}: not served")
     g = torch.Generator(device="cpu").manual_seed(0)
     scale = head_dim ** -0.5
 
@@ -172,24 +172,23 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
         except Exception as exc:  # noqa: BLE001 - this variant is unavailable here: say why, try the next
             why[kernel.__name__] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
     if not usable:
-        return dataclasses.replace(off, reason="the dense kernel does not serve here: " + "; ".join(
-            f"{name} {w}" for name, w in why.items()))
+        return _off("the dense kernel does not serve here: " + "; ".join(f"{name} {w}" for name, w in why.items()))
     kernel = min(usable, key=usable.get)
-    times = {}  # 2. faster than FlashAttention-2, from which length
+    times = {}  # 2. faster than FlashAttention-2, from which length (the longest's dense time is step 1's)
     try:
         q, k, v = draw(top, num_heads, head_dim), draw(top, num_kv_heads, head_dim), draw(top, num_kv_heads, head_dim)
         for n in CHECK_SIZES:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-            times[n] = (_best_ms(lambda: kernel(q[:n], k[:n], v[:n], scale)),
-                        _best_ms(lambda: varlen(q[:n], k[:n], v[:n], cu, cu, n, n, scale)))
+            dense_ms = usable[kernel] if n == top else _best_ms(lambda: kernel(q[:n], k[:n], v[:n], scale))
+            times[n] = (dense_ms, _best_ms(lambda: varlen(q[:n], k[:n], v[:n], cu, cu, n, n, scale)))
     except Exception as exc:  # noqa: BLE001 - a length the kernels cannot run: keep FlashAttention-2
-        return dataclasses.replace(off, reason=f"the dense timing failed here: {type(exc).__name__}: {str(exc)[:200]}")
+        return _off(f"the dense timing failed here: {type(exc).__name__}: {str(exc)[:200]}")
     timing = f"{kernel.__name__}; fresh chunks, dense / FlashAttention-2 ms: " + ", ".join(
         f"{n} rows {d:.3f} / {f:.3f}" for n, (d, f) in sorted(times.items())) + "".join(
         f"; {name} {w}" for name, w in why.items())
     rows = threshold(times)
     if rows is None:
-        return dataclasses.replace(off, reason=f"not faster here ({timing})")
+        return _off(f"not faster here ({timing})")
     try:  # 3. every square from there to WARM_ROWS planned now, not on a request's step
         t0 = time.perf_counter()
         q = torch.randn(WARM_ROWS, num_heads, head_dim, device=device, dtype=dtype)
@@ -198,10 +197,14 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
             kernel(q[:side], k[:side], v[:side], scale)
         torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - a square the kernel cannot plan: keep FlashAttention-2
-        return dataclasses.replace(off, reason=f"the dense kernel failed planning its squares: {type(exc).__name__}: "
-                                               f"{str(exc)[:200]}")
+        return _off(f"the dense kernel failed planning its squares: {type(exc).__name__}: {str(exc)[:200]}")
     return DenseChoice(kernel, rows, f"{timing}; squares from {rows} to {WARM_ROWS} rows planned in "
-                                           f"{time.perf_counter() - t0:.1f} s")
+                                     f"{time.perf_counter() - t0:.1f} s")
+
+
+def _off(reason: str) -> DenseChoice:
+    """No dense kernel, and why."""
+    return DenseChoice(None, DENSE_MIN_ROWS, reason)
 
 
 def _error(kernel: DenseKernel, draw: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], nq: int,

@@ -14,7 +14,6 @@ weights (``bind(..., drop_weights=True)``): a rank allocates only its own expert
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, Sequence
@@ -166,15 +165,15 @@ class ModelHost:
         """Long prompt chunks' dense kernel (or None), from which length, and why: a caller's kernel as given; none
         off the varlen backend, for a latent cache (MLA expands its contexts run by run) or beside a caller's varlen
         kernel (the reference); else where ``dense_prefill.check_dense`` finds it equal and faster here."""
-        off = dense_prefill.DenseChoice(None, 0, "")
+        choice = dense_prefill.DenseChoice
         if self.attention is not AttentionBackend.VARLEN:
-            return dataclasses.replace(off, reason="the masked backend attends every chunk")
+            return choice(None, 0, "the masked backend attends every chunk")
         if self.latent_cache:
-            return dataclasses.replace(off, reason="a latent cache (MLA): its prompt chunks attend in expansion runs")
+            return choice(None, 0, "a latent cache (MLA): its prompt chunks attend in expansion runs")
         if kernel is not None:
-            return dense_prefill.DenseChoice(kernel, 0, "a caller's dense kernel")
+            return choice(kernel, 0, "a caller's dense kernel")
         if varlen_kernel is not None:
-            return dataclasses.replace(off, reason="a caller's varlen kernel attends every chunk")
+            return choice(None, 0, "a caller's varlen kernel attends every chunk")
         heads, kv_heads, dq, dv = _attention_dims(self.config)
         return dense_prefill.check_dense(self.device, self.dtype, heads, kv_heads, dq, dv, attn.flash_varlen,
                                          attn.sequence_reference)

@@ -23,7 +23,7 @@ from ray_moe.model.host import ModelHost
 from ray_moe.model.kv import SeqChunk
 from ray_moe.model.paged_decode import paged_decode_reference
 from ray_moe.model.source import HFWeightSource
-from ray_moe_dev.testing.local_executor import LocalExecutor
+from ray_moe_dev.testing.local_executor import LocalExecutor, step_logits
 
 
 @pytest.mark.parametrize("nq,nk,hq,hk", [(5, 5, 4, 2), (300, 300, 4, 1), (200, 450, 2, 2), (1, 7, 4, 2),
@@ -126,12 +126,8 @@ def test_host_with_dense_chunks_equals_masked_host(hf_checkpoint, paged):
     want_calls = []
     for chunks in STEPS:
         ids = torch.randint(0, masked.vocab_size, (sum(c.num_tokens for c in chunks),), generator=g)
-        outs = []
-        for h in (masked, host):
-            for c in chunks:
-                h.kv.reserve(c.seq_id, c.start + c.num_tokens)
-            outs.append(h.forward(chunks, ids, ex))
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+        want, got = step_logits([masked, host], chunks, ids, ex)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
         step = [(c.num_tokens, c.start + c.num_tokens) for c in chunks
                 if c.num_tokens > 1 and dp.dense_worthy(c.num_tokens, c.start + c.num_tokens, 4)]
         want_calls += step * host.config.num_hidden_layers

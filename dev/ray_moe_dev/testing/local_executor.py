@@ -41,3 +41,14 @@ class LocalExecutor:
         out = reference_moe(hidden.detach().cpu(), topk_ids.cpu(), topk_weights.detach().cpu(),
                             lambda e: self._expert(layer, e))
         return out.to(device=hidden.device, dtype=hidden.dtype)
+
+
+def step_logits(hosts: list, chunks: list, token_ids: "torch.Tensor", executor: object) -> list:
+    """Each host's logits [S, V] for one step of ``chunks`` (``SeqChunk``s; their positions reserved first) and
+    their packed ``token_ids``, its MoE blocks through ``executor`` (an object with ``layer_entry``)."""
+    out = []
+    for host in hosts:
+        for c in chunks:
+            host.kv.reserve(c.seq_id, c.start + c.num_tokens)
+        out.append(host.forward(chunks, token_ids, executor))
+    return out
