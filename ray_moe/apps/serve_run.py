@@ -39,6 +39,9 @@ from ray_moe.core.errors import ConfigError
 
 DTYPES = {"auto": None, "half": "float16", "float": "float32"}
 
+# ``status``'s paths that are not a step kind: how ``ray-moe serve`` names them at start (a step kind: "<kind> steps")
+PATH_LABELS = {"long_prompt_attention": "long prompt chunks attend through", "experts": "experts compute through"}
+
 
 def read_api_key(args: Any, env: Any) -> str | None:
     """The API key: ``--api-key-file PATH`` (its first line, stripped), else ``--api-key``, else
@@ -316,10 +319,8 @@ def _start(args: Any, cfg: Any, env: EnvSettings, api_key: str | None, max_model
     notes = handle.start_notes.remote().result(timeout_s=1800)  # (at once: the replica has started its engine)
     lines = [f"ray-moe serve: {model_name!r} on {url} ({args.ranks} ranks, deployment {cfg.name!r}"
              f"{', API key required' if api_key else ''}); Ctrl-C stops",
-             f"  {notes['capacity']}", *[f"  {kind.replace('_', ' ')} steps: {path}" for kind, path
-                                          in notes.get("paths", {}).items() if kind != "long_prompt_attention"],
-             *[f"  long prompt chunks attend through: {path}" for kind, path in notes.get("paths", {}).items()
-               if kind == "long_prompt_attention"],
+             f"  {notes['capacity']}", *[f"  {PATH_LABELS.get(kind, kind.replace('_', ' ') + ' steps')}: {path}"
+                                          for kind, path in notes.get("paths", {}).items()],
              *[f"  warning: {w}" for w in notes["warnings"]],
              f"  Ray: {gcs} ("
              f"{'a private instance started here: it stops with this process' if state['started_ray'] else 'joined'})",

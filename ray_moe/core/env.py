@@ -55,6 +55,12 @@ def _ray_token_available() -> bool:
     return os.path.isfile(os.path.expanduser(os.environ.get("RAY_AUTH_TOKEN_PATH") or RAY_TOKEN_FILE))
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter in this process (``TRITON_INTERPRET=1``, which Triton itself reads):
+    kernels that serve CUDA only then also take CPU tensors (the tests' CPU path)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def read_env() -> EnvSettings:
     """Read the environment now (call at process entry points, pass the result down)."""
     state_dir = os.environ.get("RAY_MOE_STATE_DIR") or None

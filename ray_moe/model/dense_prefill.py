@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ray_moe.core.cuda_timing import best_ms
 from ray_moe.model.attention import DenseKernel, SequenceRun, runs_at
 
 DENSE_MIN_ROWS = 1024  # the shortest chunk the dense kernel may serve (its start check may raise it)
@@ -168,7 +169,7 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
                 continue
             q, k, v = draw(top, num_heads, head_dim), draw(top, num_kv_heads, head_dim), draw(top, num_kv_heads,
                                                                                              head_dim)
-            usable[kernel] = _best_ms(lambda: kernel(q, k, v, scale))
+            usable[kernel] = best_ms(lambda: kernel(q, k, v, scale))
         except Exception as exc:  # noqa: BLE001 - this variant is unavailable here: say why, try the next
             why[kernel.__name__] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
     if not usable:
@@ -179,8 +180,8 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
         q, k, v = draw(top, num_heads, head_dim), draw(top, num_kv_heads, head_dim), draw(top, num_kv_heads, head_dim)
         for n in CHECK_SIZES:
             cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-            dense_ms = usable[kernel] if n == top else _best_ms(lambda: kernel(q[:n], k[:n], v[:n], scale))
-            times[n] = (dense_ms, _best_ms(lambda: varlen(q[:n], k[:n], v[:n], cu, cu, n, n, scale)))
+            dense_ms = usable[kernel] if n == top else best_ms(lambda: kernel(q[:n], k[:n], v[:n], scale))
+            times[n] = (dense_ms, best_ms(lambda: varlen(q[:n], k[:n], v[:n], cu, cu, n, n, scale)))
     except Exception as exc:  # noqa: BLE001 - a length the kernels cannot run: keep FlashAttention-2
         return _off(f"the dense timing failed here: {type(exc).__name__}: {str(exc)[:200]}")
     timing = f"{kernel.__name__}; fresh chunks, dense / FlashAttention-2 ms: " + ", ".join(
@@ -215,20 +216,6 @@ def _error(kernel: DenseKernel, draw: Callable[..., torch.Tensor], reference: Ca
     cu_k = torch.tensor([0, nk], dtype=torch.int32, device=q.device)
     want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, nq, nk, scale)
     return float((kernel(q, k, v, scale).float() - want).abs().max())
-
-
-def _best_ms(fn: Callable[[], torch.Tensor], reps: int = 5) -> float:
-    """The fastest of ``reps`` timed calls of ``fn`` after one warm call (CUDA events), in ms."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b))
-    return best
 
 
 __all__ = ["CHECK_SIZES", "DENSE_MIN_ROWS", "DenseChoice", "MAX_PAD_WORK", "MIN_SPEEDUP", "SQUARE_ROWS", "WARM_ROWS",

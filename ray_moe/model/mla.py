@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from ray_moe.core.env import triton_interpreted
 from ray_moe.core.types import AttentionBackend
 from ray_moe.model.paged_decode import dot_precision, pow2_block
 from ray_moe.model.swap import restore_forwards
@@ -327,14 +328,12 @@ def check_mla_decode(device: torch.device, dtype: torch.dtype, heads: int, rank:
     """Why ``mla_decode`` cannot serve decode here (None: it can): CUDA, Triton compiling (not its interpreter),
     and the kernel reproducing ``mla_decode_reference`` on a ragged batch (keys 1, 0, 77, 300) at this shape,
     over gathered contexts and in place (``mla_decode_paged``, with and without segment ends)."""
-    import os
-
     device = torch.device(device)
     if device.type != "cuda":
         return f"device {device.type}: the MLA decode kernel needs CUDA"
     if not available():
         return "Triton is not importable here"
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_interpreted():
         return "Triton runs its CPU interpreter here (TRITON_INTERPRET)"
     try:
         g = torch.Generator(device="cpu").manual_seed(0)

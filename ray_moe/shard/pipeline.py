@@ -36,6 +36,7 @@ from ray_moe.moe.dispatch.protocol import ControlStatus, Dispatcher
 from ray_moe.core.errors import ExchangeTimeoutError, RouteValidationError
 from ray_moe.moe.experts.runners import make_runner
 from ray_moe.moe.experts.runners.base import ExpertRunner
+from ray_moe.moe.experts.runners.grouped import mid_choice
 from ray_moe.moe.decode.admission import FallbackReason
 from ray_moe.moe.decode.graphs import (
     CapturedStep,
@@ -50,7 +51,7 @@ from ray_moe.moe.decode.graphs import (
 from ray_moe.moe.layer import PlacementView, MoEStep
 from ray_moe.moe.stats import LayerStats
 from ray_moe.shard.records import StepRequest
-from ray_moe.core.types import DispatchPath, Phase
+from ray_moe.core.types import DispatchPath, Phase, RunnerKind
 
 if TYPE_CHECKING:
     from ray_moe.model.config import RuntimeConfig
@@ -82,7 +83,10 @@ class DataPaths:
         nothing to exchange (local); otherwise the direct or engine normal path and the bucket decode path.
         ``decode_cap``: the decode bucket's largest token capacity (None: ``cfg.decode_token_capacity``, or
         ``EXPERT_DECODE_CAP`` when that is None too: generation steps size it to the running sequences)."""
-        runner = make_runner(cfg.runner)
+        # the grouped runner's mid-size kernels: measured here, once a process, before any capture
+        runner = (make_runner(cfg.runner, mid=mid_choice(device, dtype, cfg.hidden_size, cfg.ffn_size,
+                                                         cfg.slots_per_rank))
+                  if cfg.runner is RunnerKind.GROUPED else make_runner(cfg.runner))
         cap = decode_cap or cfg.decode_token_capacity or EXPERT_DECODE_CAP
         capture = device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable
         bucket = None

@@ -119,9 +119,12 @@ def test_the_start_prints_the_kv_cache_against_the_running_limit(served):
     assert at < next(i for i, ln in enumerate(lines) if ln.strip() == "from another shell:")
     assert "8,192 tokens a rank; 256 running sequences a rank get 32 tokens each" in lines[at], lines[at]
     # then how each step kind runs on the first rank (``status``'s paths): on CPU no graphs, the masked backend
-    steps = [ln.strip() for ln in lines[at + 1:at + 6]]
+    steps = [ln.strip() for ln in lines[at + 1:at + 7]]
     assert any(ln.startswith("decode steps: eager (CUDA graphs are off: the device is a CPU") for ln in steps), steps
     assert "long prompt chunks attend through: masked" in steps, steps
+    # ... and the experts' kernels: on CPU no tiled kernels, and why
+    assert any(ln.startswith("experts compute through: the skinny Triton kernels (CUDA) to 16 rows a slot, no tiled "
+                             "kernels (device cpu") for ln in steps), steps
 
 
 def test_the_printed_commands_work_as_pasted(served, foreign):

@@ -109,6 +109,10 @@ class ExpertRunner(ABC):
         ``weights`` is row-mapped (its tensors are the whole slot buffer)."""
         raise NotImplementedError(f"{type(self).__name__} reads no indexed rows (takes_indexed is False)")
 
+    def kernels(self) -> str:
+        """How this runner computes, in words (``status``'s paths; runners with size-dependent kernels say more)."""
+        return f"{self.kind.value} runner"
+
     @abstractmethod
     def ledger(self, counts: Sequence[int], d: int, f: int) -> RunnerLedger:
         """Analytical rows/values/FLOPs this runner executes for ``counts``."""

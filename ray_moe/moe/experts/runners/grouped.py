@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 
 import ray_moe.moe.experts.runners.skinny as skinny
+import ray_moe.moe.experts.runners.tiled as tiled
 from ray_moe.moe.experts.runners.base import ExpertRunner, RunnerLedger, down_operand, gate_up_operands, swiglu_act
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.core.types import RunnerKind
@@ -158,6 +159,27 @@ def grouped_swiglu(x: torch.Tensor, bounds: Sequence[int], weights: SlotWeights,
     return y
 
 
+def grouped_mm_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                      w_down: torch.Tensor) -> torch.Tensor:
+    """Expert-major rows x [N, d] with device-side offsets [Q] int32 (inclusive row ends) through three grouped
+    launches over K-major views of w_gate / w_up [Q, f, d] and w_down [Q, d, f] -> [N, d] (rows past offsets[-1]
+    left uncomputed). The device-offset path above the Triton kernels' sizes, and their start check's reference."""
+    xa = _aligned(x)
+    wg, wu = w_gate.transpose(1, 2), w_up.transpose(1, 2)
+    a = swiglu_act(torch._grouped_mm(xa, wg, offs=offsets), torch._grouped_mm(xa, wu, offs=offsets))
+    return torch._grouped_mm(a, w_down.transpose(1, 2), offs=offsets)
+
+
+def mid_choice(device: torch.device, dtype: torch.dtype, hidden_size: int, ffn_size: int,
+               slots: int) -> tiled.TiledChoice:
+    """The tiled kernels' start check for a deployment's expert shape (``tiled.check_tiled`` against
+    ``grouped_mm_swiglu``; once a process): OFF where grouped_mm does not take the operands."""
+    if not grouped_mm_available(device, dtype, hidden_size, ffn_size):
+        return tiled.TiledChoice((), f"grouped_mm does not take dtype {dtype} on {device.type}: no reference")
+    return tiled.check_tiled(torch.device(device), dtype, int(hidden_size), int(ffn_size), int(slots),
+                             grouped_mm_swiglu)
+
+
 def capacity_swiglu(x: torch.Tensor, valid: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
     """SwiGLU of a capacity layout with grouped launches whose offsets stay on the device (no host sync,
     CUDA-graph capturable): x [Q, C, d] (rows past ``valid[q]`` are padding), valid [Q] int64 -> [Q, C, d].
@@ -223,7 +245,9 @@ class GroupedRunner(ExpertRunner):
     kind = RunnerKind.GROUPED
 
     def __init__(self, use_grouped_mm: bool | None = None, *, loop_max_active: int = 8,
-                 loop_min_rows: int = 512) -> None:
+                 loop_min_rows: int = 512, mid: tiled.TiledChoice = tiled.OFF) -> None:
+        """``mid``: up to how many rows a slot the tiled kernels serve device-offset steps above the skinny
+        kernels' sizes (``tiled.check_tiled``'s measured choice for this device and expert shape; OFF: none)."""
         if use_grouped_mm not in (None, True, False):
             raise ValueError(f"use_grouped_mm={use_grouped_mm!r} must be None, True or False")
         if loop_max_active < 0 or loop_min_rows < 1:
@@ -231,6 +255,25 @@ class GroupedRunner(ExpertRunner):
         self.use_grouped_mm = use_grouped_mm
         self.loop_max_active = loop_max_active
         self.loop_min_rows = loop_min_rows
+        self.mid = mid
+
+    def _kernel(self, x: torch.Tensor, rows: int, weights: SlotWeights) -> str | tiled.TileConfig | None:
+        """The Triton kernels a device-offset call of ``rows`` expert-major rows takes: "skinny" (decode sizes),
+        a tiled config (mid-size, where the start check measured it faster), or None (grouped_mm / the loop)."""
+        if self.use_grouped_mm is not None:
+            return None
+        slots = max(weights.num_slots, 1)
+        if rows <= SKINNY_ROWS_PER_SLOT * slots:
+            return "skinny" if skinny.available(x, weights.w_gate, weights.w_down) else None
+        cfg = self.mid.config(rows, slots)
+        return cfg if cfg is not None and tiled.available(x, weights.w_gate, weights.w_down, cfg) else None
+
+    def kernels(self) -> str:
+        """How device-offset calls run here, by rows a slot, in words (``status``'s paths)."""
+        mid = (f"the tiled Triton kernels to {self.mid.bands[-1][0]} rows a slot ({self.mid.reason}), "
+               if self.mid.bands else f"no tiled kernels ({self.mid.reason}), ")
+        return (f"the skinny Triton kernels (CUDA) to {SKINNY_ROWS_PER_SLOT} rows a slot, {mid}grouped_mm above (or "
+                f"the per-slot loop where it does not take the operands)")
 
     def run_capacity(self, x: torch.Tensor, weights: SlotWeights, valid: torch.Tensor | None = None) -> torch.Tensor:
         """The decode bucket's capacity layout: grouped launches with device-side offsets where
@@ -243,32 +286,35 @@ class GroupedRunner(ExpertRunner):
     def run_offsets(self, x: torch.Tensor, offsets: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
         """Expert-major rows with device-side offsets: three grouped launches, no host sync (rows past
         ``offsets[-1]`` are left uncomputed: the combine never reads them)."""
-        if (self.use_grouped_mm is None and x.shape[0] <= SKINNY_ROWS_PER_SLOT * max(weights.num_slots, 1)
-                and skinny.available(x, weights.w_gate, weights.w_down)):
+        kernel = self._kernel(x, int(x.shape[0]), weights)
+        if kernel == "skinny":
             # decode sizes: a few rows per slot, the layer is a weight read (the skinny kernels stream the
             # active slots' weights at ~4.2 TB/s on H200, grouped_mm at ~2.7)
             return skinny.skinny_swiglu(x, offsets, weights.w_gate, weights.w_up, weights.w_down)
+        if kernel is not None:  # mid-size: the tiled kernels, where the start check measured them faster
+            return tiled.tiled_swiglu(x, offsets, weights.w_gate, weights.w_up, weights.w_down, config=kernel)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         few = weights.num_slots <= self.loop_max_active and self.use_grouped_mm is None
         if self.use_grouped_mm is False or not grouped_mm_available(x.device, x.dtype, weights.hidden_size,
                                                                     weights.ffn_size) or (few and not capturing):
             # a few large segments run fastest as per-slot GEMMs: one host read of the offsets (not in a graph)
             return super().run_offsets(x, offsets, weights)
-        xa = _aligned(x)
-        wg, wu = gate_up_operands(weights)
-        a = swiglu_act(torch._grouped_mm(xa, wg, offs=offsets), torch._grouped_mm(xa, wu, offs=offsets))
-        return torch._grouped_mm(a, down_operand(weights), offs=offsets)
+        return grouped_mm_swiglu(x, offsets, weights.w_gate, weights.w_up, weights.w_down)
 
     def takes_indexed(self, hidden: torch.Tensor, rows: int, weights: SlotWeights) -> bool:
-        """Decode sizes on CUDA: the skinny kernels read each row through the order (no gathered copy)."""
-        return (self.use_grouped_mm is None and rows <= SKINNY_ROWS_PER_SLOT * max(weights.num_slots, 1)
-                and skinny.available(hidden, weights.w_gate, weights.w_down))
+        """Where the Triton kernels serve (decode sizes, and mid sizes where measured faster on CUDA): they read
+        each row through the order (no gathered copy)."""
+        return self._kernel(hidden, rows, weights) is not None
 
     def run_indexed(self, hidden: torch.Tensor, order: torch.Tensor, top_k: int, offsets: torch.Tensor,
                     weights: SlotWeights, *, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The skinny kernels, reading rows through ``order`` (callers asked ``takes_indexed`` first)."""
-        return skinny.skinny_swiglu(hidden, offsets, weights.w_gate, weights.w_up, weights.w_down, order=order,
-                                    top_k=top_k, weight_rows=weight_rows)
+        """The Triton kernels, reading rows through ``order`` (callers asked ``takes_indexed`` first)."""
+        kernel = self._kernel(hidden, int(order.numel()), weights)
+        if kernel == "skinny":
+            return skinny.skinny_swiglu(hidden, offsets, weights.w_gate, weights.w_up, weights.w_down, order=order,
+                                        top_k=top_k, weight_rows=weight_rows)
+        return tiled.tiled_swiglu(hidden, offsets, weights.w_gate, weights.w_up, weights.w_down, config=kernel,
+                                  order=order, top_k=top_k, weight_rows=weight_rows)
 
     def backend(self, x: torch.Tensor, weights: SlotWeights, counts: Sequence[int] | None = None) -> str:
         """``"grouped_mm"`` or ``"loop"``: what ``run`` uses for these rows, counts and weights."""
