@@ -40,6 +40,7 @@ from ray_moe.core.env import triton_interpreted
 MIN_SPEEDUP = 1.05  # over grouped_mm at a band's measured size, or that band stays on grouped_mm
 CHECK_ROWS_PER_SLOT = (32, 64, 128, 256)  # the bands' measured sizes: rows a slot (band i: above band i-1's)
 CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference| in the start check (bf16 rounding: ~4e-3)
+CHECK_WEIGHT_BYTES = 2 << 30  # the start check's own seeded slots: at most this many bytes (at least 4 slots)
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,8 @@ def check_tiled(device: torch.device, dtype: torch.dtype, d: int, f: int, slots:
       1. a config reproduces the reference on this device (seeded slots of ~40 rows, some empty, some over one
          block; expert-major rows and rows read through a route order) within CHECK_TOLERANCE, and
       2. at each of CHECK_ROWS_PER_SLOT (routes drawn uniformly over ``slots`` slots; CUDA events, the best of 5)
-         the fastest passing config beats the reference by MIN_SPEEDUP, from the smallest size up (``bands``)."""
+         the fastest passing config beats the reference by MIN_SPEEDUP, from the smallest size up (``bands``).
+    Its seeded slots take at most CHECK_WEIGHT_BYTES (fewer slots than ``slots`` where the experts are large)."""
     if device.type != "cuda":
         return TiledChoice((), f"device {device.type}: the tiled expert kernels need CUDA")
     if dtype not in (torch.bfloat16, torch.float16) or _kernels() is None:
@@ -237,8 +239,22 @@ def check_tiled(device: torch.device, dtype: torch.dtype, d: int, f: int, slots:
     configs = [c for c in CANDIDATES if c.fits(d, f)]
     if not configs:
         return TiledChoice((), f"no candidate tile divides d={d}, f={f}")
+    try:
+        return _measure(device, dtype, d, f, slots, configs, reference)
+    except Exception as exc:  # noqa: BLE001 - the check itself failed here (memory, say): keep grouped_mm
+        return TiledChoice((), f"the tiled check failed here: {type(exc).__name__}: {str(exc)[:200]}")
+    finally:
+        torch.cuda.empty_cache()  # (its temporaries: the KV cache is sized from the free memory after it)
+
+
+def _measure(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: int, configs: Sequence[TileConfig],
+             reference: Callable[..., torch.Tensor]) -> TiledChoice:
+    """``check_tiled``'s steps 1-2 on seeded slots: ``slots`` of them, or fewer where they would pass
+    CHECK_WEIGHT_BYTES (the rows a slot, which decide the regime, are the same)."""
+    slots = max(4, min(slots, CHECK_WEIGHT_BYTES // (3 * f * d * torch.empty((), dtype=dtype).element_size())))
     g = torch.Generator(device="cpu").manual_seed(0)
-    w = [(torch.randn(slots, *s, generator=g) / s[1] ** 0.5).to(device, dtype) for s in ((f, d), (f, d), (d, f))]
+    w = [torch.randn(slots, *s, generator=device_generator(g, device), device=device).div_(s[1] ** 0.5).to(dtype)
+         for s in ((f, d), (f, d), (d, f))]
     passing, why = [], {}
     for cfg in configs:  # 1. equal to the reference
         try:
@@ -274,8 +290,13 @@ def routed_rows(rows: int, slots: int, d: int, device: torch.device, dtype: torc
     """``rows`` expert-major rows [rows, d] with each row's slot drawn uniformly over ``slots`` -> (x, offsets
     [slots] int32 inclusive row ends)."""
     counts = torch.bincount(torch.randint(0, slots, (rows,), generator=g), minlength=slots)
-    x = torch.randn(rows, d, generator=g).to(device, dtype)
+    x = torch.randn(rows, d, generator=device_generator(g, device), device=device).to(dtype)
     return x, torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
+
+
+def device_generator(g: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from ``g``'s next draw (large seeded tensors drawn where they live)."""
+    return torch.Generator(device=device).manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
 
 
 def check_error(cfg: TileConfig, w: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
@@ -286,11 +307,13 @@ def check_error(cfg: TileConfig, w: Sequence[torch.Tensor], device: torch.device
     slots = int(w[0].shape[0])
     counts = torch.randint(0, 2 * cfg.block_m, (slots,), generator=g)
     counts[::5] = 0
-    x = torch.randn(int(counts.sum()), int(w[0].shape[2]), generator=g).to(device, dtype)
+    x = torch.randn(int(counts.sum()), int(w[0].shape[2]), generator=device_generator(g, device),
+                    device=device).to(dtype)
     offsets = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
     want = reference(x, offsets, *w).float()
     err = float((tiled_swiglu(x, offsets, *w, config=cfg).float() - want).abs().max() / want.abs().max())
-    tokens = torch.randn(max(int(counts.sum()) // 2 + 1, 1), x.shape[1], generator=g).to(device, dtype)
+    tokens = torch.randn(int(counts.sum()) // 2 + 1, x.shape[1], generator=device_generator(g, device),
+                         device=device).to(dtype)
     order = torch.randperm(2 * tokens.shape[0], generator=g)[:x.shape[0]].to(device=device, dtype=torch.int32)
     want = reference(tokens.index_select(0, order.long() // 2), offsets, *w).float()
     got = tiled_swiglu(tokens, offsets, *w, config=cfg, order=order, top_k=2).float()
@@ -301,5 +324,5 @@ def _name(c: TileConfig) -> str:
     return f"{c.block_m}x{c.block_n}x{c.block_k}/w{c.warps}s{c.stages}"
 
 
-__all__ = ["CANDIDATES", "CHECK_ROWS_PER_SLOT", "CHECK_TOLERANCE", "MIN_SPEEDUP", "OFF", "TileConfig", "TiledChoice",
-           "available", "bands", "check_error", "check_tiled", "routed_rows", "tiled_swiglu"]
+__all__ = ["CANDIDATES", "CHECK_ROWS_PER_SLOT", "CHECK_TOLERANCE", "CHECK_WEIGHT_BYTES", "MIN_SPEEDUP", "OFF",
+           "TileConfig", "TiledChoice", "available", "bands", "check_error", "check_tiled", "device_generator", "routed_rows", "tiled_swiglu"]
