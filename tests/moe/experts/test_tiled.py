@@ -155,6 +155,23 @@ def test_interpreted_runner_takes_the_kernels_in_their_band():
     assert not runner.takes_indexed(x, 40 * q + 1, w) and not runner.takes_indexed(x, 16 * q, w)
 
 
+@interpreted
+def test_interpreted_start_check_error_covers_every_variant():
+    """The check's error over its three variants (expert-major, route order, buffer rows) is small against the
+    float64 loop, and large against a reference that is wrong (so the check can refuse)."""
+    pytest.importorskip("triton")
+    wg, wu, wd = weights(5, 64, 32, seed=11)
+
+    def loop(x, offsets, a, b, c):
+        ends = offsets.tolist()
+        return naive(x, [e - s for s, e in zip([0] + ends[:-1], ends)], a, b, c).float()
+
+    g = torch.Generator().manual_seed(4)
+    assert tiled.check_error(SMALL, (wg, wu, wd), torch.device("cpu"), torch.float32, g, loop) < 1e-5
+    assert tiled.check_error(SMALL, (wg, wu, wd), torch.device("cpu"), torch.float32, g,
+                             lambda *a: 2 * loop(*a)) > 0.4
+
+
 # ---------------------------------------------------------------- compiled on a GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_slot", [24, 64, 130, 260])

@@ -94,19 +94,26 @@ def _kernels():
         return None
 
     @triton.jit
-    def _block_of(offs_ptr, Q, BLOCK_M: tl.constexpr, QP: tl.constexpr):
-        """This program's row block (program_id(1)): (first row, the slot's end row, slot, live). Blocks per slot
-        ceil(rows / BLOCK_M), their inclusive prefix, the first slot whose prefix exceeds the block index; a
-        program past the step's blocks is not live (it does nothing)."""
+    def _block_of(offs_ptr, wrow_ptr, Q, stride_we, BLOCK_M: tl.constexpr, QP: tl.constexpr, ROWS: tl.constexpr):
+        """This program's row block (program_id(1)): (rows [BLOCK_M] int64, their mask, the slot's weight offset,
+        live). Blocks per slot ceil(rows / BLOCK_M), their inclusive prefix, the first slot whose prefix exceeds
+        the block index; a program past the step's blocks is not live (it does nothing). ROWS: the slot's weights
+        live in buffer row wrow[slot]."""
         qs = tl.arange(0, QP)
         ends = tl.load(offs_ptr + qs, mask=qs < Q, other=0)
         prev = tl.load(offs_ptr + qs - 1, mask=(qs > 0) & (qs < Q), other=0)
         nb = tl.where(qs < Q, (ends - prev + BLOCK_M - 1) // BLOCK_M, 0)
         cb = tl.cumsum(nb, 0)
         pid = tl.program_id(1)
+        live = pid < tl.sum(nb)
         slot = tl.sum((cb <= pid).to(tl.int32))
         m0 = tl.sum(tl.where(qs == slot, prev, 0)) + (pid - tl.sum(tl.where(qs == slot - 1, cb, 0))) * BLOCK_M
-        return m0, tl.sum(tl.where(qs == slot, ends, 0)), slot, pid < tl.sum(nb)
+        rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        if ROWS:
+            wrow = tl.load(wrow_ptr + slot, mask=live, other=0).to(tl.int64)
+        else:
+            wrow = slot.to(tl.int64)
+        return rows, rows < tl.sum(tl.where(qs == slot, ends, 0)), wrow * stride_we, live
 
     # the kernels call the helper by name: Triton resolves names in the module's globals, not in this closure
     globals().update(_block_of=_block_of)
@@ -115,18 +122,12 @@ def _kernels():
     def _gate_up(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, tok_ptr, wrow_ptr, Q, D, F, stride_we,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K: tl.constexpr,
                  QP: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr):
-        m0, end, slot, live = _block_of(offs_ptr, Q, BLOCK_M, QP)
+        rows, rmask, wbase, live = _block_of(offs_ptr, wrow_ptr, Q, stride_we, BLOCK_M, QP, ROWS)
         if live:
-            rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-            rmask = rows < end
             if GATHER:  # row r is route tok[r] of token tok[r] // K: read that token's hidden row
                 src = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64) // K
             else:
                 src = rows
-            if ROWS:  # the slot's weights live in buffer row wrow[slot]
-                wbase = tl.load(wrow_ptr + slot).to(tl.int64) * stride_we
-            else:
-                wbase = slot.to(tl.int64) * stride_we
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -143,14 +144,8 @@ def _kernels():
     def _down(a_ptr, wd_ptr, offs_ptr, y_ptr, wrow_ptr, Q, D, F, stride_we,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QP: tl.constexpr,
               ROWS: tl.constexpr):
-        m0, end, slot, live = _block_of(offs_ptr, Q, BLOCK_M, QP)
+        rows, rmask, wbase, live = _block_of(offs_ptr, wrow_ptr, Q, stride_we, BLOCK_M, QP, ROWS)
         if live:
-            rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-            rmask = rows < end
-            if ROWS:
-                wbase = tl.load(wrow_ptr + slot).to(tl.int64) * stride_we
-            else:
-                wbase = slot.to(tl.int64) * stride_we
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -303,9 +298,9 @@ def device_generator(g: torch.Generator, device: torch.device) -> torch.Generato
 
 def check_error(cfg: TileConfig, w: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
                 g: torch.Generator, reference: Callable[..., torch.Tensor]) -> float:
-    """The larger relative difference of ``cfg``'s kernels from ``reference`` over expert-major rows and over
-    token-major rows read through a route order (top-2 routes of 60 tokens), on slots of ~40 rows (some empty,
-    some over one block)."""
+    """The largest relative difference of ``cfg``'s kernels from ``reference`` over expert-major rows, token-major
+    rows read through a route order (top-2), and those again with the slots' weights read as permuted buffer rows
+    (every variant serving compiles: checked here, at start), on slots of up to two row blocks (some empty)."""
     slots = int(w[0].shape[0])
     counts = torch.randint(0, 2 * cfg.block_m, (slots,), generator=g)
     counts[::5] = 0
@@ -319,6 +314,10 @@ def check_error(cfg: TileConfig, w: Sequence[torch.Tensor], device: torch.device
     order = torch.randperm(2 * tokens.shape[0], generator=g)[:x.shape[0]].to(device=device, dtype=torch.int32)
     want = reference(tokens.index_select(0, order.long() // 2), offsets, *w).float()
     got = tiled_swiglu(tokens, offsets, *w, config=cfg, order=order, top_k=2).float()
+    err = max(err, float((got - want).abs().max() / want.abs().max()))
+    rows = torch.randperm(slots, generator=g).to(device)  # the same slots read as buffer rows, route order too
+    buf = [torch.empty_like(t).index_copy_(0, rows, t) for t in w]
+    got = tiled_swiglu(tokens, offsets, *buf, config=cfg, order=order, top_k=2, weight_rows=rows).float()
     return max(err, float((got - want).abs().max() / want.abs().max()))
 
 
