@@ -435,9 +435,7 @@ class ShardCore:
             with self._pinned(active, f"prepare-{active}") as (status, view, paths):
                 report = (self.generator.capture(view, paths, at_start=True)
                           if paths.capture and self.generator.graph_runner.lattice is not None else {})
-            status = self.generator.status()
-            status["paths"] = {**status["paths"], "experts": self.paths.runner.kernels()}
-            return {"rank": self.rank, "capture": report, **status}
+            return {"rank": self.rank, "capture": report, **self.generator.status()}
 
     def _generation_step(self, req: StepRequest, t0: float) -> StepResult:
         """One generation step (token ids in, sampled token ids out), its turn come (``step``)."""

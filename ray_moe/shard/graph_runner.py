@@ -113,18 +113,21 @@ class StepGraphRunner:
         self.arena: OutputArena | None = None  # the holes' shared attention output
         self.max_k = 1  # the decode graphs' context bound (the decode kernel's split count is a static shape)
         self.decode_sizes: tuple[int, ...] = ()  # the lattice's, up to the decode bucket's capacity
+        self.experts = ""  # how the expert runner computes, in words (configure)
         self.configured = (self.decode_off, self.tokens_off, self.whole_off)  # (``configure``'s, for ``drop``)
 
     # ------------------------------------------------------------------ configuration
     def configure(self, lattice: StepLattice, *, capture: bool, one_rank: bool, local: bool, why_not: str,
-                  decode_cap: int) -> None:
+                  decode_cap: int, experts: str) -> None:
         """The deployment's lattice, and which kinds this shard can capture: ``capture`` (CUDA graphs on, a
         capturable exchange; else ``why_not``), ``one_rank`` / ``local`` (a group of one on the local path:
         piecewise steps; an expert-parallel group exchanges counts on the host in those); ``decode_cap``: the
         decode bucket's capacity (its sizes stop there: a named ``decode_token_capacity`` below the running
-        sequences sends larger decode steps to the other paths)."""
+        sequences sends larger decode steps to the other paths); ``experts``: how the expert runner computes, in
+        words (``ExpertRunner.kernels``: ``status``'s ``experts`` path)."""
         host = self.host
         self.lattice = lattice
+        self.experts = experts
         self.decode_sizes = token_buckets(min(lattice.rank_running, int(decode_cap)))
         off = None if capture else why_not
         # a latent cache (MLA) whose modules attend the latent (``model/mla.py``) is read like any cache: decode
@@ -157,7 +160,7 @@ class StepGraphRunner:
         lat = self.lattice
         out = {}
         if lat is None:
-            return {"decode": "eager (no lattice)", "prefill_mixed": "eager (no lattice)"}
+            return {"decode": "eager (no lattice)", "prefill_mixed": "eager (no lattice)"}  # (not configured)
         sizes = self.decode_sizes
         dec = (f"decode graph, {len(sizes)} sizes {sizes[0]}..{sizes[-1]}" if self.decode_off is None else None)
         tok = None
@@ -177,6 +180,7 @@ class StepGraphRunner:
         out["long_prompt_attention"] = (
             f"cuDNN dense for chunks of >= {host.dense_rows} rows ({host.dense_reason})" if host.kernels.dense
             is not None else f"FlashAttention-2 varlen ({host.dense_reason})") if host.varlen else "masked"
+        out["experts"] = self.experts
         return out
 
     def count(self, key: str, n: int = 1) -> None:

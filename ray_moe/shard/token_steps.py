@@ -171,7 +171,8 @@ class TokenStepExecutor:
         self.graph_runner.configure(lattice, capture=paths.capture and bucket is not None,
                                     one_rank=paths.exchange.size == 1,
                                     local=bucket is not None and bucket.mode is DispatchMode.LOCAL, why_not=why,
-                                    decode_cap=bucket.max_token_cap if bucket is not None else 1)
+                                    decode_cap=bucket.max_token_cap if bucket is not None else 1,
+                                    experts=paths.runner.kernels())
 
     def capture(self, view: PlacementView, paths: Any, *, at_start: bool) -> dict[str, Any]:
         """Capture the lattice of ``view``'s generation (every rank of the group at once: a decode warm-up of
