@@ -262,6 +262,9 @@ class StepGraphRunner:
                        lat.sampled_rows(whole[-1]) if whole else 0)
             n = min(seqs * self.max_k, 4 * host.kv.capacity_tokens) + rows
             self.slots = torch.full((n,), host.kv.trash_slot, dtype=torch.int64, device=host.device)
+        if self.arena is not None and self.arena.rows < lat.max_tokens:  # graphs of a smaller lattice hold it
+            raise ValueError(f"lattice max_tokens={lat.max_tokens}: the attention output arena of the captures "
+                             f"still held holds {self.arena.rows} rows; release them first")
         if self.tokens_off is None and self.arena is None:
             c = host.config
             heads = int(c.num_attention_heads)
@@ -477,7 +480,12 @@ class StepGraphRunner:
                 + (0 if self.arena is None else self.arena.nbytes)}
 
     def release(self, generation: int) -> None:
+        """Forget ``generation``'s capture (the caller freed its graphs from the store). Once no capture is left,
+        the shared buffers go too: the next capture makes them to its own lattice's sizes (a larger one's
+        largest token size would not fit the old arena)."""
         self.reports.pop(generation, None)
+        if not self.reports:
+            self.slots = self.arena = None
 
 
 __all__ = ["StepGraphRunner", "RunKind", "RunChoice", "CaptureReport", "CudaGraphs", "ContextFactory"]

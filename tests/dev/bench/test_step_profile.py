@@ -10,7 +10,9 @@ import pytest
 from ray_moe_bench import available, step_profile
 
 
-def test_quick_variants_and_a_profiler_window(tmp_path):
+def test_quick_variants_and_a_profiler_window(tmp_path, eager_capture):
+    """Each variant captures its own lattice (the CUDA-graph paths on CPU: ``eager_capture``), the larger step
+    tokens' after the smaller's graphs were released (their shared buffers re-made to its sizes), then runs."""
     assert available()["step_profile"].startswith("Where a serving step's time goes")
     out = tmp_path / "out"
     assert step_profile.main(["--quick", "--variants", "64:1,128:2", "--windows", "1:2", "--out", str(out)]) == 0
@@ -25,6 +27,7 @@ def test_quick_variants_and_a_profiler_window(tmp_path):
     variants = body["variants"]
     assert [(v["step_tokens"], v["decode_steps"]) for v in variants] == [(64, 1), (128, 2)]
     for v in variants:
+        assert not v["capture"]["errors"] and v["capture"]["piecewise_graphs"] > 0, v["capture"]
         assert v["output_tokens"] == req * new
         assert v["output_tokens_per_s"] == pytest.approx(v["output_tokens"] / v["wall_s"])
         assert v["steps"] >= 1 and len(v["device_ms"]) == v["steps"] and v["device_ms_complete"]

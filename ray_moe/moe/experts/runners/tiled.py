@@ -38,7 +38,10 @@ from ray_moe.core.cuda_timing import best_ms
 from ray_moe.core.env import triton_interpreted
 
 MIN_SPEEDUP = 1.05  # over grouped_mm at a band's measured size, or that band stays on grouped_mm
-CHECK_ROWS_PER_SLOT = (32, 64, 128, 256)  # the bands' measured sizes: rows a slot (band i: above band i-1's)
+# the bands' measured sizes, rows a slot (band i: above band i-1's). The last, 640, holds the largest step of the
+# default lattice at top-8 of 128 experts (8,192 prompt tokens beside up to 2,048 decode rows: ~512-640 rows a
+# slot), where the long-prompt and mixed workloads' prefill steps spend their expert time
+CHECK_ROWS_PER_SLOT = (32, 64, 128, 256, 640)
 CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference| in the start check (bf16 rounding: ~4e-3)
 CHECK_WEIGHT_BYTES = 2 << 30  # the start check's own seeded slots: at most this many bytes (at least 4 slots)
 
@@ -62,8 +65,11 @@ class TileConfig:
 # the candidates the start check times (vLLM's tuned fused-MoE tables for Hopper at 32-128 rows an expert lead to
 # these: 64- or 128-row blocks, 128-wide columns, 64-deep steps, 8 warps where the two accumulators are large).
 # Measured on an H100 (bench/results/tiled-h100x1-0092fc9, Qwen3-30B-A3B experts): the check chose 64 x 64 / 4 warps
-# to 64 rows a slot and 128 x 128 / 8 warps to 256, 1.13-1.24x faster than grouped_mm at 32-256 rows a slot
-CANDIDATES = (TileConfig(64, 64, 64, 4, 4), TileConfig(64, 128, 64, 8, 3), TileConfig(128, 128, 64, 8, 3))
+# to 64 rows a slot and 128 x 128 / 8 warps to 256, 1.13-1.24x faster than grouped_mm at 32-256 rows a slot. The
+# last is vLLM's setting from ~256 rows an expert up (its 128 x 256 tile, one accumulator; here two accumulators of
+# 128 columns, the same registers) with its four stages: for the prefill-size band
+CANDIDATES = (TileConfig(64, 64, 64, 4, 4), TileConfig(64, 128, 64, 8, 3), TileConfig(128, 128, 64, 8, 3),
+              TileConfig(128, 128, 64, 8, 4))
 
 
 @dataclass(frozen=True)
@@ -279,7 +285,8 @@ def _measure(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: in
     chosen = bands(times)
     if not chosen:
         return TiledChoice((), f"not faster here ({timing}){notes}")
-    return TiledChoice(chosen, f"up to {chosen[-1][0]} rows a slot ({timing}){notes}")
+    served = ", ".join(f"{_name(c)} to {r}" for r, c in chosen)
+    return TiledChoice(chosen, f"{served}; measured at start: {timing}{notes}")
 
 
 def routed_rows(rows: int, slots: int, d: int, device: torch.device, dtype: torch.dtype,
