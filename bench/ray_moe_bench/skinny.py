@@ -24,7 +24,7 @@ import torch
 
 from ray_moe_bench.common import add_output_argument, write_result
 
-SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8, (1, 32, 128, 256, 512, 1024, 1536, 2048, 3072)),
+SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8, (1, 32, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 8192)),
           "mixtral": (8, 4096, 14336, 2, (1, 8, 32, 64, 128, 256, 512, 768)),
           "deepseek_v3": (64, 7168, 2048, 8, (1, 8, 32, 64, 256, 512, 1024, 1536))}  # experts, d, f, top-k, tokens
 
