@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|substeps|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|rebalance
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -63,6 +63,16 @@ for what in "$@"; do
         run 270 python3 -m ray_moe_bench.serving "${common[@]}" --workloads chat --online-inprocess \
           --rate "${ONLINE_RATE:-8}" --timeout 240
       fi ;;
+    # decode sub-steps per call against online TTFT (issue 39; cebd5aa's H100 lease: TTFT p99 81 ms against vLLM's
+    # 73): a request arriving mid-call waits for up to two launched calls of 4 sub-steps. What a shorter call costs
+    # now that decode steps replay graphs: decode-heavy at 1 / 2 / 4 sub-steps in one process (step profile), then
+    # the online chat at 2 (a non-default, listed in its JSON; compare serving-ray-online's 4)
+    substeps)
+      run 200 python3 -m ray_moe_bench.step_profile --layers "${LAYERS:-48}" --workload decode-heavy \
+        --variants 8192:1,8192:2,8192:4 --out "$RAY_MOE_RESULTS_DIR"
+      run 270 python3 -m ray_moe_bench.serving --config-only --layers "${LAYERS:-48}" --systems ray_moe \
+        --workloads chat --online-inprocess --rate "${ONLINE_RATE:-8}" --decode-steps 2 --timeout 240 \
+        --out "$RAY_MOE_RESULTS_DIR/ray_moe-decode2" ;;
     # transformers' continuous batching: the one-length workloads only (generate_batch takes one max_new_tokens
     # per call), its timed passes alone (its warm pass costs as much as the timed one), one model build for both
     serving-tf)
