@@ -125,6 +125,9 @@ class StepGraphRunner:
         decode bucket's capacity (its sizes stop there: a named ``decode_token_capacity`` below the running
         sequences sends larger decode steps to the other paths); ``experts``: how the expert runner computes, in
         words (``ExpertRunner.kernels``: ``status``'s ``experts`` path)."""
+        if self.arena is not None and self.arena.rows < lattice.max_tokens:  # captures of a smaller lattice hold it
+            raise ValueError(f"lattice max_tokens={lattice.max_tokens}: the attention output arena of the captures "
+                             f"still held holds {self.arena.rows} rows; release them first")
         host = self.host
         self.lattice = lattice
         self.experts = experts
@@ -262,9 +265,6 @@ class StepGraphRunner:
                        lat.sampled_rows(whole[-1]) if whole else 0)
             n = min(seqs * self.max_k, 4 * host.kv.capacity_tokens) + rows
             self.slots = torch.full((n,), host.kv.trash_slot, dtype=torch.int64, device=host.device)
-        if self.arena is not None and self.arena.rows < lat.max_tokens:  # graphs of a smaller lattice hold it
-            raise ValueError(f"lattice max_tokens={lat.max_tokens}: the attention output arena of the captures "
-                             f"still held holds {self.arena.rows} rows; release them first")
         if self.tokens_off is None and self.arena is None:
             c = host.config
             heads = int(c.num_attention_heads)

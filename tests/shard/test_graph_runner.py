@@ -34,11 +34,12 @@ def test_a_larger_lattice_after_a_release_gets_buffers_of_its_sizes_and_serves_t
         assert runner.arena is not None and runner.arena.rows == small
         larger = StepLattice.build(loop.rank_running, 64)
         assert larger.max_tokens > small
-        core.generator.configure(larger, core.paths)  # captures still held: refused, nothing re-made
         with pytest.raises(ValueError, match=f"max_tokens={larger.max_tokens}.*{small} rows"):
-            core.prepare_steps()
+            core.generator.configure(larger, core.paths)  # captures still held: refused before anything changes
+        assert runner.lattice.max_tokens == small and runner.arena.rows == small
         core.release_graphs(dep.generation)
         assert runner.arena is None and runner.slots is None  # no capture left: the buffers go with them
+        core.generator.configure(larger, core.paths)
         rep = core.prepare_steps()["capture"]
         assert not rep["errors"] and rep["piecewise_graphs"] == len(larger.token_sizes), rep
         assert runner.arena.rows == larger.max_tokens
