@@ -108,7 +108,7 @@ def add_serve_arguments(sv: argparse.ArgumentParser, bounded_int, eplb_flag) -> 
                          "GB GPUs; 256 on CPU)")
     sv.add_argument("--decode-steps", type=int, default=None,
                     help="multi-step decode: decode tokens per sequence per step when every sequence is decoding "
-                         "and none waits (1: one token per step; default 4 on cuda, 1 on cpu)")
+                         "and none waits (1: one token per step; default 2 on cuda, 1 on cpu)")
     sv.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                     help="keep transformers' own RMSNorm and rotary embedding on cuda (default: the fused kernels, "
                          "each taken only where it reproduces transformers' own)")

@@ -2,9 +2,11 @@
 serving benchmark all resolve an unset size here, by the device the shards run on (pure: no torch, no Ray).
 
 * decode sub-steps per actor call on CUDA (multi-step decode: a request arriving mid-call waits for the call's end
-  to join; streamed tokens arrive in bursts of that many). Measured on one H200, 48-layer Qwen3-30B-A3B shape
-  (session 17, bench/results/logs/s17/run1): decode-heavy 12,319 (4) / 12,326 (8) output tok/s, mixed 6,801 /
-  6,859: the shorter bursts cost nothing measurable.
+  to join; streamed tokens arrive in bursts of that many). 2, measured on one H100, 24-layer Qwen3-30B-A3B shape,
+  one lease (c3cc57c, ``bench/results/serving-h100x1-c3cc57c``): offline output tok/s at 4 / 2 sub-steps mixed
+  10,349 / 10,381, decode-heavy 18,471 / 18,408, chat 8,719 / 9,000, long 1,212 / 1,216 (level), while the online
+  chat at 8 req/s had TTFT p50 / p99 48 / 81 ms at 4 (cebd5aa) and 34 / 51 ms at 2 (vLLM 0.25: 30 / 73). One
+  sub-step a call costs ~12% on decode-heavy (15,908 tok/s: the host's work between calls is no longer hidden).
 * prefill tokens per rank per step (vLLM 0.25's ``vllm serve`` default on >= 70 GB GPUs): every captured token size
   is at most this plus a decode row of each running sequence (``shard/lattice.py``); a shorter step stalls the
   running sequences' next tokens less.
@@ -19,7 +21,7 @@ serving benchmark all resolve an unset size here, by the device the shards run o
 
 from __future__ import annotations
 
-DEFAULT_DECODE_STEPS_CUDA = 4
+DEFAULT_DECODE_STEPS_CUDA = 2
 DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
 DEFAULT_MAX_RUNNING = {"cuda": 1024, "cpu": 256}
 
