@@ -54,7 +54,7 @@ def run(iters: int, shapes: list[str]) -> dict[str, Any]:
         e_, d, f, k, tokens = SHAPES[name]
         wg, wu = (torch.randn(e_, f, d, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
         wd = torch.randn(e_, d, f, device="cuda", dtype=torch.bfloat16) * 0.02
-        choice = mid_choice(torch.device("cuda"), torch.bfloat16, d, f, e_)
+        choice = mid_choice(torch.device("cuda"), torch.bfloat16, d, f, e_, k)
         out[f"{name}/start_check"] = {"bands": [[top, vars(c)] for top, c in choice.bands], "reason": choice.reason}
         print(f"{name} start check: {choice.reason}", flush=True)
         configs = [c for c in tiled.CANDIDATES if c.fits(d, f)]

@@ -85,7 +85,7 @@ class DataPaths:
         ``EXPERT_DECODE_CAP`` when that is None too: generation steps size it to the running sequences)."""
         # the grouped runner's mid-size kernels: measured here, once a process, before any capture
         runner = (make_runner(cfg.runner, mid=mid_choice(device, dtype, cfg.hidden_size, cfg.ffn_size,
-                                                         cfg.slots_per_rank))
+                                                         cfg.slots_per_rank, cfg.top_k))
                   if cfg.runner is RunnerKind.GROUPED else make_runner(cfg.runner))
         cap = decode_cap or cfg.decode_token_capacity or EXPERT_DECODE_CAP
         capture = device.type == "cuda" and cfg.cuda_graphs and exchange.graph_capturable

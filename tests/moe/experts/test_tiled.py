@@ -167,9 +167,10 @@ def test_interpreted_start_check_error_covers_every_variant():
         return naive(x, [e - s for s, e in zip([0] + ends[:-1], ends)], a, b, c).float()
 
     g = torch.Generator().manual_seed(4)
-    assert tiled.check_error(SMALL, (wg, wu, wd), torch.device("cpu"), torch.float32, g, loop) < 1e-5
-    assert tiled.check_error(SMALL, (wg, wu, wd), torch.device("cpu"), torch.float32, g,
-                             lambda *a: 2 * loop(*a)) > 0.4
+    for top_k in (2, 8):  # the route order of the deployment's routes a token (serving reuses these compiles)
+        assert tiled.check_error(SMALL, (wg, wu, wd), torch.device("cpu"), torch.float32, g, loop, top_k) < 1e-5
+        assert tiled.check_error(SMALL, (wg, wu, wd), torch.device("cpu"), torch.float32, g,
+                                 lambda *a: 2 * loop(*a), top_k) > 0.4
 
 
 # ---------------------------------------------------------------- compiled on a GPU
@@ -244,3 +245,41 @@ def test_cuda_start_check_decides_and_the_runner_follows():
     runner = GroupedRunner(mid=choice)
     torch.testing.assert_close(runner.run_offsets(x, offsets, w),
                                tiled.tiled_swiglu(x, offsets, wg, wu, wd, config=cfg), atol=0, rtol=0)
+
+
+@interpreted
+def test_interpreted_check_times_both_variants_and_the_reference_pays_its_gather(monkeypatch):
+    """Step 2 of the check times expert-major rows and route-order rows; the reference's route-order call gets the
+    rows gathered (as serving gathers before grouped_mm); a config serves a size only where it beats the reference
+    in BOTH variants (its worse ratio)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(tiled, "CHECK_ROWS_PER_SLOT", (2, 4, 8))
+    wg, wu, wd = weights(5, 64, 32, seed=12)
+    seen: list[int] = []
+
+    def loop(x, offsets, a, b, c):
+        ends = offsets.tolist()
+        seen.append(int(x.shape[0]))
+        return naive(x, [e - s for s, e in zip([0] + ends[:-1], ends)], a, b, c).float().to(x.dtype)
+
+    slow = {8: 1}  # the route-order variant of the 8-rows size: the kernel loses there
+    calls: list[tuple[int, bool]] = []
+
+    def timer(fn):
+        seen.clear()
+        fn()
+        ref = bool(seen)  # the reference ran (with the rows it was handed)
+        rows = seen[0] if ref else None
+        calls.append((rows, ref))
+        n = len(calls)
+        if ref:
+            return 1.0
+        kernel_variant = (n - 1) % 4  # per size: ref, ref, kernel expert-major, kernel route order
+        per_slot = tiled.CHECK_ROWS_PER_SLOT[(n - 1) // 4]
+        return 2.0 if slow.get(per_slot) == kernel_variant - 2 else 0.5
+
+    choice = tiled.measure_choice(torch.device("cpu"), torch.float32, 64, 32, 5, [SMALL], loop, 3, timer=timer)
+    refs = [r for r, is_ref in calls if is_ref]
+    assert refs == [10, 10, 20, 20, 40, 40]  # both reference calls of each size get all per_slot x slots rows
+    assert choice.bands == ((2, SMALL), (4, SMALL)), choice.reason
+    assert "expert-major / route order" in choice.reason and "8 rows a slot" in choice.reason

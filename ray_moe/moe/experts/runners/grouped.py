@@ -171,13 +171,13 @@ def grouped_mm_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tens
 
 
 def mid_choice(device: torch.device, dtype: torch.dtype, hidden_size: int, ffn_size: int,
-               slots: int) -> tiled.TiledChoice:
-    """The tiled kernels' start check for a deployment's expert shape (``tiled.check_tiled`` against
-    ``grouped_mm_swiglu``; once a process): OFF where grouped_mm does not take the operands."""
+               slots: int, top_k: int = 2) -> tiled.TiledChoice:
+    """The tiled kernels' start check for a deployment's expert shape and routes a token (``tiled.check_tiled``
+    against ``grouped_mm_swiglu``; once a process): OFF where grouped_mm does not take the operands."""
     if not grouped_mm_available(device, dtype, hidden_size, ffn_size):
         return tiled.TiledChoice((), f"grouped_mm does not take dtype {dtype} on {device.type}: no reference")
     return tiled.check_tiled(torch.device(device), dtype, int(hidden_size), int(ffn_size), int(slots),
-                             grouped_mm_swiglu)
+                             grouped_mm_swiglu, int(top_k))
 
 
 def capacity_swiglu(x: torch.Tensor, valid: torch.Tensor, weights: SlotWeights) -> torch.Tensor:

@@ -64,12 +64,13 @@ class TileConfig:
 
 # the candidates the start check times (vLLM's tuned fused-MoE tables for Hopper at 32-128 rows an expert lead to
 # these: 64- or 128-row blocks, 128-wide columns, 64-deep steps, 8 warps where the two accumulators are large).
-# Measured on an H100 (bench/results/tiled-h100x1-0092fc9, Qwen3-30B-A3B experts): the check chose 64 x 64 / 4 warps
-# to 64 rows a slot and 128 x 128 / 8 warps to 256, 1.13-1.24x faster than grouped_mm at 32-256 rows a slot. The
-# last is vLLM's setting from ~256 rows an expert up (its 128 x 256 tile, one accumulator; here two accumulators of
-# 128 columns, the same registers) with its four stages: for the prefill-size band
-CANDIDATES = (TileConfig(64, 64, 64, 4, 4), TileConfig(64, 128, 64, 8, 3), TileConfig(128, 128, 64, 8, 3),
-              TileConfig(128, 128, 64, 8, 4))
+# Measured on an H100 (bench/results/tiled-h100x1-0092fc9 and serving-h100x1-c3cc57c's skinny JSON, the Qwen3-30B-A3B,
+# Mixtral and DeepSeek-V3 expert shapes at 32-640 rows a slot): 64 x 64 / 4 warps won to 64 rows a slot and 128 x 128
+# / 8 warps / 3 stages from 128 to 640 (1.08-1.24x faster than grouped_mm on Qwen3). Two more were timed there and
+# dropped: 64 x 128 / 8 warps won no size of any shape, and 128 x 128 with vLLM's four stages won three sizes of
+# Mixtral / DeepSeek by at most 1.4%. Each candidate costs its compiles at a first start (three variants of two
+# kernels): cold starts on a fresh H100 went from 51 s (three candidates, four sizes) to 77-91 s (four, five sizes)
+CANDIDATES = (TileConfig(64, 64, 64, 4, 4), TileConfig(128, 128, 64, 8, 3))
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def tiled_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w
 def bands(times: dict[int, dict[TileConfig | None, float]], min_speedup: float = MIN_SPEEDUP
           ) -> tuple[tuple[int, TileConfig], ...]:
     """The bands ``check_tiled`` serves from its timings: ``times`` {rows a slot: {config: ms, None: grouped_mm
-    ms}}. Walking up the measured sizes, each size's fastest config serves the band up to it if it beats grouped_mm
+    ms}} (or each config's time over grouped_mm's, None 1.0). Walking up the measured sizes, each size's fastest config serves the band up to it if it beats grouped_mm
     there by ``min_speedup``; the walk stops at the first size where none does (above it grouped_mm, whose lead
     grows with the rows, serves every step)."""
     out = []
@@ -225,15 +226,17 @@ def bands(times: dict[int, dict[TileConfig | None, float]], min_speedup: float =
 
 @functools.lru_cache(maxsize=None)
 def check_tiled(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: int,
-                reference: Callable[..., torch.Tensor]) -> TiledChoice:
+                reference: Callable[..., torch.Tensor], top_k: int = 2) -> TiledChoice:
     """Whether, and up to how many rows a slot, mid-size steps' experts run through these kernels, decided once a
     process for each device, dtype and expert shape (a property of the device; every runner of the process reads
     the same answer). ``reference(x, offsets, w_gate, w_up, w_down) -> y`` is the path they would replace
-    (grouped_mm). Used only where
+    (grouped_mm); ``top_k``: the deployment's routes a token, which the route-order variants are compiled with, so
+    serving reuses the check's compiles rather than making its own at capture. Used only where
       1. a config reproduces the reference on this device (seeded slots of ~40 rows, some empty, some over one
          block; expert-major rows and rows read through a route order) within CHECK_TOLERANCE, and
       2. at each of CHECK_ROWS_PER_SLOT (routes drawn uniformly over ``slots`` slots; CUDA events, the best of 5)
-         the fastest passing config beats the reference by MIN_SPEEDUP, from the smallest size up (``bands``).
+         the fastest passing config beats the reference by MIN_SPEEDUP in both variants serving runs (expert-major
+         rows; rows read through a route order, against the gather + grouped_mm), from the smallest size up.
     Its seeded slots take at most CHECK_WEIGHT_BYTES (fewer slots than ``slots`` where the experts are large)."""
     if device.type != "cuda":
         return TiledChoice((), f"device {device.type}: the tiled expert kernels need CUDA")
@@ -243,17 +246,21 @@ def check_tiled(device: torch.device, dtype: torch.dtype, d: int, f: int, slots:
     if not configs:
         return TiledChoice((), f"no candidate tile divides d={d}, f={f}")
     try:
-        return _measure(device, dtype, d, f, slots, configs, reference)
+        return measure_choice(device, dtype, d, f, slots, configs, reference, top_k)
     except Exception as exc:  # noqa: BLE001 - the check itself failed here (memory, say): keep grouped_mm
         return TiledChoice((), f"the tiled check failed here: {type(exc).__name__}: {str(exc)[:200]}")
     finally:
         torch.cuda.empty_cache()  # (its temporaries: the KV cache is sized from the free memory after it)
 
 
-def _measure(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: int, configs: Sequence[TileConfig],
-             reference: Callable[..., torch.Tensor]) -> TiledChoice:
+def measure_choice(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: int,
+                   configs: Sequence[TileConfig], reference: Callable[..., torch.Tensor], top_k: int,
+                   timer: Callable[[Callable[[], object]], float] = best_ms) -> TiledChoice:
     """``check_tiled``'s steps 1-2 on seeded slots: ``slots`` of them, or fewer where they would pass
-    CHECK_WEIGHT_BYTES (the rows a slot, which decide the regime, are the same)."""
+    CHECK_WEIGHT_BYTES (the rows a slot, which decide the regime, are the same). ``timer(fn) -> ms``: CUDA events
+    (tests pass their own). A config serves a size where it beats the reference by MIN_SPEEDUP in both variants
+    serving runs: expert-major rows, and token-major rows read through a route order against the reference's
+    gather + grouped_mm."""
     slots = max(4, min(slots, CHECK_WEIGHT_BYTES // (3 * f * d * torch.empty((), dtype=dtype).element_size())))
     g = torch.Generator(device="cpu").manual_seed(0)
     w = [torch.randn(slots, *s, generator=device_generator(g, device), device=device).div_(s[1] ** 0.5).to(dtype)
@@ -261,7 +268,7 @@ def _measure(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: in
     passing, why = [], {}
     for cfg in configs:  # 1. equal to the reference
         try:
-            err = check_error(cfg, w, device, dtype, g, reference)
+            err = check_error(cfg, w, device, dtype, g, reference, top_k)
             if err < CHECK_TOLERANCE:
                 passing.append(cfg)
             else:
@@ -271,17 +278,27 @@ def _measure(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: in
     notes = "".join(f"; {_name(c)} {r}" for c, r in why.items())
     if not passing:
         return TiledChoice((), "no config reproduces the reference here" + notes)
-    times: dict[int, dict[TileConfig | None, float]] = {}
-    try:  # 2. faster than the reference, up to which size
+    times: dict[int, dict[TileConfig | None, float]] = {}  # a config's time over the reference's (the worse variant)
+    timed: dict[int, str] = {}
+    k = max(int(top_k), 1)
+    try:  # 2. faster than the reference, up to which size, in both variants serving runs
         for per_slot in CHECK_ROWS_PER_SLOT:
             x, offsets = routed_rows(per_slot * slots, slots, d, device, dtype, g)
-            times[per_slot] = {None: best_ms(lambda: reference(x, offsets, *w))}
+            tokens, order = route_order(int(x.shape[0]), d, k, device, dtype, g)
+            # expert-major rows (several ranks: the exchange delivers them so), and token-major rows read through
+            # the route order (one rank), where the reference pays the gather serving makes before grouped_mm
+            ref = (timer(lambda: reference(x, offsets, *w)),
+                   timer(lambda: reference(tokens.index_select(0, order.long() // k), offsets, *w)))
+            times[per_slot], text = {None: 1.0}, [f"grouped_mm {ref[0]:.3f} / {ref[1]:.3f} ms"]
             for cfg in passing:
-                times[per_slot][cfg] = best_ms(lambda: tiled_swiglu(x, offsets, *w, config=cfg))
+                ms = (timer(lambda: tiled_swiglu(x, offsets, *w, config=cfg)),
+                      timer(lambda: tiled_swiglu(tokens, offsets, *w, config=cfg, order=order, top_k=k)))
+                times[per_slot][cfg] = max(m / r for m, r in zip(ms, ref))
+                text.append(f"{_name(cfg)} {ms[0]:.3f} / {ms[1]:.3f}")
+            timed[per_slot] = ", ".join(text)
     except Exception as exc:  # noqa: BLE001 - a size the kernels cannot run: keep grouped_mm
         return TiledChoice((), f"the tiled timing failed here: {type(exc).__name__}: {str(exc)[:200]}{notes}")
-    timing = "; ".join(f"{r} rows a slot: grouped_mm {t[None]:.3f} ms, " + ", ".join(
-        f"{_name(c)} {ms:.3f}" for c, ms in t.items() if c is not None) for r, t in sorted(times.items()))
+    timing = "expert-major / route order; " + "; ".join(f"{r} rows a slot: {t}" for r, t in sorted(timed.items()))
     chosen = bands(times)
     if not chosen:
         return TiledChoice((), f"not faster here ({timing}){notes}")
@@ -298,17 +315,28 @@ def routed_rows(rows: int, slots: int, d: int, device: torch.device, dtype: torc
     return x, torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
 
 
+def route_order(rows: int, d: int, top_k: int, device: torch.device, dtype: torch.dtype,
+                g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major rows and a route order for ``rows`` expert-major rows -> (tokens [ceil(rows / top_k), d], order
+    [rows] int32: distinct route ids, row r reads tokens[order[r] // top_k])."""
+    n_tok = -(-rows // top_k)
+    tokens = torch.randn(n_tok, d, generator=device_generator(g, device), device=device).to(dtype)
+    order = torch.randperm(n_tok * top_k, generator=g)[:rows].to(device=device, dtype=torch.int32)
+    return tokens, order
+
+
 def device_generator(g: torch.Generator, device: torch.device) -> torch.Generator:
     """A generator on ``device`` seeded from ``g``'s next draw (large seeded tensors drawn where they live)."""
     return torch.Generator(device=device).manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
 
 
 def check_error(cfg: TileConfig, w: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
-                g: torch.Generator, reference: Callable[..., torch.Tensor]) -> float:
+                g: torch.Generator, reference: Callable[..., torch.Tensor], top_k: int = 2) -> float:
     """The largest relative difference of ``cfg``'s kernels from ``reference`` over expert-major rows, token-major
-    rows read through a route order (top-2), and those again with the slots' weights read as permuted buffer rows
-    (every variant serving compiles: checked here, at start), on slots of up to two row blocks (some empty)."""
-    slots = int(w[0].shape[0])
+    rows read through a route order (``top_k`` routes a token), and those again with the slots' weights read as
+    permuted buffer rows (every variant serving compiles: checked here, at start), on slots of up to two row blocks
+    (some empty)."""
+    slots, k = int(w[0].shape[0]), max(int(top_k), 1)
     counts = torch.randint(0, 2 * cfg.block_m, (slots,), generator=g)
     counts[::5] = 0
     x = torch.randn(int(counts.sum()), int(w[0].shape[2]), generator=device_generator(g, device),
@@ -316,15 +344,13 @@ def check_error(cfg: TileConfig, w: Sequence[torch.Tensor], device: torch.device
     offsets = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
     want = reference(x, offsets, *w).float()
     err = float((tiled_swiglu(x, offsets, *w, config=cfg).float() - want).abs().max() / want.abs().max())
-    tokens = torch.randn(int(counts.sum()) // 2 + 1, x.shape[1], generator=device_generator(g, device),
-                         device=device).to(dtype)
-    order = torch.randperm(2 * tokens.shape[0], generator=g)[:x.shape[0]].to(device=device, dtype=torch.int32)
-    want = reference(tokens.index_select(0, order.long() // 2), offsets, *w).float()
-    got = tiled_swiglu(tokens, offsets, *w, config=cfg, order=order, top_k=2).float()
+    tokens, order = route_order(int(x.shape[0]), int(x.shape[1]), k, device, dtype, g)
+    want = reference(tokens.index_select(0, order.long() // k), offsets, *w).float()
+    got = tiled_swiglu(tokens, offsets, *w, config=cfg, order=order, top_k=k).float()
     err = max(err, float((got - want).abs().max() / want.abs().max()))
     rows = torch.randperm(slots, generator=g).to(device)  # the same slots read as buffer rows, route order too
     buf = [torch.empty_like(t).index_copy_(0, rows, t) for t in w]
-    got = tiled_swiglu(tokens, offsets, *buf, config=cfg, order=order, top_k=2, weight_rows=rows).float()
+    got = tiled_swiglu(tokens, offsets, *buf, config=cfg, order=order, top_k=k, weight_rows=rows).float()
     return max(err, float((got - want).abs().max() / want.abs().max()))
 
 
@@ -333,4 +359,5 @@ def _name(c: TileConfig) -> str:
 
 
 __all__ = ["CANDIDATES", "CHECK_ROWS_PER_SLOT", "CHECK_TOLERANCE", "CHECK_WEIGHT_BYTES", "MIN_SPEEDUP", "OFF",
-           "TileConfig", "TiledChoice", "available", "bands", "check_error", "check_tiled", "device_generator", "routed_rows", "tiled_swiglu"]
+           "TileConfig", "TiledChoice", "available", "bands", "check_error", "check_tiled", "device_generator",
+           "measure_choice", "route_order", "routed_rows", "tiled_swiglu"]
