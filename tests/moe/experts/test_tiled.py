@@ -66,9 +66,9 @@ def test_configs_fit_only_widths_their_tiles_divide():
 
 def test_the_check_keeps_grouped_mm_off_cuda_and_says_why():
     """On a CPU the start check chooses no band (and the grouped runner says so in ``status``'s words)."""
-    choice = mid_choice(torch.device("cpu"), torch.bfloat16, 2048, 768, 128)
+    choice = mid_choice(torch.device("cpu"), torch.bfloat16, 2048, 768, 128, 8)
     assert choice.bands == () and "device cpu" in choice.reason
-    assert "grouped_mm does not take" in mid_choice(torch.device("cpu"), torch.int8, 64, 64, 4).reason
+    assert "grouped_mm does not take" in mid_choice(torch.device("cpu"), torch.int8, 64, 64, 4, 2).reason
     text = GroupedRunner(mid=choice).kernels()
     assert "no tiled kernels (device cpu" in text and "grouped_mm above" in text
     text = GroupedRunner(mid=tiled.TiledChoice(((64, A),), "why")).kernels()
@@ -190,7 +190,7 @@ def test_cuda_kernels_match_grouped_mm_at_every_candidate(per_slot):
     for cfg in tiled.CANDIDATES:
         got = tiled.tiled_swiglu(x, offsets, wg, wu, wd, config=cfg).float()
         assert float((got - want).abs().max() / scale) < 1e-2, cfg
-        err = tiled.check_error(cfg, (wg, wu, wd), torch.device("cuda"), torch.bfloat16, g, grouped_mm_swiglu)
+        err = tiled.check_error(cfg, (wg, wu, wd), torch.device("cuda"), torch.bfloat16, g, grouped_mm_swiglu, 8)
         assert err < tiled.CHECK_TOLERANCE, cfg
         rows = torch.randperm(q, device="cuda")  # the same slots scattered over a buffer of 2q rows
         buf = [torch.zeros(2 * q, *w.shape[1:], device="cuda", dtype=w.dtype) for w in (wg, wu, wd)]
@@ -234,7 +234,7 @@ def test_cuda_start_check_decides_and_the_runner_follows():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     q, d, f = 128, 2048, 768
-    choice = mid_choice(torch.device("cuda"), torch.bfloat16, d, f, q)
+    choice = mid_choice(torch.device("cuda"), torch.bfloat16, d, f, q, 8)
     assert "grouped_mm" in choice.reason or choice.bands == (), choice.reason
     if not choice.bands:
         return

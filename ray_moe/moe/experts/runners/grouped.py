@@ -171,7 +171,7 @@ def grouped_mm_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tens
 
 
 def mid_choice(device: torch.device, dtype: torch.dtype, hidden_size: int, ffn_size: int,
-               slots: int, top_k: int = 2) -> tiled.TiledChoice:
+               slots: int, top_k: int) -> tiled.TiledChoice:
     """The tiled kernels' start check for a deployment's expert shape and routes a token (``tiled.check_tiled``
     against ``grouped_mm_swiglu``; once a process): OFF where grouped_mm does not take the operands."""
     if not grouped_mm_available(device, dtype, hidden_size, ffn_size):

@@ -208,9 +208,9 @@ def tiled_swiglu(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w
 def bands(times: dict[int, dict[TileConfig | None, float]], min_speedup: float = MIN_SPEEDUP
           ) -> tuple[tuple[int, TileConfig], ...]:
     """The bands ``check_tiled`` serves from its timings: ``times`` {rows a slot: {config: ms, None: grouped_mm
-    ms}} (or each config's time over grouped_mm's, None 1.0). Walking up the measured sizes, each size's fastest config serves the band up to it if it beats grouped_mm
-    there by ``min_speedup``; the walk stops at the first size where none does (above it grouped_mm, whose lead
-    grows with the rows, serves every step)."""
+    ms}} (or each config's time over grouped_mm's, None 1.0). Walking up the measured sizes, each size's fastest
+    config serves the band up to it if it beats grouped_mm there by ``min_speedup``; the walk stops at the first
+    size where none does (above it grouped_mm, whose lead grows with the rows, serves every step)."""
     out = []
     for rows in sorted(times):
         base = times[rows].get(None)
@@ -226,7 +226,7 @@ def bands(times: dict[int, dict[TileConfig | None, float]], min_speedup: float =
 
 @functools.lru_cache(maxsize=None)
 def check_tiled(device: torch.device, dtype: torch.dtype, d: int, f: int, slots: int,
-                reference: Callable[..., torch.Tensor], top_k: int = 2) -> TiledChoice:
+                reference: Callable[..., torch.Tensor], top_k: int) -> TiledChoice:
     """Whether, and up to how many rows a slot, mid-size steps' experts run through these kernels, decided once a
     process for each device, dtype and expert shape (a property of the device; every runner of the process reads
     the same answer). ``reference(x, offsets, w_gate, w_up, w_down) -> y`` is the path they would replace
@@ -331,7 +331,7 @@ def device_generator(g: torch.Generator, device: torch.device) -> torch.Generato
 
 
 def check_error(cfg: TileConfig, w: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
-                g: torch.Generator, reference: Callable[..., torch.Tensor], top_k: int = 2) -> float:
+                g: torch.Generator, reference: Callable[..., torch.Tensor], top_k: int) -> float:
     """The largest relative difference of ``cfg``'s kernels from ``reference`` over expert-major rows, token-major
     rows read through a route order (``top_k`` routes a token), and those again with the slots' weights read as
     permuted buffer rows (every variant serving compiles: checked here, at start), on slots of up to two row blocks
