@@ -168,12 +168,25 @@ class AttentionPlan:
 
 
 def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           plan: AttentionPlan, scaling: float | None, kernels: Kernels, *, gathered: bool = False) -> torch.Tensor:
+           plan: AttentionPlan, scaling: float | None, kernels: Kernels, *, gathered: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """The plan's real rows of one attention layer: query [1, Hq, R >= n, D]; key [1, Hk, C + 1, D] / value
     [1, Hk, C + 1, Dv], the cache tensors (``gathered``: the contexts the plan's ``gather`` names, [1, Hk, K, D],
     already gathered by the cache; an MLA module absorbed by ``mla.absorb_mla`` is handed its latent cache
     [1, 1, C + 1, R] and rotary keys [1, 1, C + 1, P], never gathered: ``mla.attend_step`` reads them) ->
-    [1, n, Hq, Dv]."""
+    [1, n, Hq, Dv]. ``out``: [1, n, Hq, Dv] to write the rows into (a piecewise graph's static output): a step
+    attended in parts (a one-row group, prefill runs) writes each part at its rows, with no concatenation; it
+    is what comes back."""
+    got = _attend(module, query, key, value, plan, scaling, kernels, gathered, out)
+    if out is None or got is out:
+        return got
+    return out.copy_(got)
+
+
+def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            plan: AttentionPlan, scaling: float | None, kernels: Kernels, gathered: bool,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """``attend``'s rows: a new [1, n, Hq, Dv] tensor, or ``out`` itself where the parts were written into it."""
     n = plan.rows
     q = query[:, :, :n]
     d, dv = int(query.shape[-1]), int(value.shape[-1])
@@ -213,8 +226,15 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         parts.extend(_attend_runs(qs, kg, vg, cu_q, cu_k, plan.prefill_runs, scale, kernels))
     else:
         parts.append(kernels.varlen(qs, kg, vg, cu_q, cu_k, plan.max_q, plan.max_k, scale))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out[..., :dv][None]
+    if len(parts) == 1:
+        return parts[0][..., :dv][None]
+    if out is None:
+        return torch.cat(parts)[..., :dv][None]
+    row = 0
+    for part in parts:  # each part at its rows of the caller's output: no concatenated copy
+        out[0, row:row + part.shape[0]].copy_(part[..., :dv])
+        row += int(part.shape[0])
+    return out
 
 
 def _attend_runs(qs: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,

@@ -68,8 +68,8 @@ class Hole:
     def run(self, plan: AttentionPlan, kernels: Kernels) -> None:
         """This step's attention of the plan's real rows into the static output (padding rows keep what they
         held: finite values no real row reads)."""
-        self.out[:, : plan.rows].copy_(attend(self.module, self.query, self.key, self.value, plan, self.scaling,
-                                              kernels))
+        attend(self.module, self.query, self.key, self.value, plan, self.scaling, kernels,
+               out=self.out[:, : plan.rows])
 
 
 class _Cutter:
