@@ -102,7 +102,8 @@ def add_serve_arguments(sv: argparse.ArgumentParser, bounded_int, eplb_flag) -> 
     sv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     sv.add_argument("--max-num-batched-tokens", "--step-tokens", dest="step_tokens", type=int, default=None,
                     metavar="N", help="prefill tokens per rank per step, beside the decoding sequences' tokens "
-                                      "(default: 8192 on CUDA, as vllm serve; 2048 on CPU)")
+                                      "(default: 16384 on CUDA, as vLLM's offline LLM; 2048 on CPU; "
+                                      "8192, as vllm serve, stalls decoding sequences less under a prompt backlog)")
     sv.add_argument("--max-num-seqs", "--max-running", dest="max_running", type=int, default=None, metavar="N",
                     help="sequences running at once over every rank (default: 1024 on CUDA, as vllm serve on >= 70 "
                          "GB GPUs; 256 on CPU)")

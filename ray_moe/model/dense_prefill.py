@@ -38,7 +38,7 @@ from ray_moe.model.attention import DenseKernel, SequenceRun, runs_at
 DENSE_MIN_ROWS = 1024  # the shortest chunk the dense kernel may serve (its start check may raise it)
 MAX_PAD_WORK = 1.25  # the padded square's work over the chunk's causal work, at most
 CHECK_SIZES = (1024, 2048, 4096)  # the start-time timings' fresh chunks (the shortest winning one is the threshold)
-WARM_ROWS = 8192  # squares planned at start: to the default step's token count
+WARM_ROWS = 16384  # squares planned at start: to the default step's token count (driver/defaults.py, CUDA)
 SQUARE_ROWS = 256  # the dense kernel's squares are multiples of this (cuDNN plans one shape at a time)
 MIN_SPEEDUP = 1.1  # the dense kernel must beat FlashAttention-2 by this much on a chunk length to serve it
 

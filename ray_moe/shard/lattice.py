@@ -21,7 +21,7 @@ routes touch, ~59 GB when it touches all of them, ~14 ms at the H200's ~4.3 TB/s
   its weight reads up to ~2k rows (6 GFLOP x 2k at ~790 TFLOP/s ~ 15 ms): powers of two up to 1024 (padding
   there costs almost no time), four sizes an octave to 2048, eight an octave above (at most 12.5% padding where
   rows cost compute), and the largest step exactly (``step_tokens`` prompt tokens beside a decode row of every
-  running sequence): 28 sizes for 8,192 step tokens and 256 or 1,024 sequences.
+  running sequence): 28 sizes for 8,192 step tokens and 256 or 1,024 sequences, 36 for 16,384 (the CUDA default).
 """
 
 from __future__ import annotations

@@ -139,3 +139,12 @@ def test_masked_host_has_no_dense_kernel(hf_checkpoint):
     _, folder = hf_checkpoint("qwen3_moe")
     host = ModelHost.from_checkpoint(folder, attention=AttentionBackend.MASKED, kv_tokens=64)
     assert host.kernels.dense is None and "masked" in host.dense_reason
+
+
+def test_the_squares_planned_at_start_cover_the_default_step():
+    """A fresh prompt chunk of the default CUDA step (``driver/defaults.py``) finds its square planned at start,
+    not on a request's step."""
+    from ray_moe.driver.defaults import DEFAULT_STEP_TOKENS
+    from ray_moe.model.dense_prefill import SQUARE_ROWS, WARM_ROWS
+
+    assert WARM_ROWS >= DEFAULT_STEP_TOKENS["cuda"] and WARM_ROWS % SQUARE_ROWS == 0

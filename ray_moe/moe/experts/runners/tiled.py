@@ -38,9 +38,10 @@ from ray_moe.core.cuda_timing import best_ms
 from ray_moe.core.env import triton_interpreted
 
 MIN_SPEEDUP = 1.05  # over grouped_mm at a band's measured size, or that band stays on grouped_mm
-# the bands' measured sizes, rows a slot (band i: above band i-1's). The last, 640, holds the largest step of the
-# default lattice at top-8 of 128 experts (8,192 prompt tokens beside up to 2,048 decode rows: ~512-640 rows a
-# slot), where the long-prompt and mixed workloads' prefill steps spend their expert time
+# the bands' measured sizes, rows a slot (band i: above band i-1's). The last, 640, holds an 8,192-token step at
+# top-8 of 128 experts (beside up to 2,048 decode rows: ~512-640 rows a slot); the default 16,384-token step
+# (driver/defaults.py: ~1,024-1,150 rows a slot) runs grouped_mm above it, where the two were level at 640 rows
+# (bench/results/serving-h100x1-d9eaf52: 1.50-1.57 against 1.62 ms)
 CHECK_ROWS_PER_SLOT = (32, 64, 128, 256, 640)
 CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference| in the start check (bf16 rounding: ~4e-3)
 CHECK_WEIGHT_BYTES = 2 << 30  # the start check's own seeded slots: at most this many bytes (at least 4 slots)
