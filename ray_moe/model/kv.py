@@ -32,6 +32,7 @@ import torch
 
 from ray_moe.core.errors import RayMoEError
 from ray_moe.core.types import AttentionBackend
+from ray_moe.model import kv_write
 from ray_moe.model.attention import EXPAND_KEYS, AttentionPlan, SequenceRun, runs_at
 from ray_moe.model.dense_prefill import prefill_runs
 from ray_moe.model.kv_host import HostChunks, plan_decode_steps, plan_token_step, send, staging
@@ -399,8 +400,10 @@ class PagedKVCache:
             store = tuple(torch.zeros(self.capacity_tokens + 1, x.shape[1], x.shape[3], dtype=x.dtype,
                                       device=self.device) for x in (a, b))  # + the trash slot
             self._store[layer_idx] = store
-        for x, buf in zip((a, b), store):  # [1, H, R, D] rows -> [R, H, D] at their slots
-            buf.index_copy_(0, self.write_index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
+        if kv_write.available(a, b, self.write_index, store):  # both tensors' rows in one kernel
+            kv_write.write_rows(a, b, self.write_index, store)
+        else:
+            kv_write.write_rows_reference(a, b, self.write_index, store)
         if self.gather is not None:
             return tuple(buf.index_select(0, self.gather)[None].transpose(1, 2) for buf in store)
         return store[0][None].transpose(1, 2), store[1][None].transpose(1, 2)
