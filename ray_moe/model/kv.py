@@ -152,6 +152,10 @@ class PagedKVCache:
         self.block_size = int(block_size)
         self.device = torch.device(device)
         self.dtype = dtype
+        # a step's rows written by one kernel for both tensors where it reproduces index_copy_ here (checked once a
+        # process per device and dtype, at the first cache: at load, before any capture), else by index_copy_
+        self.write_reason = kv_write.check(self.device, dtype)
+        self.fused_write = self.write_reason is None
         self.pool = BlockPool(self.num_blocks)  # free / held / cached blocks (``model/prefix_cache.py``)
         self._blocks: dict[str, list[int]] = {}
         # per sequence: the hashes of its leading blocks whose content is written and named (``register``,
@@ -400,7 +404,7 @@ class PagedKVCache:
             store = tuple(torch.zeros(self.capacity_tokens + 1, x.shape[1], x.shape[3], dtype=x.dtype,
                                       device=self.device) for x in (a, b))  # + the trash slot
             self._store[layer_idx] = store
-        if kv_write.available(a, b, self.write_index, store):  # both tensors' rows in one kernel
+        if self.fused_write and kv_write.available(a, b, self.write_index, store):  # both tensors in one kernel
             kv_write.write_rows(a, b, self.write_index, store)
         else:
             kv_write.write_rows_reference(a, b, self.write_index, store)

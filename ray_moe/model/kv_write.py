@@ -99,6 +99,31 @@ def write_rows(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
                                    BLOCK_A=block_a, BLOCK_B=block_b, num_warps=4)
 
 
+@functools.lru_cache(maxsize=None)
+def check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the kernel does not write this device's caches of ``dtype`` (None: it does), decided once a process per
+    device and dtype, when a cache is made (at load, before any capture): it must run here and write what
+    ``write_rows_reference`` writes, bit for bit, on strided rows of two head shapes."""
+    if device.type != "cuda" and not triton_interpreted():
+        return f"device {device.type}: the kernel serves CUDA (index_copy_ writes the cache)"
+    if _kernel() is None:
+        return "Triton is not importable here (index_copy_ writes the cache)"
+    try:
+        g = torch.Generator().manual_seed(0)
+        wide = torch.randn(1, 37, 5, 16, generator=g).to(device, dtype)
+        a, b = wide[:, :, :2].transpose(1, 2), torch.randn(1, 37, 1, 8, generator=g).to(device, dtype).transpose(1, 2)
+        index = torch.randperm(64, generator=g)[:37].to(device)
+        got = (torch.zeros(65, 2, 16, device=device, dtype=dtype), torch.zeros(65, 1, 8, device=device, dtype=dtype))
+        want = tuple(t.clone() for t in got)
+        write_rows(a, b, index, got)
+        write_rows_reference(a, b, index, want)
+        if not all(torch.equal(x, y) for x, y in zip(got, want)):
+            return "the kernel's writes differ from index_copy_'s here (index_copy_ writes the cache)"
+    except Exception as exc:  # noqa: BLE001 - the kernel does not run here: say why, keep index_copy_
+        return f"the kernel failed here: {type(exc).__name__}: {str(exc)[:200]} (index_copy_ writes the cache)"
+    return None
+
+
 def write_rows_reference(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
                          buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
     """The same writes with torch (every device and dtype: the CPU path and the kernel's oracle): one
@@ -107,4 +132,4 @@ def write_rows_reference(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
         buf.index_copy_(0, index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
 
 
-__all__ = ["ELEMENTS_PER_PROGRAM", "available", "write_rows", "write_rows_reference"]
+__all__ = ["ELEMENTS_PER_PROGRAM", "available", "check", "write_rows", "write_rows_reference"]

@@ -90,3 +90,22 @@ def test_cuda_kernel_writes_what_index_copy_writes(rows, pad):
     (1 x 512, 1 x 64): bit-equal to the reference."""
     _check(rows, (4, 4), (128, 128), pad, capacity=20000, seed=rows, device="cuda", dtype=torch.bfloat16)
     _check(rows, (1, 1), (512, 64), pad, capacity=20000, seed=rows + 1, device="cuda", dtype=torch.bfloat16)
+
+
+def test_a_cache_writes_through_the_kernel_only_where_its_check_passes():
+    """The check runs when a cache is made: on CPU (no interpreter) the cache keeps ``index_copy_`` and says why;
+    under the interpreter the kernel passes and the cache's writes equal a reference cache's."""
+    from ray_moe.model.kv import PagedKVCache
+
+    cache = PagedKVCache(4, 8, device="cpu", dtype=torch.float32)
+    if not triton_interpreted():
+        assert not cache.fused_write and "CUDA" in cache.write_reason
+        return
+    assert cache.fused_write and cache.write_reason is None
+    ref = PagedKVCache(4, 8, device="cpu", dtype=torch.float32)
+    ref.fused_write = False
+    a, b, index, _ = _operands(20, (2, 2), (8, 8), 0, 32, 3)
+    for c in (cache, ref):
+        c.write_index = index
+        c.update(a, b, 0)
+    assert all(torch.equal(x, y) for x, y in zip(cache._store[0], ref._store[0]))
