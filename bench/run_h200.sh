@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|substeps|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|substeps|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|kernel-mix-ray|kernel-mix-vllm|rebalance
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -121,6 +121,23 @@ for what in "$@"; do
         --workloads mixed --requests 4 \
         --no-warmup --timeout 560 --out /tmp/vllm-ds-warm ;;
     profile)  run 200 python3 -m ray_moe_bench.step_profile --layers 48 --windows 3:4,20:21 ;;
+    # where each system's device time goes on the same requests, by kind of kernel (issue 39: long prompts and
+    # mixed run below vLLM with the experts and attention at library speed): ray-moe's step profile over every
+    # step of a ${MIX_REQUESTS:-8}-request pass of ${MIX_WORKLOAD:-long}, vLLM's torch profiler over its first
+    # timed pass of the same lengths (its own process; those figures are not benchmark figures), then
+    # kernel_mix side by side ($RAY_MOE_RESULTS_DIR/kernel_mix-<workload>.json). vLLM's PYTHONPATH as serving-vllm
+    kernel-mix-ray)
+      run 300 python3 -m ray_moe_bench.step_profile --layers "${LAYERS:-48}" --workload "${MIX_WORKLOAD:-long}" \
+        --requests "${MIX_REQUESTS:-8}" --windows 0:100000 --out "$RAY_MOE_RESULTS_DIR" ;;
+    kernel-mix-vllm)
+      rm -rf /tmp/vllm-profile
+      run 400 python3 -m ray_moe_bench.serving --config-only --layers "${LAYERS:-48}" --systems vllm \
+        --vllm-args '{"attention_backend": "FLASH_ATTN"}' --workloads "${MIX_WORKLOAD:-long}" \
+        --requests "${MIX_REQUESTS:-8}" --vllm-profile /tmp/vllm-profile --timeout 370 \
+        --out "$RAY_MOE_RESULTS_DIR/vllm-profiled"
+      prof=$(ls -t "$RAY_MOE_RESULTS_DIR"/step_profile-*-"${MIX_WORKLOAD:-long}".json 2>/dev/null | head -1)
+      run 120 python3 -m ray_moe_bench.kernel_mix --vllm-trace /tmp/vllm-profile ${prof:+--ray-moe "$prof"} \
+        --out "$RAY_MOE_RESULTS_DIR/kernel_mix-${MIX_WORKLOAD:-long}.json" ;;
     # where an FP8 decode step's time goes: the FP8 checkpoint fp8-write made (the whole 48-layer shape), in process
     # (WORKLOAD=chat WINDOWS=40:42: steps with a few hundred prompt tokens beside the decoding sequences)
     fp8-profile) run 300 python3 -m ray_moe_bench.step_profile --checkpoint "${FP8_ROOT:-/tmp/ray-moe-fp8}/qwen3-30b-a3b" \

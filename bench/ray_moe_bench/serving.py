@@ -936,8 +936,17 @@ def run_vllm(spec: dict, save: Callable[[dict], None] | None = None) -> dict[str
 
     save = save or (lambda res: None)
     kwargs = vllm_kwargs(spec)
+    profile_dir = spec.get("vllm_profile")
+    if profile_dir:  # its torch profiler over the first timed pass (kernel_mix.py reads the traces)
+        kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir}
     t0 = time.perf_counter()
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except TypeError:  # a vLLM without profiler_config reads the folder from its environment
+        if not profile_dir:
+            raise
+        os.environ["VLLM_TORCH_PROFILER_DIR"] = kwargs.pop("profiler_config")["torch_profiler_dir"]
+        llm = LLM(**kwargs)
     res: dict[str, Any] = {"status": "ok", "start_s": time.perf_counter() - t0, "llm_kwargs": kwargs,
                            "non_defaults": vllm_non_defaults(kwargs), "usage_context": "LLM_CLASS (LLM's own)",
                            "effective": vllm_effective(llm.llm_engine.vllm_config),
@@ -967,10 +976,15 @@ def run_vllm(spec: dict, save: Callable[[dict], None] | None = None) -> dict[str
             reqs = Requests.of(w)
             llm.generate([{"prompt_token_ids": p} for p in reqs.prompts], params(reqs.new_tokens), use_tqdm=False)
             res["warmup_s"][w["name"]] = time.perf_counter() - t
-    for p in spec["passes"]:
+    for i, p in enumerate(spec["passes"]):
         reqs = Requests.of(p)
         try:
+            if profile_dir and i == 0:
+                llm.start_profile()
             one = one_pass(reqs)
+            if profile_dir and i == 0:
+                llm.stop_profile()
+                one["profiled"] = f"torch profiler on (traces in {profile_dir}): not a benchmark figure"
             if spec["second_pass"]:
                 _with_second(one, one_pass(reqs))
         except Exception as exc:  # noqa: BLE001 - this pass failed; the others are still measured
@@ -1322,6 +1336,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SYSTEM", help="of " + ", ".join(s.value for s in System) + " (default: all)")
     p.add_argument("--vllm-tp", type=int, default=None, help="vLLM tensor_parallel_size (default: --ranks)")
     p.add_argument("--vllm-args", type=json.loads, default={}, help="extra LLM(...) keyword arguments, JSON")
+    p.add_argument("--vllm-profile", metavar="DIR", default=None,
+                   help="vLLM offline: its torch profiler over the first timed pass, traces into DIR (that pass's "
+                        "figures are not benchmark figures; python -m ray_moe_bench.kernel_mix reads the traces)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--second-pass", action="store_true",
                    help="run every timed pass twice; the second is reported as second_pass beside the first")
@@ -1454,7 +1471,7 @@ def main(argv: list[str] | None = None) -> int:
             "passes": [r.as_spec(n) for n, r in zip(names, timed)], "second_pass": a.second_pass,
             "timeout_s": a.timeout, "step_tokens": a.step_tokens,
             "ray_moe_config": cfg_kw, "ray_moe_serving": serving_kw,
-            "vllm_tp": a.vllm_tp or ranks,
+            "vllm_tp": a.vllm_tp or ranks, "vllm_profile": a.vllm_profile,
             "vllm_args": {**({"load_format": "dummy"} if a.config_only and not (a.model or a.quantization) else {}),
                           **a.vllm_args}}
     head: dict[str, Any] = {"mode": mode.value, "quick": a.quick, "in_process": a.in_process, "device": device,

@@ -148,7 +148,7 @@ def _kernels():
             tl.store(ml_ptr + row * 2 + 1, lsum, mask=g < G)
 
     @triton.jit
-    def _combine(part_ptr, ml_ptr, o_ptr, so_s, so_h, HQ: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+    def _decode_combine(part_ptr, ml_ptr, o_ptr, so_s, so_h, HQ: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
                  SPLITS: tl.constexpr):
         s = tl.program_id(0)
         hq = tl.program_id(1)
@@ -164,7 +164,7 @@ def _kernels():
         den = tl.maximum(tl.sum(lsum * w, 0), 1e-30)
         tl.store(o_ptr + s * so_s + hq * so_h + dv, (num / den).to(o_ptr.dtype.element_ty), mask=dv < DV)
 
-    return _decode, _combine
+    return _decode, _decode_combine
 
 
 def available() -> bool:
