@@ -21,7 +21,7 @@ from ray_moe_bench import available
 
 REPO = Path(__file__).resolve().parents[3]
 EXPECTED = {"cpu_exchange", "cpu_memory", "direct_profile", "dispatch_combine", "elastic", "eplb", "fp8_dispatch", "fp8_experts", "layer_step", "migration", "moe_layer", "generate", "serving",
-            "overlap", "rebalance_memory", "runners", "skinny", "step_profile", "host_profile", "graph_relaunch",
+            "overlap", "rebalance_memory", "runners", "skinny", "step_profile", "host_profile", "graph_relaunch", "kernel_mix",
             "start_profile", "paged_varlen", "fp8_dense", "fp8_tune", "route_plan"}
 
 
