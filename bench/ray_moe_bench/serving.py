@@ -72,6 +72,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import glob
 import importlib.util
 import itertools
 import json
@@ -927,6 +928,20 @@ def vllm_effective(vllm_config: Any) -> dict[str, Any]:
             "attention_backend": get(vc, "attention_config", "backend")}
 
 
+def wait_for_traces(folder: str, timeout_s: float = 120.0, settle_s: float = 3.0) -> list[str]:
+    """The trace files vLLM's profiler wrote under ``folder`` once their sizes stop changing (its engine process
+    writes them after ``stop_profile`` returns; vLLM's own example waits too), at most ``timeout_s``."""
+    deadline, last, stable_since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = sorted((f, os.path.getsize(f)) for f in glob.glob(os.path.join(folder, "**", "*.json*"), recursive=True))
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        elif now and time.monotonic() - stable_since >= settle_s:
+            break
+        time.sleep(0.5)
+    return [f for f, _ in last or []]
+
+
 def run_vllm(spec: dict, save: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """vLLM in this process with its own defaults (``vllm_kwargs``): offline ``LLM`` (usage context LLM_CLASS, as
     ``LLM(...)`` always is), or online ``AsyncLLM`` (``run_vllm_online``); the warm-ups, then each timed pass."""
@@ -984,7 +999,8 @@ def run_vllm(spec: dict, save: Callable[[dict], None] | None = None) -> dict[str
             one = one_pass(reqs)
             if profile_dir and i == 0:
                 llm.stop_profile()
-                one["profiled"] = f"torch profiler on (traces in {profile_dir}): not a benchmark figure"
+                one["profiled"] = {"note": "torch profiler on: not a benchmark figure",
+                                   "traces": wait_for_traces(profile_dir)}
             if spec["second_pass"]:
                 _with_second(one, one_pass(reqs))
         except Exception as exc:  # noqa: BLE001 - this pass failed; the others are still measured

@@ -99,3 +99,15 @@ def test_the_mix_of_both_systems_side_by_side(tmp_path, capsys):
 def test_an_empty_trace_folder_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         km.main(["--vllm-trace", str(tmp_path)])
+
+
+def test_the_serving_bench_waits_for_trace_files_to_settle(tmp_path):
+    """``wait_for_traces``: the files under the folder once their sizes hold still (an empty folder: none, after
+    the timeout)."""
+    from ray_moe_bench.serving import wait_for_traces
+
+    (tmp_path / "w0.pt.trace.json.gz").write_bytes(b"x" * 10)
+    assert wait_for_traces(str(tmp_path), timeout_s=10, settle_s=0.6) == [str(tmp_path / "w0.pt.trace.json.gz")]
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert wait_for_traces(str(empty), timeout_s=1.0, settle_s=0.2) == []
