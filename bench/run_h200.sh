@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|substeps|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|kernel-mix-ray|kernel-mix-vllm|rebalance
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|substeps|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|kernel-mix-ray|kernel-mix-vllm|rebalance|pack
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -143,5 +143,12 @@ for what in "$@"; do
     fp8-profile) run 300 python3 -m ray_moe_bench.step_profile --checkpoint "${FP8_ROOT:-/tmp/ray-moe-fp8}/qwen3-30b-a3b" \
                    --workload "${WORKLOAD:-decode-heavy}" --windows "${WINDOWS:-20:21}" --out "$RAY_MOE_RESULTS_DIR" ;;
     rebalance) run 200 python3 -m ray_moe_bench.rebalance_memory --layers 48 --stall-dump 150 ;;
+    # the device tool returns files at most two folders below $OUT (8 files): every result so far and the log
+    # in one archive there, $OUT/results-<step>.tgz (run it last in each call; PACK_NAME names the step)
+    pack)
+      if [ -n "${OUT:-}" ]; then
+        tar czf "$OUT/results-${PACK_NAME:-$(date +%H%M%S)}.tgz" -C "$(dirname "$RAY_MOE_RESULTS_DIR")" \
+          "$(basename "$RAY_MOE_RESULTS_DIR")" && [ "$LOG" = /dev/stdout ] || cp "$LOG" "$OUT/" 2>/dev/null
+      fi ;;
   esac
 done
