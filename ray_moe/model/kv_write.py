@@ -38,10 +38,11 @@ def _kernel():
         return None
 
     @triton.jit
-    def _write_kv(a_ptr, b_ptr, idx_ptr, ca_ptr, cb_ptr, n_rows, WA, DA, WB, DB, sa_h, sa_r, sb_h, sb_r,
-                  BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-        # element e of a row of a: head e // DA, dim e % DA (WA = heads x dim); the cache row of slot s starts at
-        # s * WA (contiguous [C + 1, Ha, Da])
+    def _write_kv(a_ptr, b_ptr, idx_ptr, ca_ptr, cb_ptr, n_rows, sa_h, sa_r, sb_h, sb_r, WA: tl.constexpr,
+                  DA: tl.constexpr, WB: tl.constexpr, DB: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+        # element e of a row of a: head e // DA, dim e % DA (WA = heads x dim; the model's sizes, compiled in); the
+        # cache row of slot s starts at s * WA (contiguous [C + 1, Ha, Da])
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
         slots = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
@@ -94,9 +95,9 @@ def write_rows(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
     wa, wb = int(a.shape[1] * a.shape[3]), int(b.shape[1] * b.shape[3])
     block_a, block_b = (1 << max(0, w - 1).bit_length() for w in (wa, wb))
     block_r = max(1, min(64, ELEMENTS_PER_PROGRAM // max(block_a, block_b)))
-    _kernel()[(-(-n // block_r),)](a, b, index, buffers[0], buffers[1], n, wa, int(a.shape[3]), wb, int(b.shape[3]),
-                                   a.stride(1), a.stride(2), b.stride(1), b.stride(2), BLOCK_R=block_r,
-                                   BLOCK_A=block_a, BLOCK_B=block_b, num_warps=4)
+    _kernel()[(-(-n // block_r),)](a, b, index, buffers[0], buffers[1], n, a.stride(1), a.stride(2), b.stride(1),
+                                   b.stride(2), WA=wa, DA=int(a.shape[3]), WB=wb, DB=int(b.shape[3]),
+                                   BLOCK_R=block_r, BLOCK_A=block_a, BLOCK_B=block_b, num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)
