@@ -148,7 +148,8 @@ for what in "$@"; do
     pack)
       if [ -n "${OUT:-}" ]; then
         tar czf "$OUT/results-${PACK_NAME:-$(date +%H%M%S)}.tgz" -C "$(dirname "$RAY_MOE_RESULTS_DIR")" \
-          "$(basename "$RAY_MOE_RESULTS_DIR")" && [ "$LOG" = /dev/stdout ] || cp "$LOG" "$OUT/" 2>/dev/null
+          "$(basename "$RAY_MOE_RESULTS_DIR")"
+        if [ "$LOG" != /dev/stdout ]; then cp "$LOG" "$OUT/"; fi
       fi ;;
   esac
 done

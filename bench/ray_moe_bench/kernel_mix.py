@@ -104,7 +104,8 @@ def mix(by_name: dict[str, dict[str, float]], tokens: int | None = None, top: in
     total = sum(r["ms"] for r in by_name.values())
     cats: dict[str, float] = {}
     for name, row in by_name.items():
-        cats[categorize(name)] = cats.get(categorize(name), 0.0) + row["ms"]
+        cat = categorize(name)
+        cats[cat] = cats.get(cat, 0.0) + row["ms"]
     rows = {c: {"ms": ms, "share": ms / total if total else 0.0,
                 **({"ms_per_1k_tokens": 1e3 * ms / tokens} if tokens else {})}
             for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])}

@@ -404,10 +404,7 @@ class PagedKVCache:
             store = tuple(torch.zeros(self.capacity_tokens + 1, x.shape[1], x.shape[3], dtype=x.dtype,
                                       device=self.device) for x in (a, b))  # + the trash slot
             self._store[layer_idx] = store
-        if self.fused_write and kv_write.available(a, b, self.write_index, store):  # both tensors in one kernel
-            kv_write.write_rows(a, b, self.write_index, store)
-        else:
-            kv_write.write_rows_reference(a, b, self.write_index, store)
+        kv_write.write(a, b, self.write_index, store, fused=self.fused_write)  # both tensors in one kernel
         if self.gather is not None:
             return tuple(buf.index_select(0, self.gather)[None].transpose(1, 2) for buf in store)
         return store[0][None].transpose(1, 2), store[1][None].transpose(1, 2)

@@ -89,6 +89,21 @@ def write_rows(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
                          f"{index.dtype}, buffers {[tuple(t.shape) for t in buffers]}: the cache write takes [1, H, R, D] "
                          f"rows of their buffer's dtype (contiguous last dim), int64 slots and contiguous [C + 1, H, D] "
                          f"buffers on one CUDA device")
+    _launch(a, b, index, buffers)
+
+
+def write(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor], *,
+          fused: bool) -> None:
+    """The cache's write of a step's rows: the kernel where ``fused`` (its ``check`` passed) and it takes the
+    operands, else ``write_rows_reference`` (which casts and copies whatever arrives). One operand check a call."""
+    if fused and available(a, b, index, buffers):
+        _launch(a, b, index, buffers)
+    else:
+        write_rows_reference(a, b, index, buffers)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The kernel over operands ``available`` took."""
     n = int(a.shape[2])
     if n == 0:
         return
@@ -133,4 +148,4 @@ def write_rows_reference(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
         buf.index_copy_(0, index, x.transpose(1, 2).reshape(-1, *buf.shape[1:]).to(buf.dtype))
 
 
-__all__ = ["ELEMENTS_PER_PROGRAM", "available", "check", "write_rows", "write_rows_reference"]
+__all__ = ["ELEMENTS_PER_PROGRAM", "available", "check", "write", "write_rows", "write_rows_reference"]

@@ -66,6 +66,11 @@ def test_cpu_operands_take_the_reference_and_the_kernel_refuses_them():
     assert not kv_write.available(a, b, index, buffers)
     with pytest.raises(ValueError, match="cache write takes"):
         kv_write.write_rows(a, b, index, buffers)
+    want = tuple(t.clone() for t in buffers)
+    kv_write.write_rows_reference(a, b, index, want)
+    kv_write.write(a, b, index, buffers, fused=True)  # the cache's entry: operands the kernel refuses go through torch
+    assert all(torch.equal(x, y) for x, y in zip(buffers, want)) and not torch.equal(want[0], _operands(5, (2, 2), (
+        8, 8), 1, 16, 0)[3][0])
 
 
 def test_mismatched_operands_are_not_taken():
