@@ -45,6 +45,7 @@ from ray_moe.model.swap import restore_forwards
 ABSORBED_ATTR = "_ray_moe_mla_absorbed"
 BLOCK_H = 16  # heads per program (the rows of its matrix products)
 BLOCK_N = 32  # latent keys per inner iteration
+MASKED_BLOCK_BYTES = 256 << 20  # the masked backend's scores at once (``attend_masked``)
 
 # (q_lat [n, H, R], q_rot [n, H, P], c [K, R], kr [K, P], cu_k [n + 1] int32, max_k, scale) -> o_lat [n, H, R]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
@@ -171,21 +172,28 @@ def absorb_output(ab: Absorbed, o_lat: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def attend_masked(ab: Absorbed, q: torch.Tensor, c: torch.Tensor, kr: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, block_bytes: int = MASKED_BLOCK_BYTES) -> torch.Tensor:
     """Every row absorbed over the gathered latent (the masked backend): q [n, H, N + P], c [K, R], kr [K, P],
-    mask [n, K] additive (None: one sequence from position 0, n == K, causal) -> [n, H, V]."""
+    mask [n, K] additive (None: one sequence from position 0, n == K, causal) -> [n, H, V]. The scores [H, rows, K]
+    are made a block of query rows at a time, each block's at most ``block_bytes`` (a 16,384-token step of 16
+    heads at once: 16 GiB of float32 scores)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     q_lat, q_rot = absorb_query(ab, q)
-    scores = (torch.einsum("nhr,kr->hnk", q_lat.to(acc), c.to(acc))
-              + torch.einsum("nhp,kp->hnk", q_rot.to(acc), kr.to(acc))) * scale
-    n, k = int(q.shape[0]), int(c.shape[0])
-    if mask is None:
-        allowed = torch.arange(k, device=q.device)[None, :] <= (k - n + torch.arange(n, device=q.device))[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    else:
-        scores = scores + mask.to(acc)
-    p = torch.softmax(scores, -1).nan_to_num(0.0)
-    o_lat = torch.einsum("hnk,kr->nhr", p, c.to(acc))
+    n, k, h = int(q.shape[0]), int(c.shape[0]), int(q.shape[1])
+    c_acc, kr_acc = c.to(acc), kr.to(acc)
+    rows = max(1, block_bytes // max(1, h * k * acc.itemsize))
+    blocks = []
+    for lo in range(0, n, rows):  # host ints from the shapes: the same blocks in a captured graph
+        hi = min(n, lo + rows)
+        scores = (torch.einsum("nhr,kr->hnk", q_lat[lo:hi].to(acc), c_acc)
+                  + torch.einsum("nhp,kp->hnk", q_rot[lo:hi].to(acc), kr_acc)) * scale
+        if mask is None:
+            last = k - n + torch.arange(lo, hi, device=q.device)  # each row's last visible key
+            scores = scores.masked_fill(torch.arange(k, device=q.device)[None, :] > last[:, None], float("-inf"))
+        else:
+            scores = scores + mask[lo:hi].to(acc)
+        blocks.append(torch.einsum("hnk,kr->nhr", torch.softmax(scores, -1).nan_to_num(0.0), c_acc))
+    o_lat = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return absorb_output(ab, o_lat, q.dtype)
 
 

@@ -30,7 +30,7 @@ import torch
 
 import ray_moe
 from ray_moe.model.sampling import SamplingParams
-from ray_moe_dev.testing.fp8_reference import eager_experts, fp8_activations, fp8_dense_modules
+from ray_moe_dev.testing.fp8_reference import eager_experts, fp8_activations, fp8_dense_modules, quantized_inputs
 from ray_moe_dev.testing.hf_models import fp8_model
 
 pytestmark = pytest.mark.gpu
@@ -80,7 +80,7 @@ def test_fp8_kernels_serve_the_fp8_arithmetic_within_tolerance_of_the_dequantize
     for p, h, toks in zip(prompts, handles, served):
         assert len(toks) == NEW_TOKENS and len(h.logprobs) == NEW_TOKENS
         deq = _logprobs(ref, p + toks, len(p) - 1, NEW_TOKENS)
-        with fp8_activations(ref, (128, 128), dense=dense):  # the modules the GPU path keeps in FP8
+        with fp8_activations(ref, (128, 128), dense=quantized_inputs(dense)):  # the modules the GPU path keeps in FP8
             arith = _logprobs(ref, p + toks, len(p) - 1, NEW_TOKENS)
         for i, (tok, lp) in enumerate(zip(toks, h.logprobs)):
             positions += 1

@@ -17,7 +17,7 @@ import torch
 import ray_moe
 from ray_moe.driver.loop import GenerationLoop
 from ray_moe.model.sampling import SamplingParams
-from ray_moe_dev.testing.fp8_reference import eager_experts, fp8_activations, fp8_dense_modules
+from ray_moe_dev.testing.fp8_reference import eager_experts, fp8_activations, fp8_dense_modules, quantized_inputs
 from ray_moe_dev.testing.hf_models import fp8_model
 from ray_moe_dev.testing.inprocess import InProcessDeployment, LocalTransport
 
@@ -64,7 +64,7 @@ def test_the_fp8_path_computes_the_fp8_arithmetic(kernels_forced, tmp_path, fami
         ids = torch.tensor([p + toks])
         with torch.no_grad():
             deq = torch.log_softmax(ref(ids).logits[0, len(p) - 1:len(p) - 1 + NEW_TOKENS].double(), -1)
-            with fp8_activations(ref, (128, 128), dense=dense):
+            with fp8_activations(ref, (128, 128), dense=quantized_inputs(dense)):
                 arith = torch.log_softmax(ref(ids).logits[0, len(p) - 1:len(p) - 1 + NEW_TOKENS].double(), -1)
         for i, (tok, lp) in enumerate(zip(toks, h.logprobs)):
             which = [tok, *lp.top_ids]

@@ -36,6 +36,14 @@ def fp8_dense_modules(model: Any) -> list[str]:
             if type(mod) is torch.nn.Linear and ".layers." in name and name.rpartition(".")[2] in SWAPPABLE]
 
 
+def quantized_inputs(dense: Iterable[str]) -> list[str]:
+    """The served FP8 projections whose inputs the path quantizes where every MLA row attends on the latent (the
+    masked backend: float32): ``dense`` but the ``kv_b_proj`` modules. Absorbed attention reads kv_b_proj's weight
+    dequantized once (W_UK against the query, W_UV on the output, ``model.mla``: as vLLM's and SGLang's MLA do), so
+    the latent is never quantized; kv_b_proj's FP8 kernel serves only prompt chunks expanded on the varlen backend."""
+    return [name for name in dense if name.rpartition(".")[2] != "kv_b_proj"]
+
+
 def _expert_params(model: Any) -> list[torch.Tensor]:
     """The routed experts' 3-D weights ([E, out, in]: transformers' fused ``gate_up_proj`` / ``down_proj``)."""
     return [p for name, p in model.named_parameters()
