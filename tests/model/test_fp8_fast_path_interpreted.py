@@ -1,7 +1,7 @@
 """The FP8 serving path's logic against its naive reference, on the CPU: the block-FP8 Triton kernels (experts and
-dense projections) run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, else skipped; CI has no Triton), the
-start's gates forced open (on a CPU they say "device cpu" and dequantize), a tiny Qwen3-MoE and DeepSeek-V3 FP8
-checkpoint served in float32 by one in-process rank through the driver's generation loop, teacher-forced against
+dense projections) run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, else skipped: the README's second
+pytest), the start's gates forced open (on a CPU they say "device cpu" and dequantize), a tiny Qwen3-MoE and
+DeepSeek-V3 FP8 checkpoint served in float32 by one in-process rank through the driver's generation loop, teacher-forced against
 ``fp8_activations`` (transformers' forward of the dequantized model with every FP8 GEMM's input quantized as the
 kernels quantize it). Measured (session 22): within 1.3e-6 standard deviations of the reference's logprobs at every
 position (the dequantized model: a median 0.17 / 0.19 away), so what the GPU test finds beyond that (a median
@@ -20,6 +20,8 @@ from ray_moe.model.sampling import SamplingParams
 from ray_moe_dev.testing.fp8_reference import eager_experts, fp8_activations, fp8_dense_modules, quantized_inputs
 from ray_moe_dev.testing.hf_models import fp8_model
 from ray_moe_dev.testing.inprocess import InProcessDeployment, LocalTransport
+
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
 
 NEW_TOKENS = 5
 TOL = 1e-4  # deviations of the reference's logprobs (float32 end to end: measured <= 1.3e-6)

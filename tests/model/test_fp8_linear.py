@@ -22,6 +22,8 @@ from ray_moe.moe.experts.fp8 import quantize
 from ray_moe.moe.experts.runners import fp8_kernels
 from ray_moe_dev.testing.hf_models import fp8_model
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 BLOCK = (32, 32)  # the kernels take K blocks of 32 / 64 / 128 (the tiny models' hidden size is 32)
 
 

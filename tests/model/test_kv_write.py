@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from ray_moe.core.env import triton_interpreted
 from ray_moe.model import kv_write
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 interpreted = pytest.mark.skipif(not triton_interpreted(), reason="the kernel runs on CPU under Triton's "
                                  "interpreter: set TRITON_INTERPRET=1 for pytest")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -25,6 +25,8 @@ from ray_moe.model.kv import SeqChunk
 from ray_moe.model.source import HFWeightSource
 from ray_moe_dev.testing.local_executor import LocalExecutor
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 STEPS = [
     [SeqChunk("a", 0, 5), SeqChunk("b", 0, 9)],
     [SeqChunk("a", 5, 1), SeqChunk("b", 9, 4), SeqChunk("c", 0, 7)],  # a decode row first, a chunk, a new prompt

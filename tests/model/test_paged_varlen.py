@@ -19,6 +19,8 @@ from ray_moe.model import paged_varlen as pv
 from ray_moe.model.attention import Kernels, attend, sequence_reference
 from ray_moe.model.kv import PagedKVCache, SeqChunk
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 
 def _tables(qlens: list[int], rows: int, seqs: int, bq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     na, nb = pv.table_sizes(rows, seqs, bq)

@@ -22,6 +22,8 @@ from ray_moe.moe.experts.runners import fp8_kernels
 from ray_moe_dev.testing.hf_models import FAMILIES, build_model, fp8_model
 from ray_moe_dev.testing.local_executor import LocalExecutor
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -9,6 +9,8 @@ import pytest
 from ray_moe.moe.experts.runners.fp8_configs import LaunchConfig, RowTable, TunedTable
 from ray_moe_bench import fp8_tune
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 
 def cost(c: LaunchConfig) -> float:
     """A made-up cost with its minimum at 32-row tiles, 64 columns, 8 warps, 4 stages."""

@@ -30,6 +30,8 @@ from ray_moe.placement.topology import ProcessGroupSpec, Topology
 from ray_moe.shard.fault_wrappers import corrupt_handle
 from ray_moe_dev.testing.reference import reference_moe
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 E, D, F = 6, 16, 24
 
 

@@ -30,6 +30,8 @@ from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.moe.layer import run_experts
 from ray_moe_dev.testing.reference import _naive_group_quant, naive_fp8_experts
 
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
+
 TOL = 1e-2
 HANDLE = Handle(handle_id="h", generation=1, layer=0, pg_epoch=0, rank=0)
 

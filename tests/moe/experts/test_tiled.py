@@ -1,7 +1,7 @@
 """The mid-size expert kernels (``runners/tiled.py``): their band rule and start check (CPU, always), the kernels
-against a float64 per-slot loop under Triton's CPU interpreter (``TRITON_INTERPRET=1 python -m pytest
-tests/moe/experts/test_tiled.py``; skipped otherwise: CI has no Triton), and on a GPU compiled at every candidate
-config against grouped_mm, through a captured CUDA graph, and as the grouped runner picks them."""
+against a float64 per-slot loop under Triton's CPU interpreter (``TRITON_INTERPRET=1``, else skipped: the README's
+second pytest), and on a GPU compiled at every candidate config against grouped_mm, through a captured CUDA graph,
+and as the grouped runner picks them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from ray_moe.core.env import triton_interpreted
 from ray_moe.moe.experts.runners import tiled
 from ray_moe.moe.experts.runners.grouped import GroupedRunner, grouped_mm_swiglu, mid_choice
 from ray_moe.moe.experts.weights import ExpertWeights, SlotWeights, swiglu
+
+pytestmark = pytest.mark.triton  # its Triton kernels also run under the CPU interpreter (TRITON_INTERPRET=1)
 
 A, B, C = (tiled.TileConfig(64, 64, 64, 4, 4), tiled.TileConfig(64, 128, 64, 8, 3),
            tiled.TileConfig(128, 128, 64, 8, 3))
