@@ -151,6 +151,7 @@ STREAM_SALT = MappingProxyType({Workload.MIXED: 11, Workload.DECODE_HEAVY: 12, W
 ARRIVAL_SALT = 21
 GRAPH_KEYS = ("graphs_captured_start", "graphs_captured_serving", "decode_graph_steps", "token_graph_steps",
               "piecewise_steps", "eager_steps", "graph_replays")
+SHARD_GC_KEYS = ("gc_collections", "gc_full_collections", "gc_pause_us")  # a shard's collector, summed since start
 MAX_QUEUED_DEFAULT = 4096  # GenerationLoop's max_queued (passed only when a pass has more requests)
 
 
@@ -477,10 +478,17 @@ def stop_runtime(rt: Any) -> None:
 
 
 def read_graph_counters(rt: Any) -> dict[str, dict[str, int]]:
-    """Each shard's graph counters now: {rank: {GRAPH_KEYS key: count}} (a key the shard has not counted: 0),
-    from ``rt.shard_status()[rank]["counters"]``."""
-    return {str(r): {k: int((st.get("counters") or {}).get(k, 0)) for k in GRAPH_KEYS}
+    """Each shard's graph and collector counters now: {rank: {GRAPH_KEYS / SHARD_GC_KEYS key: count}} (a key the
+    shard has not counted: 0), from ``rt.shard_status()[rank]["counters"]``."""
+    return {str(r): {k: int((st.get("counters") or {}).get(k, 0)) for k in GRAPH_KEYS + SHARD_GC_KEYS}
             for r, st in rt.shard_status().items()}
+
+
+def shard_gc_deltas(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Each shard's collections and their summed pause over a pass (``read_graph_counters`` before and after):
+    {rank: {SHARD_GC_KEYS key: growth}} (MEASURED by the shard's gc.callbacks: a pause between two launches leaves
+    its GPU idle)."""
+    return {r: {k: a.get(k, 0) - before.get(r, {}).get(k, 0) for k in SHARD_GC_KEYS} for r, a in after.items()}
 
 
 def graph_deltas(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, Any]:
@@ -676,6 +684,7 @@ def _ray_moe_pass(rt: Any, engine: Any, reqs: Requests, mode: Mode, spec: dict, 
     res.update(extra)
     graphs = graph_deltas(before, after)
     res["timed_pass_graphs"] = graphs
+    res["shard_gc"] = shard_gc_deltas(before, after)
     res["engine_steps"] = engine.steps - steps0
     res["prefix_hit_tokens"] = pre1["hit_tokens"] - pre0["hit_tokens"]
     res["prefix_lookup_tokens"] = pre1["lookup_tokens"] - pre0["lookup_tokens"]
@@ -686,8 +695,8 @@ def _ray_moe_pass(rt: Any, engine: Any, reqs: Requests, mode: Mode, spec: dict, 
 
     d = {k: use1[k] - use0[k] for k in ("layer_steps", "touched", "routes", "peak_routes")}
     res["expert_use"] = expert_use(d["layer_steps"], use1["experts"], d["touched"], d["routes"], d["peak_routes"])
-    # the driver process's garbage-collector pauses in the pass (MEASURED: gc.callbacks; the shards' own, since
-    # their start, are in shards[*].counters: gc_*)
+    # the driver process's garbage-collector pauses in the pass (MEASURED: gc.callbacks; the shards' in the pass
+    # are shard_gc, since their start shards[*].counters: gc_*)
     res["driver_gc"] = {k: (gc1[k] if k in ("gc_pause_max_us", "gc_frozen_objects") else gc1[k] - gc0[k])
                         for k in gc1}
     # where a step's time goes (median ms per step: plan, launch, wait, shard, device, idle, ...), over the last

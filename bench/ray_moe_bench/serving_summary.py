@@ -54,6 +54,9 @@ def summarize(folder: str) -> dict[str, Any]:
                 row["ray_moe_timed_pass_graphs"] = (e.get("timed_pass_graphs") or {}).get("total")
                 hw = e.get("host_work") or {}
                 row["ray_moe_host_over_device"] = hw.get("host_over_device")
+                gc = e.get("shard_gc") or {}  # the shards' collector pauses in the timed pass, summed
+                row["ray_moe_shard_gc_pause_ms"] = (sum(g.get("gc_pause_us", 0) for g in gc.values()) / 1e3
+                                                    if gc else None)
                 out.setdefault("ray_moe_start", {"start_s": e.get("start_s"), "capture_s": e.get("capture_s"),
                                                  "step_paths": e.get("step_paths"),
                                                  "engine_warnings": e.get("engine_warnings")})
