@@ -125,7 +125,8 @@ for what in "$@"; do
     # mixed run below vLLM with the experts and attention at library speed): ray-moe's step profile over every
     # step of a ${MIX_REQUESTS:-8}-request pass of ${MIX_WORKLOAD:-long}, vLLM's torch profiler over its first
     # timed pass of the same lengths (its own process; those figures are not benchmark figures), then
-    # kernel_mix side by side ($RAY_MOE_RESULTS_DIR/kernel_mix-<workload>.json). vLLM's PYTHONPATH as serving-vllm
+    # kernel_mix side by side ($RAY_MOE_RESULTS_DIR/kernel_mix-<workload>.json). vLLM's PYTHONPATH as serving-vllm;
+    # MIX_RAY_PROFILE names ray-moe's profile where an earlier machine took it (else the newest in the results)
     kernel-mix-ray)
       run 300 python3 -m ray_moe_bench.step_profile --layers "${LAYERS:-48}" --workload "${MIX_WORKLOAD:-long}" \
         --requests "${MIX_REQUESTS:-8}" --windows 0:100000 --out "$RAY_MOE_RESULTS_DIR" ;;
@@ -135,7 +136,7 @@ for what in "$@"; do
         --vllm-args '{"attention_backend": "FLASH_ATTN"}' --workloads "${MIX_WORKLOAD:-long}" \
         --requests "${MIX_REQUESTS:-8}" --vllm-profile /tmp/vllm-profile --timeout 370 \
         --out "$RAY_MOE_RESULTS_DIR/vllm-profiled"
-      prof=$(ls -t "$RAY_MOE_RESULTS_DIR"/step_profile-*-"${MIX_WORKLOAD:-long}".json 2>/dev/null | head -1)
+      prof=${MIX_RAY_PROFILE:-$(ls -t "$RAY_MOE_RESULTS_DIR"/step_profile-*-"${MIX_WORKLOAD:-long}".json 2>/dev/null | head -1)}
       run 120 python3 -m ray_moe_bench.kernel_mix --vllm-trace /tmp/vllm-profile ${prof:+--ray-moe "$prof"} \
         --out "$RAY_MOE_RESULTS_DIR/kernel_mix-${MIX_WORKLOAD:-long}.json" ;;
     # where an FP8 decode step's time goes: the FP8 checkpoint fp8-write made (the whole 48-layer shape), in process
