@@ -148,8 +148,8 @@ def _kernels():
             tl.store(ml_ptr + row * 2 + 1, lsum, mask=g < G)
 
     @triton.jit
-    def _decode_combine(part_ptr, ml_ptr, o_ptr, so_s, so_h, HQ: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
-                 SPLITS: tl.constexpr):
+    def _decode_combine(part_ptr, ml_ptr, o_ptr, so_s, so_h, HQ: tl.constexpr, DV: tl.constexpr,
+                        BDV: tl.constexpr, SPLITS: tl.constexpr):
         s = tl.program_id(0)
         hq = tl.program_id(1)
         row = (s * HQ + hq) * SPLITS + tl.arange(0, SPLITS)
