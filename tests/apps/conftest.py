@@ -29,11 +29,26 @@ def state_dir(tmp_path_factory) -> Iterator[str]:
         os.environ["RAY_MOE_STATE_DIR"] = before
 
 
+# below the kernel's ephemeral ports (32768-60999) and above Ray's workers' (10002-19999)
+SERVE_PORTS = range(20000, 32000)
+
+
 @pytest.fixture(scope="session")
 def serve_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, outside the ranges other processes take ports from on their own: an ephemeral port
+    (bound to 0 and released) was later taken by an outgoing connection or a Ray process's gRPC server before
+    Serve's proxy bound it ("Failed to bind to address", then "illegal request line" from every app test of a CI
+    run)."""
+    import random
+
+    for port in random.Random().sample(SERVE_PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {SERVE_PORTS}")
 
 
 @contextlib.contextmanager
