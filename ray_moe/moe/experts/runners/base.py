@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+import ray_moe.moe.experts.runners.swiglu as swiglu
 from ray_moe.moe.experts.weights import SlotWeights
 from ray_moe.core.types import RunnerKind
 
@@ -51,8 +52,11 @@ def down_operand(weights: SlotWeights) -> torch.Tensor:
 
 
 def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u computed in place in ``g`` (both contiguous, same shape) -> g."""
-    return torch.nn.functional.silu(g, inplace=True).mul_(u)
+    """silu(g) * u computed in place in ``g`` (both contiguous, same shape) -> g: one kernel where it takes the
+    operands (``swiglu.py``: CUDA), else torch's silu and multiply (the same roundings)."""
+    if swiglu.available(g, u):
+        return swiglu.swiglu_(g, u)
+    return swiglu.swiglu_reference(g, u)
 
 
 class ExpertRunner(ABC):

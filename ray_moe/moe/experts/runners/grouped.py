@@ -6,7 +6,7 @@ through grouped launches (``torch._grouped_mm``), one per projection, all sharin
   1. offs = inclusive prefix of counts, int32 on the rows' device (zero-row slots repeat an offset,
      so problem index q is always local slot q, 0x04G)
   2. g = grouped_mm(x [N, d], Wg^T [Q, d, f], offs); u = grouped_mm(x, Wu^T [Q, d, f], offs)
-  3. a = silu(g) * u, in place in g                             -> [N, f]
+  3. a = silu(g) * u, in place in g (one pass on CUDA: swiglu.py) -> [N, f]
   4. y = grouped_mm(a [N, f], Wd^T [Q, f, d], offs)            -> [N, d]
 
 The weight operands are K-major views of the stored ``[Q, f, d]`` / ``[Q, d, f]`` stacks: no derived
