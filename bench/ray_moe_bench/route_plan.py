@@ -3,10 +3,11 @@
     python -m ray_moe_bench.route_plan          # 128 local slots (+ 2 spare), top-8; 256 .. 8,448 tokens
 
 What a step of the one-rank data path pays to put its routes in expert-major order (``moe.dispatch.route_plan``):
-the one-program Triton plan (up to ``ROUTE_PLAN_MAX`` routes), the blocked plan (three launches, any size it takes),
-the torch plan (the CPU path and both kernels' oracle, run on the GPU), and for reference what the general path
-did for steps past ``ROUTE_PLAN_MAX`` before the blocked plan: the stable expert-major order of
-``plan.expert_major_order`` plus the gathered copy of every routed row (hidden 2048, bf16). MEASURED: us per call,
+the one-program Triton plan (up to ``ROUTE_PLAN_MAX`` routes), the blocked plan (three launches, any size it takes;
+also at ``BLOCK_SWEEP``'s smaller blocks), the torch plan (the CPU path and both kernels' oracle, run on the GPU), and
+for reference what the general path did for steps past ``ROUTE_PLAN_MAX`` before the blocked plan: the stable
+expert-major order of ``plan.expert_major_order`` plus the gathered copy of every routed row (hidden 2048, bf16).
+MEASURED: us per call,
 one call captured in a CUDA graph and replayed ``--iters`` times (the serving path replays captured steps); each
 plan's tensors checked equal to the torch plan's. JSON (hardware, versions) to $RAY_MOE_RESULTS_DIR.
 """
@@ -23,12 +24,13 @@ from ray_moe_bench.fp8_experts import time_graph_us
 
 TOKENS = (256, 512, 1024, 2048, 4096, 8192, 8448)
 FIELDS = ("src", "gates", "order", "ends", "slot_rows", "sent", "ok")
+BLOCK_SWEEP = (128, 256, 512)  # routes per block the blocked plan is also timed at, where they make <= 64 blocks
 
 
 def case(tokens: int, experts: int, spare: int, top_k: int, hidden: int, iters: int) -> dict[str, Any]:
     from ray_moe.moe.dispatch.plan import expert_major_order
-    from ray_moe.moe.dispatch.route_plan import (ROUTE_PLAN_MAX, _kernel, blocked_shape, plan_routes,
-                                                 plan_routes_blocked, plan_routes_torch, route_tables)
+    from ray_moe.moe.dispatch.route_plan import (BLOCKED_MAX_BLOCKS, ROUTE_PLAN_MAX, _kernel, blocked_shape,
+                                                 plan_routes, plan_routes_blocked, plan_routes_torch, route_tables)
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(tokens)
@@ -46,6 +48,11 @@ def case(tokens: int, experts: int, spare: int, top_k: int, hidden: int, iters: 
         cands["one_program"] = lambda: plan_routes(ids, w, None, tables)
     if blocked_shape(n, s) is not None and _kernel() is not None:
         cands["blocked"] = lambda: plan_routes_blocked(ids, w, None, tables)
+        # the blocked plan at smaller blocks than blocked_shape's 1,024 (more programs, shorter in-program sorts):
+        # whether decode-sized steps (2,048-8,192 routes: 16-17 us at 6754740 on an H100) plan faster so
+        for b in BLOCK_SWEEP:
+            if b < blocked_shape(n, s)[0] and -(-n // b) <= BLOCKED_MAX_BLOCKS:
+                cands[f"blocked_{b}"] = lambda b=b: plan_routes_blocked(ids, w, None, tables, block=b)
 
     def general() -> Any:  # the general path's order and gathered rows (no replica selection: one copy each)
         slot = tables.expert_slot.long()[ids.reshape(-1)]
