@@ -7,8 +7,9 @@ rotate_half, a negation, four multiplies and two adds over the query and key ten
 over them. In a 4096-token prefill of a Qwen3-30B-A3B-shaped layer (norms already fused) that took about
 0.26 ms of the layer's 1.9 ms of device time on an H200; fused, an 8-layer step went from 15.05 to 13.0 ms
 (the query tensor alone: 283 us in torch's kernels, 46 us in this one; bench/results/logs/h200-s6-run6.log).
-One Triton kernel per tensor reads each head row once and
-writes it once, with the same roundings (compiled without FMA contraction, which would skip the rounding of
+One Triton launch rotates both tensors (the query's head blocks and the key's side by side in its grid: one launch
+a layer where there were two, ~2.6 us each at decode sizes on an H100, bench/results/serving-h100x1-0114027's kernel
+mix of long). It reads each head row once and writes it once, with the same roundings (compiled without FMA contraction, which would skip the rounding of
 the products: measured 23% of bf16 elements one unit off with it), so the result is bit-identical in bf16 / fp16:
 
   for each (batch, position, head) row x = [x1 | x2] (two halves of the head dim), c, s = cos, sin at the position
@@ -32,6 +33,8 @@ from typing import Any, Callable
 
 import torch
 
+from ray_moe.core.env import triton_interpreted
+
 FUNCTION = "apply_rotary_pos_emb"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -45,16 +48,12 @@ def _kernel():
         return None
 
     @triton.jit
-    def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, HALF, sxb, sxh, sxt, syb, syh, syt, scb, sct,
-              BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
-        bt = tl.program_id(0)
-        b = (bt // T).to(tl.int64)
-        t = (bt % T).to(tl.int64)
-        heads = (tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
+    def _rope_heads(x_ptr, y_ptr, cos_ptr, sin_ptr, b, t, heads, H, HALF, sxb, sxh, sxt, syb, syh, syt, cs,
+                    BLOCK_D: tl.constexpr):
+        """Rows (b, t, heads) of one tensor: steps 1-2 of the module docstring."""
         d = tl.arange(0, BLOCK_D)
         dm = d < HALF
         m = (heads < H)[:, None] & dm[None, :]
-        cs = b * scb + t * sct
         c1 = tl.load(cos_ptr + cs + d, mask=dm, other=0.0).to(tl.float32)[None, :]
         c2 = tl.load(cos_ptr + cs + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
         s1 = tl.load(sin_ptr + cs + d, mask=dm, other=0.0).to(tl.float32)[None, :]
@@ -69,13 +68,35 @@ def _kernel():
         tl.store(y_ptr + yo, y1, mask=m)
         tl.store(y_ptr + yo + HALF, y2, mask=m)
 
+    globals().update(_rope_heads=_rope_heads)  # (a called jit function: a module global)
+
+    @triton.jit
+    def _rope(q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, HQ, HK, QB, T, HALF,
+              sqb, sqh, sqt, syqb, syqh, syqt, skb, skh, skt, sykb, sykh, sykt, scb, sct,
+              BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+        # axis 0: (batch, position); axis 1: the query's QB head blocks, then the key's
+        bt = tl.program_id(0)
+        b = (bt // T).to(tl.int64)
+        t = (bt % T).to(tl.int64)
+        hb = tl.program_id(1)
+        cs = b * scb + t * sct
+        if hb < QB:
+            heads = (hb * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
+            _rope_heads(q_ptr, qy_ptr, cos_ptr, sin_ptr, b, t, heads, HQ, HALF, sqb, sqh, sqt, syqb, syqh, syqt, cs,
+                        BLOCK_D)
+        else:
+            heads = ((hb - QB) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
+            _rope_heads(k_ptr, ky_ptr, cos_ptr, sin_ptr, b, t, heads, HK, HALF, skb, skh, skt, sykb, sykh, sykt, cs,
+                        BLOCK_D)
+
     return _rope
 
 
 def available(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> bool:
-    """Whether the kernel takes these operands: CUDA, q / k [B, H, T, D] with a contiguous even head dim,
-    cos / sin [B or 1, T, D] of the same dtype (broadcast over heads: ``unsqueeze_dim=1``), Triton importable."""
-    if unsqueeze_dim != 1 or not q.is_cuda or q.dtype not in _DTYPES or _kernel() is None:
+    """Whether the kernel takes these operands: CUDA (any device under Triton's interpreter), q / k [B, H, T, D]
+    with a contiguous even head dim, cos / sin [B or 1, T, D] of the same dtype (broadcast over heads:
+    ``unsqueeze_dim=1``), Triton importable."""
+    if unsqueeze_dim != 1 or not (q.is_cuda or triton_interpreted()) or q.dtype not in _DTYPES or _kernel() is None:
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False
@@ -86,27 +107,29 @@ def available(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             and q.stride(-1) == 1 and cos.stride() == sin.stride())
 
 
-def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    b, h, t, d = x.shape
-    y = torch.empty_like(x)  # keeps x's layout when it is dense (a [B, T, H, D] buffer viewed [B, H, T, D])
-    if x.numel():
-        half = d // 2
-        block_d = 1 << max(0, half - 1).bit_length()
-        block_h = min(1 << max(0, h - 1).bit_length(), max(1, 4096 // block_d))
-        scb = cos.stride(0) if cos.shape[0] > 1 else 0
-        _kernel()[(b * t, -(-h // block_h))](x, cos, sin, y, h, t, half, *x.stride()[:3], *y.stride()[:3], scb,
-                                            cos.stride(1), BLOCK_HEADS=block_h, BLOCK_D=block_d, num_warps=4,
-                                            enable_fp_fusion=False)  # no FMA: torch rounds each product
-    return y
-
-
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [B, Hq, T, D], k: [B, Hk, T, D], cos / sin: [B or 1, T, D] (all of one dtype, CUDA) -> (q, k) rotated."""
+    """q: [B, Hq, T, D], k: [B, Hk, T, D], cos / sin: [B or 1, T, D] (all of one dtype, CUDA; any device under
+    Triton's interpreter) -> (q, k) rotated, new tensors keeping q's / k's layout where it is dense (a [B, T, H, D]
+    buffer viewed [B, H, T, D]). One launch for both: programs (batch x position, query head blocks + key head
+    blocks)."""
     if not available(q, k, cos, sin):
         raise ValueError(f"q: {tuple(q.shape)} {q.dtype} on {q.device}, k: {tuple(k.shape)}, cos: {tuple(cos.shape)} "
                          f"{cos.dtype}: the fused rotary takes CUDA [B, H, T, D] tensors with cos / sin [B, T, D] "
                          f"of their dtype")
-    return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
+    qy, ky = torch.empty_like(q), torch.empty_like(k)
+    b, hq, t, d = q.shape
+    hk = int(k.shape[1])
+    if q.numel() or k.numel():
+        half = d // 2
+        block_d = 1 << max(0, half - 1).bit_length()
+        block_h = min(1 << max(0, max(hq, hk) - 1).bit_length(), max(1, 4096 // block_d))
+        qb, kb = -(-hq // block_h), -(-hk // block_h)
+        scb = cos.stride(0) if cos.shape[0] > 1 else 0
+        _kernel()[(b * t, qb + kb)](q, k, cos, sin, qy, ky, hq, hk, qb, t, half, *q.stride()[:3], *qy.stride()[:3],
+                                    *k.stride()[:3], *ky.stride()[:3], scb, cos.stride(1), BLOCK_HEADS=block_h,
+                                    BLOCK_D=block_d, num_warps=4,
+                                    enable_fp_fusion=False)  # no FMA: torch rounds each product
+    return qy, ky
 
 
 def _replacement(original: Callable) -> Callable:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ray_moe.core.env import triton_interpreted
 from ray_moe.model import rotary
 from ray_moe_dev.testing.hf_models import FAMILIES, build_model
 from ray_moe_dev.testing.reference import reference_rope
@@ -108,6 +109,31 @@ def test_on_cpu_nothing_is_replaced_and_the_kernel_refuses_by_name():
     assert m.apply_rotary_pos_emb is before
     with pytest.raises(ValueError, match="q: .*fused rotary takes CUDA"):
         rotary.rope(torch.zeros(1, 2, 3, 8), torch.zeros(1, 1, 3, 8), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8))
+
+
+@pytest.mark.triton  # under Triton's CPU interpreter only (TRITON_INTERPRET=1): one launch for query and key
+@pytest.mark.skipif(not triton_interpreted(), reason="set TRITON_INTERPRET=1 for pytest")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # (the interpreter truncates to bf16: CUDA only)
+@pytest.mark.parametrize("b,hq,hk,t,d,per_batch", [(1, 32, 4, 5, 128, False), (2, 80, 3, 3, 256, True),
+                                                   (1, 2, 7, 2, 64, False), (1, 4, 2, 0, 128, False)])
+def test_interpreted_kernel_is_transformers_rotary(dtype, b, hq, hk, t, d, per_batch):
+    """The query's head blocks and the key's in one grid (80 + 3 heads of 256: three query blocks and one key block;
+    more key heads than query heads), cos / sin per batch or broadcast, equal to transformers' own function."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    g = torch.Generator().manual_seed(t + d)
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(b, hk, t, d, generator=g).to(dtype)  # another layout than q's
+    ang = torch.randn(b if per_batch else 1, t, d // 2, generator=g) * 10
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    original = getattr(m.apply_rotary_pos_emb, "__wrapped__", m.apply_rotary_pos_emb)
+    want = original(q, k, cos, sin)
+    got = rotary.rope(q, k, cos, sin)
+    tol = dict(rtol=0, atol=0) if dtype != torch.float32 else dict(rtol=1e-6, atol=1e-6)
+    for a, w in zip(got, want):
+        assert a.shape == w.shape and a.dtype == w.dtype
+        torch.testing.assert_close(a, w, **tol)
+    assert got[0].stride() == q.stride() and got[1].stride() == k.stride()  # each keeps its layout
 
 
 @cuda
