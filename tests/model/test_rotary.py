@@ -100,6 +100,20 @@ def test_another_formula_keeps_its_own(cpu_kernel, monkeypatch):
     assert m.apply_rotary_pos_emb is interleaved
 
 
+def test_a_kernel_that_fails_here_keeps_its_own(cpu_kernel, monkeypatch):
+    """A kernel that does not compile or run on the device: the check says so, and the model keeps its rotary."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    def broken(q, k, cos, sin):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(rotary, "rope", broken)
+    before = m.apply_rotary_pos_emb
+    fused = rotary.fuse_rotary(build_model("qwen3_moe"), torch.device("cpu"), torch.float32)
+    assert fused.modules == () and "the kernel failed here: RuntimeError" in fused.skipped[m.__name__]
+    assert m.apply_rotary_pos_emb is before
+
+
 def test_on_cpu_nothing_is_replaced_and_the_kernel_refuses_by_name():
     from transformers.models.qwen3_moe import modeling_qwen3_moe as m
 

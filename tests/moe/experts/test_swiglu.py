@@ -68,6 +68,23 @@ def test_swiglu_act_takes_the_kernel_where_it_can():
     torch.testing.assert_close(swiglu_act(wide, up), want, rtol=0, atol=0)
 
 
+@interpreted
+def test_a_kernel_failing_its_check_is_not_used(monkeypatch):
+    """Where the kernel's check fails on a device (it does not compile, or computes something else) the runners keep
+    torch's calls, and the kernel's entry refuses."""
+    swiglu._verdict.cache_clear()
+    monkeypatch.setattr(swiglu, "_check", lambda device, dtype: False)
+    try:
+        gate, up = _operands(5, 64, 6, "cpu", torch.float32)
+        assert not swiglu.works(gate.device, gate.dtype) and not swiglu.available(gate, up)
+        torch.testing.assert_close(swiglu_act(gate.clone(), up), swiglu.swiglu_reference(gate.clone(), up),
+                                   rtol=0, atol=0)
+        with pytest.raises(ValueError, match="g: "):
+            swiglu.swiglu_(gate, up)
+    finally:
+        swiglu._verdict.cache_clear()
+
+
 def test_refuses_what_it_does_not_take():
     gate, up = _operands(3, 8, 2, "cpu", torch.float32)
     if not triton_interpreted():
@@ -88,3 +105,22 @@ def test_cuda_equals_torch(dtype):
     if dtype != torch.float32:
         assert share > 0.999
     _check(1, 1, 4, "cuda", dtype)
+
+
+@cuda
+@pytest.mark.gpu
+def test_cuda_check_before_captures():
+    """The kernel's check runs at its first eager use and holds inside later captures; a capture that comes first
+    captures torch's calls (no check, no synchronisation inside it) and leaves the check to the next eager use."""
+    swiglu._verdict.cache_clear()
+    gate, up = _operands(4, 256, 5, "cuda", torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            assert not swiglu.works(gate.device, gate.dtype)
+    assert swiglu._verdict.cache_info().currsize == 0
+    assert swiglu.works(gate.device, gate.dtype)  # eager: checked
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            assert swiglu.works(gate.device, gate.dtype)

@@ -52,11 +52,47 @@ def _kernel():
 
 def available(g: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether the kernel takes these operands: CUDA tensors (any device under Triton's interpreter) of one shape,
-    device and dtype (bf16 / fp16 / fp32), both contiguous, Triton importable."""
+    device and dtype (bf16 / fp16 / fp32), both contiguous, Triton importable, and the kernel checked on that device
+    and dtype (``works``)."""
     if not (g.is_cuda and u.is_cuda) and not triton_interpreted():
         return False
     return (g.shape == u.shape and g.dtype == u.dtype and g.dtype in DTYPES and g.device == u.device
-            and g.is_contiguous() and u.is_contiguous() and _kernel() is not None)
+            and g.is_contiguous() and u.is_contiguous() and _kernel() is not None and works(g.device, g.dtype))
+
+
+def works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel compiles and reproduces ``swiglu_reference`` on ``device`` for ``dtype`` (seeded operands,
+    within four units of the dtype), decided at its first use outside a CUDA-graph capture (the steps' eager warm-ups
+    come first) and kept for the process; False while a capture runs before that (torch's calls are captured)."""
+    try:
+        return _verdict(device, dtype)
+    except _Capturing:
+        return False
+
+
+class _Capturing(Exception):
+    """A capture is running: no check now (an exception, so that ``_verdict`` caches nothing)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _verdict(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise _Capturing
+    return _check(device, dtype)
+
+
+def _check(device: torch.device, dtype: torch.dtype) -> bool:
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.randn(3, 1000, generator=g) * 4.0).to(device, dtype)
+    up = torch.randn(3, 1000, generator=g).to(device, dtype)
+    want = swiglu_reference(gate.clone(), up)
+    try:
+        got = gate.clone()
+        _kernel()[(-(-got.numel() // BLOCK),)](got, up, got.numel(), BLOCK=BLOCK, num_warps=8)
+    except Exception:  # noqa: BLE001 - it does not compile or run here: torch's calls serve
+        return False
+    rel = 4.0 * torch.finfo(dtype).eps  # the exp and division a few FP32 units apart (the tests' bound)
+    return bool(((got.float() - want.float()).abs() <= rel * want.float().abs() + 1e-30).all())
 
 
 def swiglu_(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -77,4 +113,4 @@ def swiglu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(g, inplace=True).mul_(u)
 
 
-__all__ = ["BLOCK", "DTYPES", "available", "swiglu_", "swiglu_reference"]
+__all__ = ["BLOCK", "DTYPES", "available", "swiglu_", "swiglu_reference", "works"]
