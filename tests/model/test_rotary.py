@@ -125,6 +125,34 @@ def test_on_cpu_nothing_is_replaced_and_the_kernel_refuses_by_name():
         rotary.rope(torch.zeros(1, 2, 3, 8), torch.zeros(1, 1, 3, 8), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8))
 
 
+def _operands(b, hq, hk, t, d, dtype, device, per_batch=False, k_layout="bthd"):
+    """q [B, Hq, T, D] (a [B, T, H, D] buffer's view), k [B, Hk, T, D] (the same layout, or dense ``bhtd``), cos /
+    sin [B or 1, T, D] of angles up to ~30 radians."""
+    g = torch.Generator().manual_seed(t + d)
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype).to(device).transpose(1, 2)
+    k = (torch.randn(b, t, hk, d, generator=g).to(dtype).to(device).transpose(1, 2) if k_layout == "bthd"
+         else torch.randn(b, hk, t, d, generator=g).to(dtype).to(device))
+    ang = torch.randn(b if per_batch else 1, t, d // 2, generator=g) * 10
+    cos, sin = (torch.cat([f(ang)] * 2, -1).to(dtype).to(device) for f in (torch.cos, torch.sin))
+    return q, k, cos, sin
+
+
+def _is_transformers_rotary(q, k, cos, sin):
+    """The kernel's (q, k) against transformers' own function: bit for bit in 16-bit dtypes, 1e-6 in FP32, each
+    output keeping its input's layout."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    original = getattr(m.apply_rotary_pos_emb, "__wrapped__", m.apply_rotary_pos_emb)
+    want = original(q, k, cos, sin)
+    got = rotary.rope(q, k, cos, sin)
+    tol = dict(rtol=0, atol=0) if q.dtype != torch.float32 else dict(rtol=1e-6, atol=1e-6)
+    for a, w in zip(got, want):
+        assert a.shape == w.shape and a.dtype == w.dtype
+        torch.testing.assert_close(a, w, **tol)
+    assert got[0].stride() == q.stride() and got[1].stride() == k.stride()
+    return got
+
+
 @pytest.mark.triton  # under Triton's CPU interpreter only (TRITON_INTERPRET=1): one launch for query and key
 @pytest.mark.skipif(not triton_interpreted(), reason="set TRITON_INTERPRET=1 for pytest")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # (the interpreter truncates to bf16: CUDA only)
@@ -132,44 +160,18 @@ def test_on_cpu_nothing_is_replaced_and_the_kernel_refuses_by_name():
                                                    (1, 2, 7, 2, 64, False), (1, 4, 2, 0, 128, False)])
 def test_interpreted_kernel_is_transformers_rotary(dtype, b, hq, hk, t, d, per_batch):
     """The query's head blocks and the key's in one grid (80 + 3 heads of 256: three query blocks and one key block;
-    more key heads than query heads), cos / sin per batch or broadcast, equal to transformers' own function."""
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
-
-    g = torch.Generator().manual_seed(t + d)
-    q = torch.randn(b, t, hq, d, generator=g).to(dtype).transpose(1, 2)
-    k = torch.randn(b, hk, t, d, generator=g).to(dtype)  # another layout than q's
-    ang = torch.randn(b if per_batch else 1, t, d // 2, generator=g) * 10
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    original = getattr(m.apply_rotary_pos_emb, "__wrapped__", m.apply_rotary_pos_emb)
-    want = original(q, k, cos, sin)
-    got = rotary.rope(q, k, cos, sin)
-    tol = dict(rtol=0, atol=0) if dtype != torch.float32 else dict(rtol=1e-6, atol=1e-6)
-    for a, w in zip(got, want):
-        assert a.shape == w.shape and a.dtype == w.dtype
-        torch.testing.assert_close(a, w, **tol)
-    assert got[0].stride() == q.stride() and got[1].stride() == k.stride()  # each keeps its layout
+    more key heads than query heads), cos / sin per batch or broadcast, the key in another layout than the query."""
+    _is_transformers_rotary(*_operands(b, hq, hk, t, d, dtype, "cpu", per_batch, k_layout="bhtd"))
 
 
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("b,hq,hk,t,d", [(1, 32, 4, 37, 128), (2, 3, 1, 5, 64), (1, 16, 16, 1, 96), (1, 4, 2, 0, 128)])
+@pytest.mark.parametrize("b,hq,hk,t,d", [(1, 32, 4, 37, 128), (2, 3, 1, 5, 64), (1, 16, 16, 1, 96), (1, 4, 2, 0, 128),
+                                         (2, 80, 3, 3, 256)])
 def test_cuda_kernel_is_transformers_rotary(dtype, b, hq, hk, t, d):
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
-
-    g = torch.Generator().manual_seed(t + d)
-    q = torch.randn(b, t, hq, d, generator=g).to(dtype).cuda().transpose(1, 2)
-    k = torch.randn(b, t, hk, d, generator=g).to(dtype).cuda().transpose(1, 2)
-    ang = torch.randn(1, t, d // 2, generator=g) * 10
-    cos = torch.cat([ang.cos()] * 2, -1).to(dtype).cuda()
-    sin = torch.cat([ang.sin()] * 2, -1).to(dtype).cuda()
-    original = getattr(m.apply_rotary_pos_emb, "__wrapped__", m.apply_rotary_pos_emb)
-    want = original(q, k, cos, sin)
-    got = rotary.rope(q, k, cos, sin)
-    tol = dict(rtol=0, atol=0) if dtype != torch.float32 else dict(rtol=1e-6, atol=1e-6)
-    for a, w in zip(got, want):
-        assert a.shape == w.shape and a.dtype == w.dtype
-        torch.testing.assert_close(a, w, **tol)
+    q, k, cos, sin = _operands(b, hq, hk, t, d, dtype, "cuda")
+    got = _is_transformers_rotary(q, k, cos, sin)
     if t and dtype != torch.float32:  # and the row-loop oracle, bit for bit
         torch.testing.assert_close(got[1].cpu(), reference_rope(k.cpu(), cos.cpu(), sin.cpu()), rtol=0, atol=0)
 
