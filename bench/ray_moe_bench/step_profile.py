@@ -43,6 +43,10 @@ from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
 from ray_moe_bench.serving import add_workload_arguments, host_share, workload_spec
 
 TOP_ROWS = 80
+# the ops whose copies and gathers a window lists by input shape (long's kernel mix at 0114027: copies and elementwise
+# kernels 113 ms against vLLM's 28, among them 2,463 device-to-device copies and 274 gathers of unknown origin)
+MEMORY_OPS = ("aten::copy_", "aten::index_select", "aten::gather", "aten::index", "aten::index_copy_", "aten::cat",
+              "aten::add", "aten::mul", "aten::where", "aten::fill_", "aten::zero_", "aten::clone", "aten::contiguous")
 
 
 def parse_ints(text: str, n: int, flag: str) -> list[tuple[int, ...]]:
@@ -57,17 +61,25 @@ def parse_ints(text: str, n: int, flag: str) -> list[tuple[int, ...]]:
 
 
 def profile_rows(prof: torch.profiler.profile) -> dict[str, Any]:
-    """The top kernels (self device time) and CPU ops (self CPU time) of one window, in ms."""
+    """The top kernels (self device time) and CPU ops (self CPU time) of one window, in ms, and the memory ops
+    (``MEMORY_OPS``) by input shapes with the device time of the kernels and copies they issued (ops run eagerly:
+    a replayed graph's are inside its launch)."""
     ka = prof.key_averages()
     cuda = [e for e in ka if e.device_type == torch.autograd.DeviceType.CUDA]
     cpu = [e for e in ka if e.device_type == torch.autograd.DeviceType.CPU]
     cuda.sort(key=lambda e: e.self_device_time_total, reverse=True)
     cpu.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    mem = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == torch.autograd.DeviceType.CPU and e.key in MEMORY_OPS]
+    mem.sort(key=lambda e: e.device_time_total, reverse=True)
     return {"kernel_ms_total": sum(e.self_device_time_total for e in cuda) / 1e3,
             "kernels": [{"name": e.key, "self_device_ms": e.self_device_time_total / 1e3, "calls": e.count}
                         for e in cuda[:TOP_ROWS]],
             "cpu_ops": [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
-                        for e in cpu[:TOP_ROWS]]}
+                        for e in cpu[:TOP_ROWS]],
+            "memory_ops": [{"name": e.key, "input_shapes": [list(map(int, s)) if isinstance(s, (list, tuple)) else []
+                                                            for s in (e.input_shapes or [])],
+                            "device_ms": e.device_time_total / 1e3, "calls": e.count} for e in mem[:TOP_ROWS]]}
 
 
 class RecordingTransport(LocalTransport):
@@ -93,7 +105,7 @@ class RecordingTransport(LocalTransport):
             a, b = self._todo.pop(0)
             acts = [x for x in (torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA)
                     if x in torch.profiler.supported_activities()]
-            prof = torch.profiler.profile(activities=acts)
+            prof = torch.profiler.profile(activities=acts, record_shapes=True)
             self._gen(prof.__enter__)
             self._open = {"steps": [a, b], "first": self.launched, "t0": time.perf_counter(), "prof": prof}
         items = [it for req in reqs.values() for it in req.input.items]

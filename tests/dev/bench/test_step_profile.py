@@ -42,6 +42,11 @@ def test_quick_variants_and_a_profiler_window(tmp_path, eager_capture):
         assert w["steps"] == [1, 2] and w["steps_collected"] >= 1 and w["wall_ms"] > 0
         assert isinstance(w["kernels"], list) and w["kernel_ms_total"] >= 0
         assert w["cpu_ops"] and all(r["calls"] >= 1 and r["self_cpu_ms"] >= 0 for r in w["cpu_ops"])
+        # the memory ops by input shape: what ran eagerly in the window, each with its operands' shapes
+        assert w["memory_ops"] and all(r["name"] in step_profile.MEMORY_OPS and r["calls"] >= 1 and r["device_ms"] >= 0
+                                       for r in w["memory_ops"])
+        assert any(r["input_shapes"] and all(isinstance(d, int) for sh in r["input_shapes"] for d in sh)
+                   for r in w["memory_ops"])
     one, two = variants
     assert max(p[2] for p in one["plans"]) == 1
     assert any(p[2] == 2 for p in two["plans"]), two["plans"]
