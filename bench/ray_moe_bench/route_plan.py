@@ -48,7 +48,7 @@ def case(tokens: int, experts: int, spare: int, top_k: int, hidden: int, iters: 
         cands["one_program"] = lambda: plan_routes(ids, w, None, tables)
     if blocked_shape(n, s) is not None and _kernel() is not None:
         cands["blocked"] = lambda: plan_routes_blocked(ids, w, None, tables)
-        # the blocked plan at smaller blocks than blocked_shape's 1,024 (more programs, shorter in-program sorts):
+        # the blocked plan at smaller blocks than blocked_shape's (BLOCKED_MIN_BLOCK: more programs, shorter sorts):
         # whether decode-sized steps (2,048-8,192 routes: 16-17 us at 6754740 on an H100) plan faster so
         for b in BLOCK_SWEEP:
             if b < blocked_shape(n, s)[0] and -(-n // b) <= BLOCKED_MAX_BLOCKS:

@@ -31,6 +31,7 @@ import torch
 
 ROUTE_PLAN_MAX = 1024  # routes (T * k) one program plans (measured on an H100: at 2,048 and 4,096 routes the blocked
 #   plan takes 16 / 17 us against 21 / 70; `ray_moe_bench.route_plan`); larger steps take the blocked plan
+BLOCKED_MIN_BLOCK = 1024  # routes per block at least (ray_moe_bench.route_plan times 128-512 beside it)
 BLOCKED_MAX_BLOCKS = 64  # blocks of the blocked plan (its step B holds [blocks, slot bins] in one program)
 BLOCKED_MAX_BLOCK = 4096  # routes per block at most (its step C sorts one block in one program)
 BLOCKED_MAX_BINS = 512  # slot bins (local slots + 2, a power of two) the blocked plan takes; more: the torch plan
@@ -209,10 +210,10 @@ def _pow2(n: int) -> int:
 def blocked_shape(routes: int, num_local: int) -> tuple[int, int, int] | None:
     """(routes per block B, blocks P, slot bins QB) of the blocked plan for ``routes`` routes over ``num_local``
     local slots, or None when it does not take them (more than ``BLOCKED_MAX_BLOCKS`` blocks of
-    ``BLOCKED_MAX_BLOCK`` routes, or more than ``BLOCKED_MAX_BINS`` bins). B: 1,024 routes, doubled until at
-    most ``BLOCKED_MAX_BLOCKS`` blocks cover the step."""
+    ``BLOCKED_MAX_BLOCK`` routes, or more than ``BLOCKED_MAX_BINS`` bins). B: ``BLOCKED_MIN_BLOCK`` routes,
+    doubled until at most ``BLOCKED_MAX_BLOCKS`` blocks cover the step."""
     bins = _pow2(int(num_local) + 2)
-    b = max(1024, _pow2(-(-int(routes) // BLOCKED_MAX_BLOCKS)))
+    b = max(BLOCKED_MIN_BLOCK, _pow2(-(-int(routes) // BLOCKED_MAX_BLOCKS)))
     if routes < 1 or b > BLOCKED_MAX_BLOCK or bins > BLOCKED_MAX_BINS:
         return None
     return b, -(-int(routes) // b), bins
@@ -353,6 +354,6 @@ def combine_planned(y: torch.Tensor, plan: RoutePlan, top_k: int, out_dtype: tor
     return acc.to(out_dtype)
 
 
-__all__ = ["BLOCKED_MAX_BINS", "BLOCKED_MAX_BLOCK", "BLOCKED_MAX_BLOCKS", "COMBINE_BLOCK", "ROUTE_PLAN_MAX", "RoutePlan",
-           "RouteTables", "blocked_shape", "combine_planned", "kernel_available", "plan_routes", "plan_routes_blocked",
-           "plan_routes_torch", "route_tables"]
+__all__ = ["BLOCKED_MAX_BINS", "BLOCKED_MAX_BLOCK", "BLOCKED_MAX_BLOCKS", "BLOCKED_MIN_BLOCK", "COMBINE_BLOCK",
+           "ROUTE_PLAN_MAX", "RoutePlan", "RouteTables", "blocked_shape", "combine_planned", "kernel_available",
+           "plan_routes", "plan_routes_blocked", "plan_routes_torch", "route_tables"]
