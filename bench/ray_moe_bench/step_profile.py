@@ -77,9 +77,15 @@ def profile_rows(prof: torch.profiler.profile) -> dict[str, Any]:
                         for e in cuda[:TOP_ROWS]],
             "cpu_ops": [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
                         for e in cpu[:TOP_ROWS]],
-            "memory_ops": [{"name": e.key, "input_shapes": [list(map(int, s)) if isinstance(s, (list, tuple)) else []
-                                                            for s in (e.input_shapes or [])],
+            "memory_ops": [{"name": e.key, "input_shapes": plain_shapes(e.input_shapes or []),
                             "device_ms": e.device_time_total / 1e3, "calls": e.count} for e in mem[:TOP_ROWS]]}
+
+
+def plain_shapes(shapes: Any) -> Any:
+    """The profiler's input shapes as JSON: ints, lists of them, nested for a tensor list's operand (``cat``)."""
+    if isinstance(shapes, (list, tuple)):
+        return [plain_shapes(s) for s in shapes]
+    return int(shapes) if isinstance(shapes, int) else str(shapes)
 
 
 class RecordingTransport(LocalTransport):

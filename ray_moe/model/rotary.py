@@ -9,8 +9,9 @@ over them. In a 4096-token prefill of a Qwen3-30B-A3B-shaped layer (norms alread
 (the query tensor alone: 283 us in torch's kernels, 46 us in this one; bench/results/logs/h200-s6-run6.log).
 One Triton launch rotates both tensors (the query's head blocks and the key's side by side in its grid: one launch
 a layer where there were two, ~2.6 us each at decode sizes on an H100, bench/results/serving-h100x1-0114027's kernel
-mix of long). It reads each head row once and writes it once, with the same roundings (compiled without FMA contraction, which would skip the rounding of
-the products: measured 23% of bf16 elements one unit off with it), so the result is bit-identical in bf16 / fp16:
+mix of long). It reads each head row once and writes it once, with the same roundings (compiled without FMA
+contraction, which would skip the rounding of the products: measured 23% of bf16 elements one unit off with it), so
+the result is bit-identical in bf16 / fp16:
 
   for each (batch, position, head) row x = [x1 | x2] (two halves of the head dim), c, s = cos, sin at the position
     1. y1 = round(round(x1 * c1) + round(-x2 * s1))

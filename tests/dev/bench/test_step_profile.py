@@ -47,6 +47,7 @@ def test_quick_variants_and_a_profiler_window(tmp_path, eager_capture):
                                        for r in w["memory_ops"])
         assert any(r["input_shapes"] and all(isinstance(d, int) for sh in r["input_shapes"] for d in sh)
                    for r in w["memory_ops"])
+    assert step_profile.plain_shapes([[2, 3], [[4], [5, 6]], []]) == [[2, 3], [[4], [5, 6]], []]  # a tensor list nests
     one, two = variants
     assert max(p[2] for p in one["plans"]) == 1
     assert any(p[2] == 2 for p in two["plans"]), two["plans"]

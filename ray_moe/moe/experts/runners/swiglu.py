@@ -87,8 +87,7 @@ def _check(device: torch.device, dtype: torch.dtype) -> bool:
     up = torch.randn(3, 1000, generator=g).to(device, dtype)
     want = swiglu_reference(gate.clone(), up)
     try:
-        got = gate.clone()
-        _kernel()[(-(-got.numel() // BLOCK),)](got, up, got.numel(), BLOCK=BLOCK, num_warps=8)
+        got = _launch(gate.clone(), up)
     except Exception:  # noqa: BLE001 - it does not compile or run here: torch's calls serve
         return False
     rel = 4.0 * torch.finfo(dtype).eps  # the exp and division a few FP32 units apart (the tests' bound)
@@ -102,6 +101,10 @@ def swiglu_(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"g: {tuple(g.shape)} {g.dtype} on {g.device} with u {tuple(u.shape)} {u.dtype} on "
                          f"{u.device}: the one-pass SwiGLU takes contiguous CUDA tensors of one shape and of "
                          f"dtype {[str(d) for d in DTYPES]}")
+    return _launch(g, u)
+
+
+def _launch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     n = g.numel()
     if n:
         _kernel()[(-(-n // BLOCK),)](g, u, n, BLOCK=BLOCK, num_warps=8)
