@@ -34,17 +34,25 @@ def _kernel():
     try:
         import triton
         import triton.language as tl
+        import triton.language.extra.libdevice  # noqa: F401 - tl.extra.libdevice below
     except Exception:  # noqa: BLE001 - any import failure means: no Triton here
         return None
 
     @triton.jit
-    def _swiglu(g_ptr, u_ptr, n, BLOCK: tl.constexpr):
+    def _swiglu(g_ptr, u_ptr, n, BLOCK: tl.constexpr, CUDA_EXP: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        # 1. silu in FP32, rounded to the dtype as torch stores it; 2. the product in FP32, rounded
-        a = (g / (1.0 + tl.exp(-g))).to(g_ptr.dtype.element_ty).to(tl.float32)
+        # 1. silu in FP32 with torch's arithmetic (CUDA's expf and a correctly rounded division: tl.exp and "/"
+        #    lower to approximations a unit or two apart, which an H100 showed as 243 fp16 results of 3.1 million
+        #    one unit off), rounded to the dtype as torch stores it; 2. the product in FP32, rounded
+        #    (the interpreter has no libdevice: its tl.exp is numpy's, correctly rounded as a rule)
+        if CUDA_EXP:
+            e = tl.extra.libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        a = tl.math.div_rn(g, 1.0 + e).to(g_ptr.dtype.element_ty).to(tl.float32)
         tl.store(g_ptr + offs, (a * u).to(g_ptr.dtype.element_ty), mask=mask)
 
     return _swiglu
@@ -107,7 +115,7 @@ def swiglu_(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _launch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     n = g.numel()
     if n:
-        _kernel()[(-(-n // BLOCK),)](g, u, n, BLOCK=BLOCK, num_warps=8)
+        _kernel()[(-(-n // BLOCK),)](g, u, n, BLOCK=BLOCK, CUDA_EXP=not triton_interpreted(), num_warps=8)
     return g
 
 
