@@ -37,7 +37,10 @@ from ray_moe.model.attention import DenseKernel, SequenceRun, runs_at
 
 DENSE_MIN_ROWS = 1024  # the shortest chunk the dense kernel may serve (its start check may raise it)
 MAX_PAD_WORK = 1.25  # the padded square's work over the chunk's causal work, at most
-CHECK_SIZES = (1024, 2048, 4096)  # the start-time timings' fresh chunks (the shortest winning one is the threshold)
+# the start-time timings' fresh chunks (the shortest from which it wins is the threshold). 6,144 and 8,192: at 4,096 the
+# dense kernel's lead is thin and moved between two checks on one H100 (1.21x, then 1.07x against MIN_SPEEDUP's 1.1,
+# b994b30's lease), which left 6-8k prompt chunks, where it leads by ~1.4x, on FlashAttention-2
+CHECK_SIZES = (1024, 2048, 4096, 6144, 8192)
 WARM_ROWS = 16384  # squares planned at start: to the default step's token count (driver/defaults.py, CUDA)
 SQUARE_ROWS = 256  # the dense kernel's squares are multiples of this (cuDNN plans one shape at a time)
 MIN_SPEEDUP = 1.1  # the dense kernel must beat FlashAttention-2 by this much on a chunk length to serve it

@@ -47,7 +47,7 @@ def test_dense_causal_equals_flash_in_bf16(nq, nk, gqa):
 
 def test_check_dense_decides_on_this_gpu():
     """On a Hopper GPU the check picks cuDNN's dense kernel (equal to the reference, faster than FlashAttention-2
-    on a fresh 4k chunk, every square to 8k planned); what decided it is said either way."""
+    from some checked chunk length to 8k, every square from there planned); what decided it is said either way."""
     choice = dp.check_dense(DEV, torch.bfloat16, 32, 4, 128, 128, flash_varlen, sequence_reference)
     print(choice.reason)
     assert "FlashAttention-2" in choice.reason or "failed" in choice.reason
