@@ -31,7 +31,10 @@ import torch
 
 ROUTE_PLAN_MAX = 1024  # routes (T * k) one program plans (measured on an H100: at 2,048 and 4,096 routes the blocked
 #   plan takes 16 / 17 us against 21 / 70; `ray_moe_bench.route_plan`); larger steps take the blocked plan
-BLOCKED_MIN_BLOCK = 1024  # routes per block at least (ray_moe_bench.route_plan times 128-512 beside it)
+# routes per block at least. Measured on an H100 (bench/results/serving-h100x1-b994b30/route_plan-h100x1.json): a decode
+# step's 2,048 routes plan in 8.9 us at 256 a block against 16.3 at 1,024, 8,192 in 10.5 against 17.7, 16,384 in 12.9
+# against 18.0 (512: 12.5); from 32,768 routes the 64-block cap sets the block (512: 14.5 us against 19.4)
+BLOCKED_MIN_BLOCK = 256
 BLOCKED_MAX_BLOCKS = 64  # blocks of the blocked plan (its step B holds [blocks, slot bins] in one program)
 BLOCKED_MAX_BLOCK = 4096  # routes per block at most (its step C sorts one block in one program)
 BLOCKED_MAX_BINS = 512  # slot bins (local slots + 2, a power of two) the blocked plan takes; more: the torch plan

@@ -277,7 +277,8 @@ def interpret():
 
 
 @pytest.mark.parametrize("t,k,e,spare,block", [(37, 8, 12, 2, 16), (9, 2, 5, 0, 16), (64, 4, 30, 1, 64),
-                                               (1, 8, 16, 0, 16), (50, 8, 128, 0, 1024)])
+                                               (1, 8, 16, 0, 16), (50, 8, 128, 0, 1024),
+                                               (300, 8, 128, 2, 256)])  # a decode step's blocks (BLOCKED_MIN_BLOCK)
 def test_blocked_plan_equals_the_torch_plan(interpret, t, k, e, spare, block):
     """Blocks of ``block`` routes (many blocks, a partial last one, slots empty in some blocks, padding routes
     and masked rows) give exactly the torch plan: the stable order, rows, ends, gates, sent counts."""
@@ -323,7 +324,7 @@ def test_blocked_shape_and_refusals():
 
     assert blocked_shape(8192 * 8, 130) == (1024, 64, 256)  # an 8k-token prefill step of the Qwen3-30B-A3B shape
     assert blocked_shape(8448 * 8, 130) == (2048, 33, 256)  # past 64 blocks of 1,024: 2,048 routes a block
-    assert blocked_shape(4097, 6) == (1024, 5, 8)
+    assert blocked_shape(4097, 6) == (256, 17, 8)  # a decode step's routes in blocks of 256 (BLOCKED_MIN_BLOCK)
     assert blocked_shape(BLOCKED_MAX_BLOCKS * 4096 + 1, 8) is None and blocked_shape(5000, 600) is None
     assert not kernel_available(torch.zeros(ROUTE_PLAN_MAX + 1, dtype=torch.int64), 6)  # CPU tensors: the torch plan
     tables, _ = _random_tables(6, 0, 0)
