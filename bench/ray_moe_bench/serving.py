@@ -150,7 +150,7 @@ STREAM_SALT = MappingProxyType({Workload.MIXED: 11, Workload.DECODE_HEAVY: 12, W
                                 Workload.CHAT: 14, Workload.LONG: 15})
 ARRIVAL_SALT = 21
 GRAPH_KEYS = ("graphs_captured_start", "graphs_captured_serving", "decode_graph_steps", "token_graph_steps",
-              "piecewise_steps", "eager_steps", "graph_replays")
+              "piecewise_steps", "eager_steps", "graph_replays", "completions_between_pieces")
 SHARD_GC_KEYS = ("gc_collections", "gc_full_collections", "gc_pause_us")  # a shard's collector, summed since start
 MAX_QUEUED_DEFAULT = 4096  # GenerationLoop's max_queued (passed only when a pass has more requests)
 
@@ -495,7 +495,8 @@ def graph_deltas(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
     """What each shard's graph counters did over a pass (``read_graph_counters`` before and after):
     ``captures`` (graphs captured, at start or while serving: a pass should capture none), ``captures_serving``
     (``graphs_captured_serving``'s growth: the benchmark asserts 0), steps run as a whole-step decode graph,
-    as a whole-step token graph, as piecewise graphs, eagerly, and graph replays; per shard and summed."""
+    as a whole-step token graph, as piecewise graphs, eagerly, graph replays, and steps completed between a
+    piecewise launch's pieces (``completions_between_pieces``); per shard and summed."""
     per: dict[str, dict[str, int]] = {}
     for r, a in after.items():
         b = before.get(r, {})
@@ -504,7 +505,7 @@ def graph_deltas(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
                   "captures_serving": d["graphs_captured_serving"], "decode_graph_steps": d["decode_graph_steps"],
                   "token_graph_steps": d["token_graph_steps"], "piecewise_steps": d["piecewise_steps"],
                   "eager_steps": d["eager_steps"],
-                  "graph_replays": d["graph_replays"]}
+                  "graph_replays": d["graph_replays"], "completions_between_pieces": d["completions_between_pieces"]}
     total = {k: sum(s[k] for s in per.values()) for k in next(iter(per.values()), {})}
     return {"per_shard": per, "total": total,
             "serving_captures_ok": all(s["captures_serving"] == 0 for s in per.values())}

@@ -137,15 +137,18 @@ class PiecewiseGraph:
         return pool
 
     @torch.no_grad()
-    def replay(self, staged: dict[str, torch.Tensor], plan: AttentionPlan, kernels: Kernels) -> Any:
+    def replay(self, staged: dict[str, torch.Tensor], plan: AttentionPlan, kernels: Kernels,
+               between: Callable[[], None] | None = None) -> Any:
         """``staged``: this step's static inputs (same names; a shorter 1-D one fills a prefix); ``plan``: its
         attention over the real rows. Returns the captured outputs (valid until the next replay of any graph). The
         holes run without autograd, as the captured pieces did (a hole's output is copied into a static buffer made
-        under ``no_grad``)."""
+        under ``no_grad``). ``between``: host work run after each hole (its launches queued: the device is busy)."""
         copy_inputs(self.inputs, staged)
         for piece, hole in zip(self.pieces, self.holes):
             piece.replay()
             hole.run(plan, kernels)
+            if between is not None:
+                between()
         self.pieces[-1].replay()
         return self.output
 

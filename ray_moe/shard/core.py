@@ -30,7 +30,8 @@ import torch
 
 from ray_moe.shard.expert_store import ExpertStore, Key
 from ray_moe.shard.fault_wrappers import ShardFault, ShardFaults, wrap_paths
-from ray_moe.shard.pipeline import DataPaths, DecodeKeys, Marks, PinnedStaging, StepExecutor, StepOrder, StepPipeline
+from ray_moe.shard.pipeline import (DataPaths, DecodeKeys, Marks, PinnedStaging, StepCompletions, StepExecutor, StepOrder,
+                                   StepPipeline)
 from ray_moe.shard.records import ExpertOnlyOutput, StepKind, StepRequest, StepResult
 from ray_moe.model.config import RuntimeConfig
 from ray_moe.moe.exchange.base import Exchange
@@ -98,6 +99,8 @@ class ShardCore:
         self._staging = PinnedStaging()
         self.generator: "TokenStepExecutor | None" = None  # the hosted model (load_model)
         self._order = StepOrder()  # steps run in launch order (a request names the one it follows)
+        # completions of steps done on the device, run by the launching thread between a piecewise step's pieces
+        self._completions = StepCompletions()
         self._gen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ray-moe-gen-r{rank}")
         self._gen_slots = threading.BoundedSemaphore(2)
         # one step pipeline (decode round, captured graphs, overflow rerun) for both fronts: the expert-only
@@ -406,6 +409,7 @@ class ShardCore:
                     dtype=self.dtype, kv_tokens=kv_tokens, block_size=block_size, fused_kernels=fused_kernels,
                     attention=_backend(attention), pipeline=self.pipeline, prefix_caching=prefix_caching,
                     **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
+                self.generator.graph_runner.between_pieces = self._between_pieces
             if lattice is not None:
                 if self.cfg.decode_token_capacity is None and self.decode_cap != lattice.rank_running:
                     self.decode_cap = lattice.rank_running
@@ -451,7 +455,9 @@ class ShardCore:
                 self._order.launched(req.step_id)  # the next step may launch now
             if done is None:
                 # a step still on the device completes behind the next step's launch when that one is
-                # already here: the device runs the next step while the host reads this one's tokens
+                # already here: the device runs the next step while the host reads this one's tokens. Once
+                # its device work is done, the next step's launch may read it between its pieces (a long
+                # launch blocks on a full command buffer: ``StepCompletions``), else the generation thread
                 try:
                     pending.wait()
                 except BaseException:
@@ -459,8 +465,11 @@ class ShardCore:
                     if not stack.__exit__(*sys.exc_info()):
                         raise
                     raise  # pragma: no cover - the pin never swallows an error
-                done = self._gen_thread.submit(self._complete_step, pending, stack)
-            res = done.result()
+                job = self._completions.add(lambda: self._complete_held(pending, stack))
+                self._gen_thread.submit(self._complete_queued, job)
+                res = job.result()
+            else:
+                res = done.result()
         return dataclasses.replace(res, active_generation=self.registry.active(), queued_s=queued,
                                    actor_s=time.perf_counter() - t0)
 
@@ -479,14 +488,29 @@ class ShardCore:
         return pending, stack, t1 - t0
 
     def _complete_step(self, pending: "PendingStep", stack: ExitStack) -> StepResult:
+        with self._step_lock:
+            return self._complete_held(pending, stack)
+
+    def _complete_queued(self, job: Any) -> None:
+        """A completion's turn on the generation thread (unless a launch ran it between its pieces)."""
+        with self._step_lock:
+            self._completions.run_queued(job)
+
+    def _between_pieces(self) -> None:
+        """The launching thread, between a piecewise step's pieces (step lock held): completions now due."""
+        ran = self._completions.run_ready()
+        if ran and self.generator is not None:
+            self.generator.count("completions_between_pieces", ran)
+
+    def _complete_held(self, pending: "PendingStep", stack: ExitStack) -> StepResult:
+        """The step's result (the caller holds the step lock); its generation's pin is released with it."""
         try:
-            with self._step_lock:
-                res = pending.complete()
+            res = pending.complete()
         except BaseException:
             if not stack.__exit__(*sys.exc_info()):
                 raise
             raise  # pragma: no cover
-        stack.close()  # the generation's pin is released with the step
+        stack.close()
         return res
 
     def _decode_key(self, view: PlacementView) -> int:

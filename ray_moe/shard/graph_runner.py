@@ -115,6 +115,8 @@ class StepGraphRunner:
         self.decode_sizes: tuple[int, ...] = ()  # the lattice's, up to the decode bucket's capacity
         self.experts = ""  # how the expert runner computes, in words (configure)
         self.configured = (self.decode_off, self.tokens_off, self.whole_off)  # (``configure``'s, for ``drop``)
+        # work the launching thread does between a piecewise step's pieces (the shard's due completions: core.py)
+        self.between_pieces: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ configuration
     def configure(self, lattice: StepLattice, *, capture: bool, one_rank: bool, local: bool, why_not: str,
@@ -464,7 +466,7 @@ class StepGraphRunner:
         ctx)."""
         self.count("piecewise_steps")
         graph = self.pipeline.graphs.get(generation, ("tokens", rows))
-        return self._replay(lambda: graph.replay(staged, plan, self.host.kernels))
+        return self._replay(lambda: graph.replay(staged, plan, self.host.kernels, self.between_pieces))
 
     def _replay(self, fn: Callable[[], Any]) -> Any:
         t = time.perf_counter()

@@ -12,7 +12,8 @@
 #        transformers' experts seam ──> MoEStep (moe/layer.py) ──> dispatch ──> experts ──> combine;
 #        a rank with no tokens joins every MoE layer with empty batches
 #     6. sample on the device; the tokens' and statistics' host copies queued behind the step
-#   ──> PendingStep (shard/pending.py): a graph step of a group of one completes behind the next step's launch;
+#   ──> PendingStep (shard/pending.py): a graph step of a group of one completes behind the next step's launch
+#       (between its pieces when that one is piecewise: shard/core.py, StepCompletions);
 #       others complete on return (an expert-parallel group agrees the bucket's overflow: rerun on the normal path)
 #   multi-step decode: sub-steps launched back to back, each fed the last one's samples on the device (substeps.py)
 # ======================================================================================================

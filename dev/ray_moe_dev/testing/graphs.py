@@ -29,18 +29,22 @@ class EagerCapture(CapturedStep):
 
 class EagerPiecewise(PiecewiseGraph):
     """A piecewise capture without CUDA: 'replay' copies the staged rows into the static inputs and runs the body
-    eagerly, every attention call a hole (``Hole.run``: the step's plan, into the shared output arena)."""
+    eagerly, every attention call a hole (``Hole.run``: the step's plan, into the shared output arena) followed by
+    the ``between`` hook."""
 
     def capture(self, body: Callable, pool: Any, arena: OutputArena) -> Any:
         self.body, self.arena = body, arena
         return pool
 
-    def replay(self, staged: dict[str, torch.Tensor], plan: AttentionPlan, kernels: Kernels) -> Any:
+    def replay(self, staged: dict[str, torch.Tensor], plan: AttentionPlan, kernels: Kernels,
+               between: Callable[[], None] | None = None) -> Any:
         copy_inputs(self.inputs, staged)
 
         def hole(module, query, key, value, scaling):
             out = self.arena.view(int(query.shape[2]), int(query.shape[1]), int(value.shape[-1]))
             Hole(module, query, key, value, scaling, out).run(plan, kernels)
+            if between is not None:  # (after each hole, as ``PiecewiseGraph.replay``)
+                between()
             return out
 
         return self.body(self.inputs, hole)

@@ -64,8 +64,8 @@ def _check_graphs(s: dict, ranks: int = 2) -> None:
     assert set(g["per_shard"]) == {str(r) for r in range(ranks)} and g["serving_captures_ok"] is True
     for d in g["per_shard"].values():
         assert set(d) == {"captures", "captures_serving", "decode_graph_steps", "token_graph_steps", "piecewise_steps",
-                          "eager_steps", "graph_replays"}
-        assert d["captures"] == d["captures_serving"] == 0
+                          "eager_steps", "graph_replays", "completions_between_pieces"}
+        assert d["captures"] == d["captures_serving"] == d["completions_between_pieces"] == 0  # (CPU: no pieces)
     assert g["total"]["eager_steps"] == sum(d["eager_steps"] for d in g["per_shard"].values()) > 0
     assert g["total"]["decode_graph_steps"] == g["total"]["piecewise_steps"] == 0  # (CPU: no CUDA graphs)
     # the experts each (step, layer) of the pass touched: the pass's own counts (a difference of the books')
@@ -462,10 +462,12 @@ def test_metrics_count_each_requests_own_tokens():
 def test_graph_deltas_and_arrivals():
     before = {"0": dict.fromkeys(serving.GRAPH_KEYS, 0), "1": dict.fromkeys(serving.GRAPH_KEYS, 2)}
     after = {"0": {**before["0"], "eager_steps": 5, "decode_graph_steps": 3},
-             "1": {**before["1"], "graphs_captured_serving": 3, "piecewise_steps": 4}}
+             "1": {**before["1"], "graphs_captured_serving": 3, "piecewise_steps": 4, "completions_between_pieces": 5}}
     d = graph_deltas(before, after)
     assert d["per_shard"]["0"] == {"captures": 0, "captures_serving": 0, "decode_graph_steps": 3,
-                                   "token_graph_steps": 0, "piecewise_steps": 0, "eager_steps": 5, "graph_replays": 0}
+                                   "token_graph_steps": 0, "piecewise_steps": 0, "eager_steps": 5, "graph_replays": 0,
+                                   "completions_between_pieces": 0}
+    assert d["per_shard"]["1"]["completions_between_pieces"] == 3
     assert d["per_shard"]["1"]["captures"] == d["per_shard"]["1"]["captures_serving"] == 1
     assert d["total"]["piecewise_steps"] == 2 and d["serving_captures_ok"] is False
     before["1"].update(gc_collections=7, gc_pause_us=900)
