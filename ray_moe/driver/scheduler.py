@@ -477,7 +477,9 @@ class Scheduler:
                 continue
             budget[s.rank] -= 0 if decode else n - min(n, free)
             all_decode = all_decode and decode
-            steps = min(steps, s.params.max_new_tokens - len(s.generated) - sampling)
+            left_new = s.params.max_new_tokens - len(s.generated) - sampling
+            if left_new < self.decode_steps and not (decode and self._overshoot_fits(s, left_new)):
+                steps = min(steps, left_new)  # (else its samples past its last token are dropped at commit)
             if decode and s.params.expert_stats and cached < len(s.prompt):
                 steps = 1  # a marked prompt's last token alone: its step's counts are all prompt rows
             end = cached + n
@@ -493,6 +495,19 @@ class Scheduler:
         free = {r: tuple(x for x in v if x not in freeing) for r, v in self._to_free.items()}
         steps = max(1, steps) if all_decode else 1
         return StepPlan(next(self._steps), {r: tuple(v) for r, v in items.items()}, free, steps)
+
+    def _overshoot_fits(self, s: SeqStatus, left_new: int) -> bool:
+        """Whether decode sequence ``s``, ``left_new`` tokens from its last, may run the step's ``decode_steps``
+        sub-steps anyway (its samples past the last dropped at commit) instead of making the whole step shorter:
+        the KV positions those sub-steps write (``decode_steps - left_new - 1`` past its reservation) stay within
+        the blocks its reservation already holds and the model's context, and no expert counts are kept for it
+        (they count every row). In chat-like traffic some sequence is nearly always one token from its end: at
+        b994b30 on an H100 that made 284 of 653 decode steps single sub-steps, each with ~5 ms of device idle."""
+        extra = self.decode_steps - left_new - 1
+        if s.params.expert_stats:
+            return False
+        return extra <= 0 or s.reserve_tokens + extra <= min(self.max_context,
+                                                              self.blocks(s.reserve_tokens) * self.block_size)
 
     def _spec(self, s: SeqStatus, position: int) -> SampleSpec:
         """How ``s`` samples its token at ``position``: its parameters, its prompt length (penalties), and while

@@ -234,6 +234,37 @@ def test_multi_step_decode_plans_bounded_sub_steps_only_for_pure_decode():
         Scheduler([0], kv_blocks=4, block_size=4, max_context=64, decode_steps=0)
 
 
+def test_a_sequence_one_token_from_its_end_does_not_shorten_the_step():
+    """Two sub-steps a step (the CUDA default): a sequence with one token left still runs both (its second sample
+    lands past its last token, within its reservation, and is dropped at commit), so the others keep their two
+    tokens a step; a sequence whose expert counts are kept, or whose extra positions would pass its reserved blocks,
+    shortens the step as before."""
+    s = Scheduler([0], kv_blocks=16, block_size=4, max_context=256, decode_steps=2)
+    a = s.submit([5, 6], SamplingParams(max_new_tokens=9))
+    b = s.submit([7], SamplingParams(max_new_tokens=2))
+    s.commit(s.plan(), {a: 10, b: 20})
+    p = s.plan()
+    assert p.steps == 2 and [it.seq_id for it in p.items[0]] == [a, b]
+    ev = s.commit(p, {a: (11, 12), b: (21, 22)})
+    assert [(e.request_id, e.token, e.finished) for e in ev] == [(a, 11, False), (a, 12, False), (b, 21, True)]
+    assert s.status(b).generated == [20, 21] and s._used[0] == s.blocks(2 + 9)
+    c = s.submit([8], SamplingParams(max_new_tokens=2, expert_stats=True))
+    s.commit(s.plan(), {a: 13, c: 30})
+    assert s.plan().steps == 1  # c's counts would count its dropped sample's rows
+    t = Scheduler([0], kv_blocks=16, block_size=4, max_context=256, decode_steps=4)
+    d, e = t.submit([1, 2], SamplingParams(max_new_tokens=9)), t.submit([3], SamplingParams(max_new_tokens=3))
+    t.commit(t.plan(), {d: 4, e: 5})
+    assert t.plan().steps == 2  # e: 2 left, its reservation's block full: 4 sub-steps would write past it
+    u = Scheduler([0], kv_blocks=16, block_size=8, max_context=256, decode_steps=4)
+    f, g = u.submit([1, 2], SamplingParams(max_new_tokens=9)), u.submit([3], SamplingParams(max_new_tokens=2))
+    u.commit(u.plan(), {f: 4, g: 5})
+    assert u.plan().steps == 4  # g: 1 left, 2 positions past its 3 reserved: within its one block of 8
+    v = Scheduler([0], kv_blocks=16, block_size=8, max_context=4, decode_steps=4)
+    h, k = v.submit([1, 2], SamplingParams(max_new_tokens=2)), v.submit([3], SamplingParams(max_new_tokens=2))
+    v.commit(v.plan(), {h: 4, k: 5})
+    assert v.plan().steps == 1  # past the model's 4 positions: never
+
+
 def test_finished_sequences_leave_the_live_set_and_their_record_is_bounded():
     """A long-running server: per-step work and memory follow the live requests, not every request served."""
     s = Scheduler([0, 1], kv_blocks=64, block_size=4, max_context=256, keep_finished=8)

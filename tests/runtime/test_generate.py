@@ -234,6 +234,8 @@ def test_one_rank_steps_replay_the_lattice_captured_at_start_equal_greedy(tmp_pa
         assert core.generator.fused_kernels()["mla"]["absorbed_modules"] == model.config.num_hidden_layers
     assert c.get("graphs_captured_start", 0) > 0 and c.get("piecewise_steps", 0) >= 8, c
     assert c.get("eager_steps", 0) == 0, c
+    # pipelined: steps done while the next one launched were read between its pieces (how many: the threads decide)
+    assert c.get("completions_between_pieces", 0) >= 1, c
     kinds = {k[0] for _, k in core.generator.graphs._graphs if isinstance(k, tuple)}
     assert kinds == {"tokens"}  # (the masked backend on CPU: decode steps take the token sizes)
 
@@ -400,7 +402,7 @@ def test_multi_step_sub_steps_on_arrays_stay_token_equal(tmp_path, eager_capture
     core = dep.cores[0]
     core.paths = dataclasses.replace(core.paths, capture=True)
     results = []
-    complete = ShardCore._complete_step
+    complete = ShardCore._complete_held  # (every completion's: on return, queued, or between a launch's pieces)
 
     def recorded(self, pending, stack):
         results.append(complete(self, pending, stack))
@@ -408,7 +410,7 @@ def test_multi_step_sub_steps_on_arrays_stay_token_equal(tmp_path, eager_capture
 
     prompts, late = _prompts(15, (5, 13, 2, 9)), _prompts(16, (6, 3))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ShardCore, "_complete_step", recorded)
+        mp.setattr(ShardCore, "_complete_held", recorded)
         got = generate_inprocess(dep, prompts, 11, step_tokens=8, join_after={3: late}, pipelined=pipelined,
                                  decode_steps=4)
     assert got == _reference(model, prompts + late, 11)
@@ -422,7 +424,11 @@ def test_multi_step_sub_steps_on_arrays_stay_token_equal(tmp_path, eager_capture
         for ls in res.layers:
             per_layer[ls.layer] = per_layer.get(ls.layer, 0) + ls.accepted
             assert ls.expert_counts.sum() == ls.accepted
-    assert per_layer and set(per_layer.values()) == {rows * top_k}, (per_layer, rows * top_k)
+    # ... and a sequence one token from its end may run the step's last sub-steps anyway (Scheduler._overshoot_fits:
+    # its rows routed and counted, its samples dropped): at most 3 of 4 sub-steps a request
+    (routed,) = set(per_layer.values())
+    assert rows * top_k <= routed <= (rows + 3 * len(prompts + late)) * top_k and routed % top_k == 0, (per_layer,
+                                                                                                        rows * top_k)
     c = {**core.generator.counters, **core.pipeline.counters}
     assert core.generator.host.paged_decode and c.get("multi_step_requests", 0) >= 2, c
     assert c.get("array_substeps", 0) == c["multi_step_substeps"] >= c["multi_step_requests"], c  # each after the first

@@ -35,8 +35,9 @@ def test_quick_variants_and_a_profiler_window(tmp_path, eager_capture):
         assert len(v["plans"]) == v["steps"]  # nothing failed: every launched step was committed
         assert all(p[1] <= v["step_tokens"] for p in v["plans"]), v["plans"]
         assert sum(p[1] for p in v["plans"]) == work["prompt_tokens"]  # every prompt prefilled once
-        # every token past a request's first is one decode item's sub-step (the prefill samples the first)
-        assert sum(p[0] * p[2] for p in v["plans"]) == req * (new - 1)
+        # every token past a request's first is one decode item's sub-step (the prefill samples the first), and a
+        # request one token from its end may run a step's second sub-step anyway (its sample dropped)
+        assert req * (new - 1) <= sum(p[0] * p[2] for p in v["plans"]) <= req * (new - 1) + req * (v["decode_steps"] - 1)
         assert set(v["timing_medians_ms"]) >= {"plan", "wait", "device"}
         (w,) = v["windows"]
         assert w["steps"] == [1, 2] and w["steps_collected"] >= 1 and w["wall_ms"] > 0
