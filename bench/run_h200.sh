@@ -57,14 +57,17 @@ for what in "$@"; do
       sys=${sys/ray/ray_moe}
       extra=(); [ "$sys" = vllm ] && extra=(--vllm-args '{"attention_backend": "FLASH_ATTN"}')
       common=(--config-only --layers "${LAYERS:-48}" --systems "$sys" "${extra[@]}" --out "$RAY_MOE_RESULTS_DIR/$sys")
-      [ "$sys" = vllm ] && box=(300 270) || box=(320 290)
+      [ "$sys" = vllm ] && box=(300 270 400 370) || box=(320 290 300 270)
       if [ "$half" != online ]; then
         run "${box[0]}" python3 -m ray_moe_bench.serving "${common[@]}" --workloads mixed decode-heavy chat long \
           --timeout "${box[1]}"
       fi
+      # online: ~125 s of arrivals at 8/s after the start and the warm-up; vLLM's first start on a fresh machine
+      # took 112 s in b994b30's lease, and its pass ran past the 270 s box both systems had then (vLLM's halves are
+      # separate calls; ray-moe's two took ~310 s together there)
       if [ "$half" != offline ]; then
-        run 270 python3 -m ray_moe_bench.serving "${common[@]}" --workloads chat --online-inprocess \
-          --rate "${ONLINE_RATE:-8}" --timeout 240
+        run "${box[2]}" python3 -m ray_moe_bench.serving "${common[@]}" --workloads chat --online-inprocess \
+          --rate "${ONLINE_RATE:-8}" --timeout "${box[3]}"
       fi ;;
     # decode sub-steps per call against online TTFT (issue 39; cebd5aa's H100 lease: TTFT p99 81 ms against vLLM's
     # 73): a request arriving mid-call waits for up to two launched calls of 4 sub-steps. What a shorter call costs
