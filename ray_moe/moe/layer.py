@@ -109,7 +109,7 @@ class MoEStep:
         status = self.status if not self._pending else ControlStatus.OK
         row_valid = self.row_valid
         if row_valid is not None and not self.dispatcher.masks_rows:
-            topk_ids, row_valid = torch.where(row_valid[:, None], topk_ids, torch.full_like(topk_ids, -1)), None
+            topk_ids, row_valid = torch.where(row_valid[:, None], topk_ids, topk_ids.new_full((), -1)), None
         out = self.dispatcher.dispatch(RouteBatch(self.rank, hidden, topk_ids, topk_weights, row_valid), snap,
                                        tag=tag, status=status)
         y_rows = run_experts(self.runner, out, self.view.weights[layer], self.hidden_size)
@@ -231,6 +231,7 @@ class RouteRecorder:
         self.num_layers = num_layers
         self.row_valid = row_valid
         self.ids: torch.Tensor | None = None
+        self._none: torch.Tensor | None = None
         self._entry = inner.layer_entry
 
     @property
@@ -241,10 +242,12 @@ class RouteRecorder:
                     topk_weights: torch.Tensor) -> torch.Tensor:
         if self.ids is None:
             self.ids = torch.full((self.num_layers, *topk_ids.shape), -1, dtype=torch.int64, device=topk_ids.device)
+            self._none = self.ids.new_full((), -1)  # (0-d: the padding rows' -1, broadcast)
         ids = topk_ids.to(torch.int64)
-        if self.row_valid is not None:
-            ids = torch.where(self.row_valid[:, None], ids, torch.full_like(ids, -1))
-        self.ids[layer].copy_(ids)
+        if self.row_valid is not None:  # one kernel a layer, written in place (no -1 tensor, no copy)
+            torch.where(self.row_valid[:, None], ids, self._none, out=self.ids[layer])
+        else:
+            self.ids[layer].copy_(ids)
         return self._entry(layer, hidden, topk_ids, topk_weights)
 
 
