@@ -76,29 +76,52 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
       1. a square of L = Nk rounded up to SQUARE_ROWS: the queries at rows [Nk - Nq, Nk) (zero rows around them,
          their outputs dropped), so the dense kernel's top-left causal mask is the chunk's bottom-right one; the
          zero keys after Nk are later than every real query, which the mask hides from them (cuDNN builds one
-         execution plan per shape: a bounded set of squares, not one per prompt length); each byte written once
+         execution plan per shape: a bounded set of squares, not one per prompt length); each byte written once.
+         A fresh chunk (Nq = Nk) whose rows are followed in memory by L - Nq more of the same layout (the step's
+         other rows, or its padding: a captured step's static query rows) is read in place, those rows' outputs
+         dropped (no copy: ~1.5% of long prompts' device time on an H100, b994b30's step profile)
       2. keys / values into the square's first Nk rows (repeated to the query heads unless ``gqa``: head h of the
          query reads key head h // (Hq / Hk))
-      3. one SDPA call on [1, H, L, D] views; the chunk's rows cut back out"""
+      3. one SDPA call on [1, H, L, D] views (a failing in-place read retried on the copied square); the chunk's
+         rows cut back out"""
     nq, nk = int(q.shape[0]), int(k.shape[0])
     hq = int(q.shape[1])
     rep = 1 if gqa else hq // int(k.shape[1])
     side = -(-nk // SQUARE_ROWS) * SQUARE_ROWS
-    qs = q.new_empty(side, hq, q.shape[2])  # 1.
-    qs[:nk - nq].zero_()
-    qs[nk - nq:nk] = q
-    qs[nk:].zero_()
     ks, vs = k.new_empty(side, k.shape[1], rep, k.shape[2]), v.new_empty(side, v.shape[1], rep, v.shape[2])
     ks[:nk], vs[:nk] = k[:, :, None], v[:, :, None]  # 2.
     ks[nk:].zero_()
     vs[nk:].zero_()
     heads = int(k.shape[1]) * rep
-    qd = qs.transpose(0, 1)[None]
     kd, vd = (t.reshape(side, heads, -1).transpose(0, 1)[None] for t in (ks, vs))
     kw = {"enable_gqa": True} if gqa else {}
-    with _cudnn_only() if q.device.type == "cuda" else contextlib.nullcontext():  # 3.
-        out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, **kw)
-    return out[0].transpose(0, 1)[nk - nq:nk]
+
+    def attend(qd: torch.Tensor) -> torch.Tensor:  # 3.
+        with _cudnn_only() if q.device.type == "cuda" else contextlib.nullcontext():
+            return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, **kw)
+
+    room = rows_in_place(q, side) if nq == nk else None  # 1.
+    if room is not None:
+        try:
+            return attend(room.transpose(0, 1)[None])[0].transpose(0, 1)[:nq]
+        except RuntimeError:  # (a layout the kernel refuses: the copied square below)
+            pass
+    qs = q.new_empty(side, hq, q.shape[2])
+    qs[:nk - nq].zero_()
+    qs[nk - nq:nk] = q
+    qs[nk:].zero_()
+    return attend(qs.transpose(0, 1)[None])[0].transpose(0, 1)[nk - nq:nk]
+
+
+def rows_in_place(q: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """q [N, H, D] with dense rows (strides (H * D, D, 1)) -> a [rows, H, D] view from q's first row over the rows
+    its storage holds after it (rows >= N), or None where the storage ends sooner or the rows are not dense."""
+    n, h, d = (int(x) for x in q.shape)
+    if rows < n or q.stride() != (h * d, d, 1):
+        return None
+    if q.untyped_storage().nbytes() // q.element_size() < q.storage_offset() + rows * h * d:
+        return None
+    return q.as_strided((rows, h, d), q.stride())
 
 
 def _cudnn_only() -> contextlib.AbstractContextManager:
@@ -164,9 +187,9 @@ def check_dense(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
     top = max(CHECK_SIZES)
     usable, why = {}, {}  # 1. each variant equal to the reference, and its time on the longest check chunk
     for kernel in (dense_causal_gqa, dense_causal):
-        try:
-            err = max(_error(kernel, draw, reference, nq, nk, num_heads, num_kv_heads, head_dim, scale)
-                      for nq, nk in ((160, 160), (96, 200)))
+        try:  # a fresh chunk, one over earlier context, and a fresh one read in place (rows after it)
+            err = max(_error(kernel, draw, reference, nq, nk, num_heads, num_kv_heads, head_dim, scale, after)
+                      for nq, nk, after in ((160, 160, 0), (96, 200, 0), (200, 200, 100)))
             if not err < 0.05:
                 why[kernel.__name__] = f"differs from the reference by {err:.3g}"
                 continue
@@ -212,9 +235,10 @@ def _off(reason: str) -> DenseChoice:
 
 
 def _error(kernel: DenseKernel, draw: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], nq: int,
-           nk: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> float:
-    """The largest difference of ``kernel`` from ``reference`` on one drawn chunk of ``nq`` rows over ``nk`` keys."""
-    q, k, v = draw(nq, heads, head_dim), draw(nk, kv_heads, head_dim), draw(nk, kv_heads, head_dim)
+           nk: int, heads: int, kv_heads: int, head_dim: int, scale: float, after: int = 0) -> float:
+    """The largest difference of ``kernel`` from ``reference`` on one drawn chunk of ``nq`` rows over ``nk`` keys
+    (``after``: drawn rows following the chunk's queries in memory, not part of it)."""
+    q, k, v = draw(nq + after, heads, head_dim)[:nq], draw(nk, kv_heads, head_dim), draw(nk, kv_heads, head_dim)
     cu_q = torch.tensor([0, nq], dtype=torch.int32, device=q.device)
     cu_k = torch.tensor([0, nk], dtype=torch.int32, device=q.device)
     want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, nq, nk, scale)
@@ -222,4 +246,5 @@ def _error(kernel: DenseKernel, draw: Callable[..., torch.Tensor], reference: Ca
 
 
 __all__ = ["CHECK_SIZES", "DENSE_MIN_ROWS", "DenseChoice", "MAX_PAD_WORK", "MIN_SPEEDUP", "SQUARE_ROWS", "WARM_ROWS",
-           "check_dense", "dense_causal", "dense_causal_gqa", "dense_worthy", "prefill_runs", "threshold"]
+           "check_dense", "dense_causal", "dense_causal_gqa", "dense_worthy", "prefill_runs", "rows_in_place",
+           "threshold"]

@@ -43,6 +43,33 @@ def test_dense_causal_equals_the_reference(nq, nk, hq, hk, kernel):
     torch.testing.assert_close(got, sequence_reference(q, k, v, cu_q, cu_k, nq, nk, 0.25))
 
 
+@pytest.mark.parametrize("nq,after", [(5, 300), (300, 212), (300, 211), (256, 0), (40, 0)])
+@pytest.mark.parametrize("kernel", [dp.dense_causal, dp.dense_causal_gqa])
+def test_a_fresh_chunk_followed_by_enough_rows_is_read_in_place(nq, after, kernel):
+    """A fresh chunk whose storage holds a whole square's rows from its first (the step's other rows or padding
+    after it: here NaN and huge values) is read in place, those rows' outputs dropped; with fewer rows after it (or
+    strided rows) the square is copied as before. Equal to the reference either way."""
+    g = torch.Generator().manual_seed(nq + after)
+    buf = torch.randn(nq + after, 4, 16, generator=g, dtype=torch.float64)
+    buf[nq::2] = float("nan")  # whatever follows the chunk never reaches its outputs
+    buf[nq + 1::2] = 1e30
+    q = buf[:nq]
+    k = torch.randn(nq, 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(nq, 2, 16, generator=g, dtype=torch.float64)
+    side = -(-nq // dp.SQUARE_ROWS) * dp.SQUARE_ROWS
+    view = dp.rows_in_place(q, side)
+    assert (view is not None) == (nq + after >= side)
+    if view is not None:
+        assert view.data_ptr() == q.data_ptr() and view.shape[0] == side
+    cu = torch.tensor([0, nq], dtype=torch.int32)
+    want = sequence_reference(q, k, v, cu, cu, nq, nq, 0.25)
+    got = kernel(q, k, v, 0.25)
+    assert got.shape == (nq, 4, 16) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want)
+    assert dp.rows_in_place(buf[:, :, :8][:nq], side) is None  # rows not dense (a slice of each head)
+    assert dp.rows_in_place(q, nq - 1) is None  # (fewer rows than the chunk: never)
+
+
 def test_dense_worthy_bounds_the_padded_work():
     """Long enough, and the square's work within MAX_PAD_WORK of the causal work: a fresh chunk always, one over a
     short context yes, one over a context longer than itself no."""
