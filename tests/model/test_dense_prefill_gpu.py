@@ -45,6 +45,22 @@ def test_dense_causal_equals_flash_in_bf16(nq, nk, gqa):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("nq", [5000, 7000, 4096])
+def test_a_fresh_chunk_read_in_place_equals_its_copied_square_on_cuda(nq):
+    """cuDNN over a fresh chunk's queries read in place (the rows after it NaN, as a step's padding may hold) gives
+    the copied square's output bit for bit: the same kernel and plan, the other rows' outputs dropped."""
+    side = -(-nq // dp.SQUARE_ROWS) * dp.SQUARE_ROWS
+    g = torch.Generator().manual_seed(nq)
+    buf = torch.randn(side + 64, 32, 128, generator=g).to(DEV, torch.bfloat16)
+    buf[nq:] = float("nan")
+    k = torch.randn(nq, 4, 128, generator=g).to(DEV, torch.bfloat16)
+    v = torch.randn(nq, 4, 128, generator=g).to(DEV, torch.bfloat16)
+    assert dp.rows_in_place(buf[:nq], side) is not None
+    in_place = dp.dense_causal(buf[:nq], k, v, 128 ** -0.5)
+    copied = dp.dense_causal(buf[:nq].clone(), k, v, 128 ** -0.5)  # (no rows after it: the square is copied)
+    assert torch.isfinite(in_place).all() and torch.equal(in_place, copied)
+
+
 def test_check_dense_decides_on_this_gpu():
     """On a Hopper GPU the check picks cuDNN's dense kernel (equal to the reference, faster than FlashAttention-2
     from some checked chunk length to 8k, every square from there planned); what decided it is said either way."""
