@@ -162,6 +162,7 @@ class PagedKVCache:
         # ``attach``): they may be shared, and a rerun step need not compute them again
         self._valid: dict[str, list[int]] = {}
         self._slot_arr: dict[str, np.ndarray] = {}  # [held blocks * B] slot of each reserved position
+        self._offsets = np.arange(self.block_size, dtype=np.int64)  # a block's positions, from its first slot
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # the step being run: where its rows are written, and (``gathered`` steps) the contexts handed back
         self.write_index: torch.Tensor | None = None
@@ -210,10 +211,13 @@ class PagedKVCache:
     def _index(self, seq_id: str, new: int) -> None:
         """The slot of every reserved position, kept per sequence: the slots of its ``new`` last blocks appended."""
         blocks = self._blocks[seq_id]
-        b = np.asarray(blocks[len(blocks) - new:], dtype=np.int64)
-        add = (b[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        if new == 1:  # (a decoding sequence's next block: the usual case, one add)
+            add = self._offsets + blocks[-1] * self.block_size
+        else:
+            b = np.asarray(blocks[len(blocks) - new:], dtype=np.int64)
+            add = (b[:, None] * self.block_size + self._offsets).reshape(-1)
         old = self._slot_arr.get(seq_id)
-        self._slot_arr[seq_id] = add if old is None else np.concatenate([old, add])
+        self._slot_arr[seq_id] = add if old is None else np.concatenate((old, add))
 
     def free(self, seq_id: str) -> None:
         """Drop ``seq_id``'s blocks: a block no other sequence holds becomes free, or cached when its content
