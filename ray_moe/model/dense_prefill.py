@@ -82,8 +82,7 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
          dropped (no copy: ~1.5% of long prompts' device time on an H100, b994b30's step profile)
       2. keys / values into the square's first Nk rows (repeated to the query heads unless ``gqa``: head h of the
          query reads key head h // (Hq / Hk))
-      3. one SDPA call on [1, H, L, D] views (a failing in-place read retried on the copied square); the chunk's
-         rows cut back out"""
+      3. one SDPA call on [1, H, L, D] views; the chunk's rows cut back out"""
     nq, nk = int(q.shape[0]), int(k.shape[0])
     hq = int(q.shape[1])
     rep = 1 if gqa else hq // int(k.shape[1])
@@ -100,12 +99,9 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         with _cudnn_only() if q.device.type == "cuda" else contextlib.nullcontext():
             return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, **kw)
 
-    room = rows_in_place(q, side) if nq == nk else None  # 1.
+    room = rows_in_place(q, side) if nq == nk else None  # 1. (the copied square's strides: the same plan)
     if room is not None:
-        try:
-            return attend(room.transpose(0, 1)[None])[0].transpose(0, 1)[:nq]
-        except RuntimeError:  # (a layout the kernel refuses: the copied square below)
-            pass
+        return attend(room.transpose(0, 1)[None])[0].transpose(0, 1)[:nq]
     qs = q.new_empty(side, hq, q.shape[2])
     qs[:nk - nq].zero_()
     qs[nk - nq:nk] = q
