@@ -18,6 +18,7 @@ import argparse
 import re
 
 DEFAULT_RANKS = 2
+DEFAULT_START_TIMEOUT_S = 300.0
 # vLLM's spelling -> what it sets in ray-moe (the README's table; tests/apps/test_cli_vllm_flags.py parses each)
 VLLM_FLAGS = {
     "MODEL": "the Hugging Face folder (config.json + safetensors); also --checkpoint / --model",
@@ -46,6 +47,17 @@ def human_int(text: str) -> int:
     if value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
     return int(value)
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds > 0")
+    return value
 
 
 def add_serve_arguments(sv: argparse.ArgumentParser, bounded_int, eplb_flag) -> None:
@@ -116,6 +128,10 @@ def add_serve_arguments(sv: argparse.ArgumentParser, bounded_int, eplb_flag) -> 
     sv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                     help="compute every prompt's KV cache (default: full KV blocks of identical prompt prefixes are "
                          "shared within a rank, and requests go to the rank that holds their prefix)")
+    sv.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT_S, metavar="SECONDS",
+                    help="how long the start may wait for resources and for the shard actors to come up (default "
+                         f"{DEFAULT_START_TIMEOUT_S:g}: a cluster node may first set up a job's runtime environment "
+                         "and start a worker process that imports torch); past it the start is undone, saying so")
     sv.add_argument("--max-queued", type=int, default=1024,
                     help="requests in flight before new ones get 503 (overload)")
     # (the default is built here, not parsed from "auto": parsing imports the autopilot, and with it torch)

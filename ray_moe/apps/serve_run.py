@@ -34,6 +34,7 @@ from typing import Any, Callable
 from ray_moe.apps.connect import join, serve_address
 from ray_moe.apps.deployments import find_record, live_records, new_record, remove_record, write_record
 from ray_moe.apps.serve_checks import address_taken, check_device, check_max_model_len, port_owner
+from ray_moe.apps.serve_flags import DEFAULT_START_TIMEOUT_S
 from ray_moe.core.env import EnvSettings, read_env
 from ray_moe.core.errors import ConfigError
 
@@ -291,7 +292,7 @@ def _start(args: Any, cfg: Any, env: EnvSettings, api_key: str | None, max_model
     conflict = serve_http_conflict(args.host, args.port)
     if conflict is not None:
         raise ConfigError(conflict)
-    state["rt"] = rt = Runtime.start(cfg)
+    state["rt"] = rt = Runtime.start(cfg, timeout_s=getattr(args, "start_timeout", DEFAULT_START_TIMEOUT_S))
     model_name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     url = _url(args.host, args.port)
     auth = "token" if (read_env().ray_auth_mode or "").lower() == "token" else "disabled"

@@ -372,7 +372,7 @@ class Launch:
         if isinstance(cause, DeploymentStartError):
             return cause
         if isinstance(exc, ray.exceptions.GetTimeoutError) or isinstance(cause, ray.exceptions.GetTimeoutError):
-            detail = f"timed out after {self.timeout_s:g}s (timeout_s)"
+            detail = f"timed out after {self.timeout_s:g}s (timeout_s; ray-moe serve --start-timeout)"
         else:
             detail = f"{type(cause).__name__}: {cause}"
         made = [f"{len(self.shards)} shard actor(s)"] if self.shards else []

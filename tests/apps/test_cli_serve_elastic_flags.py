@@ -28,7 +28,9 @@ def test_min_max_ranks_turn_scaling_on_within_bounds():
         serve_config_fields(build_parser().parse_args([*BASE, "--min-ranks", "3", "--max-ranks", "4"]))
 
 
-@pytest.mark.parametrize("flag,value", [("--heal-retries", "-1"), ("--min-ranks", "0"), ("--max-ranks", "x")])
+@pytest.mark.parametrize("flag,value", [("--heal-retries", "-1"), ("--min-ranks", "0"), ("--max-ranks", "x"),
+                                        ("--start-timeout", "0"), ("--start-timeout", "inf"),
+                                        ("--start-timeout", "soon")])
 def test_bad_values_are_refused(flag, value, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*BASE, flag, value])

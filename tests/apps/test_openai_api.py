@@ -330,3 +330,26 @@ def test_a_repeated_prefix_is_served_from_the_cache_with_the_same_greedy_tokens(
     # earlier test's prompt too, so at least, in whole blocks)
     gained = after - mid
     assert gained >= 8 * (len(shared) // 8) - 8 and gained % 8 == 0, (before, mid, after)
+
+
+def test_serve_hands_its_start_timeout_to_the_deployments_start(server, monkeypatch):
+    """--start-timeout (default 300 s) bounds Runtime.start's wait for resources and shard actors: a node that
+    first sets up a job's runtime environment and imports torch in a fresh worker can take past a minute."""
+    from ray_moe.apps.cli import build_parser
+    from ray_moe.core.errors import DeploymentStartError
+    from ray_moe.runtime import Runtime
+
+    assert build_parser().parse_args(["serve", "/tmp/m"]).start_timeout == 300.0
+    seen: list[float] = []
+
+    def fake_start(cls, cfg, **kw):
+        seen.append(kw["timeout_s"])
+        raise DeploymentStartError(f"Runtime.start({cfg.name!r}) failed while starting the shard actors: timed out",
+                                   stage="starting the shard actors")
+
+    monkeypatch.setattr(Runtime, "start", classmethod(fake_start))
+    _, _, _, args = server
+    other = argparse.Namespace(**{**vars(args), "name": "http-bl-4", "start_timeout": 7.5})
+    with pytest.raises(DeploymentStartError, match="http-bl-4"):
+        run_server(other, ready=threading.Event(), stop=threading.Event())
+    assert seen == [7.5]

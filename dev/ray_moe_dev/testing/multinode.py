@@ -257,7 +257,7 @@ WORKING_DIR_IMPORT = ("ImportError", "runtime_resources/working_dir_files")
 
 def _submit_and_ask(ray_cli: str, address: str, env: dict, sid: str, folder: str, port: int, prompt: list[int],
                     marks: dict, out: dict) -> str:
-    """Submit ``jobs/serve.py`` as ``sid`` and ask it for a completion until it answers (240 s); its logs, status
+    """Submit ``jobs/serve.py`` as ``sid`` and ask it for a completion until it answers (360 s); its logs, status
     and the stop into ``out``. Returns "answered", "failed" or "working_dir_import" (the job's driver hit
     ``WORKING_DIR_IMPORT``: its logs are kept in ``out["first_logs"]``)."""
     import httpx
@@ -282,7 +282,7 @@ def _submit_and_ask(ray_cli: str, address: str, env: dict, sid: str, folder: str
 
     result = "failed"
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 360  # (the start alone may take 300 s, --start-timeout's default)
         body = None
         polls = 0
         while time.monotonic() < deadline:
@@ -296,9 +296,13 @@ def _submit_and_ask(ray_cli: str, address: str, env: dict, sid: str, folder: str
             except httpx.HTTPError:
                 pass
             polls += 1
-            if polls % 10 == 0 and all(m in logs() for m in WORKING_DIR_IMPORT):
-                result = "working_dir_import"
-                break
+            if polls % 10 == 0:
+                text = logs()
+                if all(m in text for m in WORKING_DIR_IMPORT):
+                    result = "working_dir_import"
+                    break
+                if "ray-moe serve: error:" in text:  # the job's start failed: nothing will answer
+                    break
             time.sleep(1.0)
         marks["answered"] = time.monotonic()
         out["completion"] = body
