@@ -229,11 +229,15 @@ def git_state(commit: str | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="host_profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", type=Workload, choices=[Workload.MIXED, Workload.CHAT], default=Workload.MIXED,
+                   help="mixed (every request --new-tokens) or chat (lognormal output lengths of mean --new-tokens)")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-mean", type=int, default=480)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--step-tokens", type=int, default=16384)
+    p.add_argument("--max-running", type=int, default=256,
+                   help="sequences running at once (1024: the chat workload's decode steps, ray-moe serve's default)")
     p.add_argument("--record", metavar="JSON", help="add this run to JSON (under --label)")
     p.add_argument("--label", default="run")
     p.add_argument("--pstats", metavar="FILE", help="also dump the cProfile pass's statistics to FILE")
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     # whole shape on CUDA (the cache sized from memory)
     clock = PhaseClock(step_kind)
     instrument(clock, standins=not cuda)
-    work = workload_spec(Workload.MIXED, a.requests, a.new_tokens, a.prompt_mean, 0)
+    work = workload_spec(a.workload, a.requests, a.new_tokens, a.prompt_mean, 0)
     conf = dict(QWEN3_30B_A3B if cuda else QUICK, num_hidden_layers=a.layers)
     layers = conf["num_hidden_layers"]
     prompts = work.prompts(conf["vocab_size"])
@@ -267,11 +271,13 @@ def main(argv: list[str] | None = None) -> int:
                         dtype="bfloat16" if cuda else "float32", seed=0, seeded_on_device=cuda, name="host-profile")
     dep = InProcessDeployment(cfg, device=a.device, timeout_s=600)
     tr = LocalTransport(dep)
-    kv_tokens = None if cuda else 16 * (sum(-(-(len(x) + a.new_tokens) // 16) for x in prompts) + 64)
-    loop = GenerationLoop(tr, device=a.device, kv_tokens=kv_tokens, block_size=16, max_running=256, max_queued=4096,
+    news = work.new_tokens_list()
+    kv_tokens = None if cuda else 16 * (sum(-(-(len(x) + n) // 16) for x, n in zip(prompts, news)) + 64)
+    loop = GenerationLoop(tr, device=a.device, kv_tokens=kv_tokens, block_size=16, max_running=a.max_running, max_queued=4096,
                           random_model=conf, step_tokens=a.step_tokens, decode_steps=a.decode_steps)
     core = dep.cores[0]
-    params = SamplingParams(max_new_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
+    made = {n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in set(news)}
+    params = [made[n] for n in news]
     gen_thread = core._gen_thread
     # on CUDA the forward is the host launching kernels (eager steps, captures): host work too
     not_host = () if cuda else NOT_HOST
@@ -280,20 +286,20 @@ def main(argv: list[str] | None = None) -> int:
         # (phases), then one under cProfile on the shard's generation thread (prompt ids shifted by one: no
         # prefix-cache hit on the measured pass's blocks)
         warm = [[(t + 2) % conf["vocab_size"] for t in x] for x in prompts] if cuda else [x[:64] for x in prompts[:8]]
-        for h in loop.submit_many([(x, params, None) for x in warm]):
+        for h in loop.submit_many([(x, p, None) for x, p in zip(warm, params)]):
             h.result(600)
         clock.reset()
         for dq in loop.timings.values():
             dq.clear()
         s0, t0 = loop.steps, time.perf_counter()
-        outs = [h.result(3600) for h in loop.submit_many([(x, params, None) for x in prompts])]
+        outs = [h.result(3600) for h in loop.submit_many([(x, p, None) for x, p in zip(prompts, params)])]
         wall, steps, host = time.perf_counter() - t0, loop.steps - s0, sum(loop.timings["host"])
         device_ms = sum(loop.timings["device"])
         phases = summarize(clock, not_host)
         prof = cProfile.Profile()
         gen_thread.submit(prof.enable).result()
         shifted = [[(t + 1) % conf["vocab_size"] for t in x] for x in prompts]
-        for h in loop.submit_many([(x, params, None) for x in shifted]):
+        for h in loop.submit_many([(x, p, None) for x, p in zip(shifted, params)]):
             h.result(3600)
         gen_thread.submit(prof.disable).result()
     finally:
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "label": a.label, **git_state(a.commit), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "hardware": hardware(), "device": a.device, "model": {k: conf[k] for k in ("num_hidden_layers", "hidden_size", "num_experts",
                                                                   "num_experts_per_tok", "vocab_size")},
-        "workload": {"requests": work.requests, "new_tokens": work.new_tokens, "prompt_mean": work.prompt_mean,
+        "workload": {"kind": work.kind.value, "requests": work.requests, "new_tokens": work.new_tokens, "prompt_mean": work.prompt_mean,
                      "prompt_tokens": sum(map(len, prompts)), "max_prompt": max(map(len, prompts)),
                      "step_tokens": a.step_tokens, "decode_steps": a.decode_steps},
         "measured": "MEASURED: per-phase self time on the shard's generation thread, per step kind: the thread's "

@@ -161,7 +161,8 @@ class PagedKVCache:
         # per sequence: the hashes of its leading blocks whose content is written and named (``register``,
         # ``attach``): they may be shared, and a rerun step need not compute them again
         self._valid: dict[str, list[int]] = {}
-        self._slot_arr: dict[str, np.ndarray] = {}  # [held blocks * B] slot of each reserved position
+        self._slot_arr: dict[str, np.ndarray] = {}  # [held blocks * B] slot of each reserved position (a view)
+        self._slot_buf: dict[str, np.ndarray] = {}  # [capacity >= held blocks * B] what ``_slot_arr`` views
         self._offsets = np.arange(self.block_size, dtype=np.int64)  # a block's positions, from its first slot
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # the step being run: where its rows are written, and (``gathered`` steps) the contexts handed back
@@ -189,6 +190,10 @@ class PagedKVCache:
         """Blocks held by ``seq_id``."""
         return len(self._blocks.get(seq_id, ()))
 
+    def block_table(self, seq_id: str) -> list[int]:
+        """The blocks ``seq_id`` holds, in position order (a copy)."""
+        return list(self._blocks.get(seq_id, ()))
+
     def can_reserve(self, seq_id: str, end: int) -> bool:
         return self.blocks_for(end) - self.held(seq_id) <= self.pool.available
 
@@ -209,21 +214,35 @@ class PagedKVCache:
         self._index(seq_id, need)
 
     def _index(self, seq_id: str, new: int) -> None:
-        """The slot of every reserved position, kept per sequence: the slots of its ``new`` last blocks appended."""
-        blocks = self._blocks[seq_id]
+        """The slot of every reserved position, kept per sequence: the slots of its ``new`` last blocks appended.
+
+        1. the sequence's buffer grows by doubling (``_slot_buf``: capacity past what is reserved), so a decoding
+           sequence's next block is one add written in place, not a copy of its whole index;
+        2. ``_slot_arr`` is the reserved prefix, a view (entries once written never change: views handed out
+           earlier, e.g. a launched step's contexts, stay right when the buffer is replaced)."""
+        blocks, bs = self._blocks[seq_id], self.block_size
+        old = self._slot_arr.get(seq_id)
+        n = 0 if old is None else old.size
+        size = n + new * bs
+        buf = self._slot_buf.get(seq_id)
+        if buf is None or buf.size < size:  # 1.
+            grown = np.empty(max(size, 2 * (0 if buf is None else buf.size)), dtype=np.int64)
+            if n:
+                grown[:n] = old
+            buf = self._slot_buf[seq_id] = grown
         if new == 1:  # (a decoding sequence's next block: the usual case, one add)
-            add = self._offsets + blocks[-1] * self.block_size
+            np.add(self._offsets, blocks[-1] * bs, out=buf[n:size])
         else:
             b = np.asarray(blocks[len(blocks) - new:], dtype=np.int64)
-            add = (b[:, None] * self.block_size + self._offsets).reshape(-1)
-        old = self._slot_arr.get(seq_id)
-        self._slot_arr[seq_id] = add if old is None else np.concatenate((old, add))
+            np.add(b[:, None] * bs, self._offsets, out=buf[n:size].reshape(new, bs))
+        self._slot_arr[seq_id] = buf[:size]  # 2.
 
     def free(self, seq_id: str) -> None:
         """Drop ``seq_id``'s blocks: a block no other sequence holds becomes free, or cached when its content
         is named (findable by hash until the pool needs it)."""
         self.pool.release(self._blocks.pop(seq_id, ()))
         self._slot_arr.pop(seq_id, None)
+        self._slot_buf.pop(seq_id, None)
         self._valid.pop(seq_id, None)
 
     # ------------------------------------------------------------------ prefix caching (bookkeeping)
@@ -369,9 +388,12 @@ class PagedKVCache:
         if isinstance(chunks, HostChunks):
             c = chunks
         else:
-            if any(x.num_tokens != 1 for x in chunks):
-                raise ValueError(f"a decode plan takes one token per sequence, got {[x.num_tokens for x in chunks]}")
-            c = self._chunks([SeqChunk(x.seq_id, x.start, steps) for x in chunks])
+            s = len(chunks)
+            one = np.fromiter((x.num_tokens for x in chunks), dtype=np.int64, count=s)
+            if (one != 1).any():
+                raise ValueError(f"a decode plan takes one token per sequence, got {one.tolist()}")
+            starts = np.fromiter((x.start for x in chunks), dtype=np.int64, count=s)
+            c = self._host_chunks([x.seq_id for x in chunks], starts, np.full(s, steps, dtype=np.int64))
         used = int(c.ends.sum()) + rows - int(c.lens.size)
         ids = np.zeros(rows, dtype=np.int64)
         ids[:token_ids.size] = token_ids
@@ -389,11 +411,16 @@ class PagedKVCache:
         s = len(chunks)
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=s)
         lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=s)
+        return self._host_chunks([c.seq_id for c in chunks], starts, lens)
+
+    def _host_chunks(self, seq_ids: list[str], starts: np.ndarray, lens: np.ndarray) -> HostChunks:
+        """``HostChunks`` of sequences ``seq_ids`` [S] with ``starts`` / ``lens`` [S] int64: each one's context
+        slots (positions 0 .. start + len - 1) looked up once (``slots``' check)."""
         ends = starts + lens
         arrs, reads = self._slot_arr, []
-        for c, e in zip(chunks, ends.tolist()):
-            a = arrs.get(c.seq_id)
-            reads.append(a[:e] if a is not None and a.size >= e else self.slots(c.seq_id, 0, e))
+        for sid, e in zip(seq_ids, ends.tolist()):
+            a = arrs.get(sid)
+            reads.append(a[:e] if a is not None and a.size >= e else self.slots(sid, 0, e))
         return HostChunks(starts, lens, ends, reads)
 
     def update(self, a: torch.Tensor, b: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
