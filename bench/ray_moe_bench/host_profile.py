@@ -39,6 +39,7 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -50,6 +51,15 @@ from ray_moe.model.sampling import SamplingParams
 from ray_moe_bench.common import hardware
 from ray_moe_bench.generate import QUICK, QWEN3_30B_A3B
 from ray_moe_bench.serving import Workload, workload_spec
+
+class GcMode(str, Enum):
+    """The collector's policy in the profiled process: Python's own; the heap frozen after start (what a CUDA
+    deployment did up to session 35); frozen and young collections at safe points (a CUDA deployment since)."""
+
+    PYTHON = "python"
+    FROZEN = "frozen"
+    SAFE_POINTS = "safe-points"
+
 
 NOT_HOST = ("forward", "attention_reference")  # the device's work on an H200 (phases excluded from host time)
 TOP_ROWS = 30
@@ -238,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-tokens", type=int, default=16384)
     p.add_argument("--max-running", type=int, default=256,
                    help="sequences running at once (1024: the chat workload's decode steps, ray-moe serve's default)")
+    p.add_argument("--gc", type=GcMode, choices=list(GcMode), default=GcMode.SAFE_POINTS,
+                   help="the collector's policy (default: a CUDA deployment's, frozen with safe points)")
     p.add_argument("--record", metavar="JSON", help="add this run to JSON (under --label)")
     p.add_argument("--label", default="run")
     p.add_argument("--pstats", metavar="FILE", help="also dump the cProfile pass's statistics to FILE")
@@ -276,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     loop = GenerationLoop(tr, device=a.device, kv_tokens=kv_tokens, block_size=16, max_running=a.max_running, max_queued=4096,
                           random_model=conf, step_tokens=a.step_tokens, decode_steps=a.decode_steps)
     core = dep.cores[0]
+    if a.gc is not GcMode.PYTHON:  # as on CUDA (the driver loop and the shard actor do it there)
+        loop.gc.freeze()
+        if a.gc is GcMode.SAFE_POINTS:
+            loop.gc.defer_to_safe_points()
+            core.safe_point = loop.gc.safe_point
     made = {n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in set(news)}
     params = [made[n] for n in news]
     gen_thread = core._gen_thread
@@ -291,9 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         clock.reset()
         for dq in loop.timings.values():
             dq.clear()
-        s0, t0 = loop.steps, time.perf_counter()
+        s0, t0, gc0 = loop.steps, time.perf_counter(), loop.gc_counters()
         outs = [h.result(3600) for h in loop.submit_many([(x, p, None) for x, p in zip(prompts, params)])]
         wall, steps, host = time.perf_counter() - t0, loop.steps - s0, sum(loop.timings["host"])
+        gc1 = loop.gc_counters()
+        gc_pass = {k: gc1[k] - gc0[k] for k in ("gc_collections", "gc_full_collections", "gc_pause_us",
+                                                  "gc_safe_point_collections")}
         device_ms = sum(loop.timings["device"])
         phases = summarize(clock, not_host)
         prof = cProfile.Profile()
@@ -321,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                     "shard_host_ms_total: the sum of StepResult.host_s (forward included); top_functions: cProfile "
                     "on the same thread over a second pass (prompt ids shifted by one)",
         "wall_s": round(wall, 2), "engine_steps": steps, "output_tokens": sum(map(len, outs)),
+        "gc": {**gc_pass, "mode": a.gc.value, "note": "this process's collections in the measured pass (driver and shard: one process "
+                                  "here), every thread"},
         "shard_host_ms_total": round(host, 1), "device_ms_total": round(device_ms, 1),
         "host_cpu_ms_total": round(sum(v["host_ms_per_step"] * v["steps"] for v in phases.values()), 1),
         "phases": phases,
@@ -333,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, v in phases.items():
         print(f"  {kind}: {v['steps']} steps, host {v['host_ms_per_step']:.2f} ms/step CPU "
               f"({v['host_wall_ms_per_step']:.2f} wall); " + ", ".join(f"{k} {x:.2f}" for k, x in v["cpu_ms_per_step"].items()))
+    print(f"  gc in the measured pass: {gc_pass}")
     print("  top functions outside the forward (self ms, cProfile pass):")
     for r in res["top_functions_host"][:20]:
         print(f"    {r['self_ms']:9.1f} {r['calls']:8d}  {r['function']}")

@@ -211,8 +211,9 @@ class GenerationLoop:
         if info and refit and min(refit) < int(info["kv_blocks"]):
             info = {**info, "kv_blocks": min(refit)}
         self._warn_slow_paths(info)
-        if device == "cuda":
+        if device == "cuda":  # the start's heap frozen; young collections between a launch and the wait after it
             self.gc.freeze()
+            self.gc.defer_to_safe_points()
         if self.kv_tokens is None:  # sized from memory on each rank: the cache tokens the first rank holds
             self.kv_tokens = int(info["kv_blocks"]) * int(info["block_size"])
         self.attention_backend = info.get("attention")
@@ -423,6 +424,8 @@ class GenerationLoop:
                 nxt = None
                 if not (self._stop or tr.gate.contended or tr.members() != members):
                     nxt = self._launch(flying)
+                    if nxt is not None and flying is not None:  # two steps on the devices: collect now, if due
+                        self.gc.safe_point()
                 if flying is None:
                     if nxt is None:
                         time.sleep(0.001)  # nothing runnable yet (requests wait for KV blocks)

@@ -260,10 +260,13 @@ class ExpertShardActor:
     # ---------------------------------------------------------------- serving generation
     def load_model(self, **options: Any) -> dict[str, Any]:
         """``ShardCore.load_model`` (keyword options). On CUDA the heap alive after the model is built is frozen
-        (``GcPauses.freeze``): a full collection between two launches would leave the GPU idle for it."""
+        (``GcPauses.freeze``): a full collection between two launches would leave the GPU idle for it; young collections
+        wait for the core's safe point, right after a launch (``GcPauses.defer_to_safe_points``)."""
         info = self.core.load_model(**options)
         if self.device.type == "cuda":
             self.gc.freeze()
+            self.gc.defer_to_safe_points()
+            self.core.safe_point = self.gc.safe_point
         return info
 
     def prepare_steps(self) -> dict[str, Any]:

@@ -78,6 +78,9 @@ class ShardCore:
         self.paths: DataPaths | None = None
         self.decode_cap: int | None = None  # the decode bucket's largest capacity, once the lattice sets it
         self.faults = ShardFaults()
+        # called on the generation thread right after each launch, while the device runs it: the process's
+        # collector safe point (``GcPauses.safe_point``; the actor sets it on CUDA)
+        self.safe_point: Callable[[], Any] = lambda: None
         self.store = ExpertStore(rank, self.device, self.dtype, staging_slots=cfg.staging_slots)
         self._gens: dict[int, _Generation] = {}
         self.decode_keys = DecodeKeys(cfg, self.dtype)
@@ -485,6 +488,7 @@ class ShardCore:
             if not stack.__exit__(*sys.exc_info()):
                 raise
             raise  # pragma: no cover - the pin never swallows an error
+        self.safe_point()
         return pending, stack, t1 - t0
 
     def _complete_step(self, pending: "PendingStep", stack: ExitStack) -> StepResult:
