@@ -69,6 +69,39 @@ def test_the_loop_counts_its_processs_collector_pauses_and_removes_its_callback(
     assert loop.gc._callback not in gc.callbacks
 
 
+def test_deferred_collections_run_at_the_loop_and_shard_safe_points_with_tokens_unchanged(tiny_loop):
+    """The CUDA policy (``defer_to_safe_points``, set up as the driver loop and the shard actor do it there) on the
+    real loop: collections run at the safe points after launches (the driver's with two steps in flight, the
+    shard's after each launch), none past them, and the tokens equal the same requests' under Python's policy."""
+    _, dep, loop = tiny_loop
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (12,), generator=g)]
+    params = SamplingParams(max_new_tokens=12)
+    want = [h.result(120) for h in loop.submit_many([(p, params, None) for p in prompts])]
+    core = dep.cores[0]
+    seen: list[int | None] = []  # what each of the shard's safe points collected
+
+    def shard_point():
+        seen.append(loop.gc.safe_point())
+        return seen[-1]
+
+    loop.gc.defer_to_safe_points(young=1, safety=10_000_000)  # (young=1: every safe point collects)
+    core.safe_point = shard_point
+    try:
+        before = loop.gc_counters()
+        got = [h.result(120) for h in loop.submit_many([(p, params, None) for p in prompts])]
+        after = loop.gc_counters()
+    finally:
+        core.safe_point = lambda: None
+        loop.close()  # (restores the thresholds)
+    assert got == want
+    safe = after["gc_safe_point_collections"] - before["gc_safe_point_collections"]
+    shard = sum(x is not None for x in seen)
+    assert shard > 0 and safe - shard > 0  # the shard's safe points and the driver's both collected
+    # no automatic collection with the net at 10 M (one explicit gc.collect from another thread may land)
+    assert safe <= after["gc_collections"] - before["gc_collections"] <= safe + 1
+
+
 def test_the_shard_reports_the_bytes_it_holds_weights_and_kv_cache(tiny_loop):
     model, dep, loop = tiny_loop
     core = dep.cores[0]
