@@ -270,13 +270,14 @@ def _input_from_wire(free, units, steps, ids, ints, floats, tokens, suppress=b""
         f, c = flags[i], count[i]
         sample = None
         if f & 4:
+            k, m = nsup[i], nb[i]  # (most items suppress nothing and bias nothing: no slices built for them)
             sample = SampleSpec(temp[i], top_p[i], seed[i], pos[i], pres[i], freq[i], rep[i], plen[i],
-                                tuple(sup[so:so + nsup[i]]), until[i], None if lps[i] < 0 else lps[i],
-                                tuple(zip(bid[bo:bo + nb[i]], bval[bo:bo + nb[i]])))
-            so += nsup[i]
-            bo += nb[i]
-        items.append(WorkItem(sid, tuple(flat[o:o + c]), start[i], sample, bool(f & 1), bool(f & 2), bool(f & 8),
-                              bool(f & 16)))
+                                tuple(sup[so:so + k]) if k else (), until[i], None if lps[i] < 0 else lps[i],
+                                tuple(zip(bid[bo:bo + m], bval[bo:bo + m])) if m else ())
+            so += k
+            bo += m
+        items.append(WorkItem(sid, tuple(flat[o:o + c]) if c else (), start[i], sample, f & 1 == 1, f & 2 == 2,
+                              f & 8 == 8, f & 16 == 16))
         o += c
     return GenerationInput(tuple(items), free, units, steps)
 
