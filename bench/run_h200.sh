@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU evidence run (the device tool's nvidia-h200), sessions 3-4: GPU tests on one H200, the per-layer
 # MoE benchmark against transformers' block, and generation against transformers' generate. Each step is
-# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|tests-runtime|skinny|attn|fp8|route-plan|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|substeps|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|kernel-mix-ray|kernel-mix-vllm|rebalance|pack
+# time-boxed; JSON goes to $RAY_MOE_RESULTS_DIR, logs to $LOG. Usage: bash bench/run_h200.sh tests|tests-model|tests-rest|tests-runtime|skinny|attn|fp8|route-plan|host-profile|fp8-dense|fp8-tune|fp8-ds-tune|layer|generate|serving-ray|serving-vllm|serving-tf|substeps|fp8-write|fp8-ray|fp8-vllm|fp8-ds-write|fp8-ds-ray|fp8-ds-vllm-warm|fp8-ds-vllm|fp8-profile|profile|kernel-mix-ray|kernel-mix-vllm|rebalance|pack
 # (serving-ray / serving-vllm: offline and online in one call; serving-{ray,vllm}-{offline,online}: one half each)
 set -u
 export RAY_MOE_RESULTS_DIR=${RAY_MOE_RESULTS_DIR:-bench/results}
@@ -32,6 +32,11 @@ for what in "$@"; do
     fp8)      run 270 python3 -m ray_moe_bench.fp8_experts ;;
     # the one-rank route plan by route count: one program / blocked / torch, and the old general path's order + gather
     route-plan) run 120 python3 -m ray_moe_bench.route_plan ;;
+    # the shard's host work per step kind and phase on the GPU (chat: ~1,000 running sequences, 2 sub-steps; the
+    # CPU run of the same workload is bench/results/logs/host_profile-chat-cpu-s36.json)
+    host-profile) run 300 python3 -m ray_moe_bench.host_profile --device cuda --layers "${LAYERS:-48}" --workload chat \
+                    --requests 1000 --max-running 1024 --decode-steps 2 --new-tokens 160 --prompt-mean 480 \
+                    --record "$RAY_MOE_RESULTS_DIR/host_profile-chat-cuda.json" --label "cuda-${LAYERS:-48}l" ;;
     # the dense FP8 GEMM: ray-moe's Triton kernel against torch._scaled_mm blockwise (a library kernel) and bf16
     fp8-dense) run 200 python3 -m ray_moe_bench.fp8_dense ;;
     # the FP8 kernels' launch settings tuned on this GPU (experts and dense projections of the Qwen3-30B-A3B shape),
