@@ -151,7 +151,7 @@ STREAM_SALT = MappingProxyType({Workload.MIXED: 11, Workload.DECODE_HEAVY: 12, W
 ARRIVAL_SALT = 21
 GRAPH_KEYS = ("graphs_captured_start", "graphs_captured_serving", "decode_graph_steps", "token_graph_steps",
               "piecewise_steps", "eager_steps", "graph_replays", "completions_between_pieces")
-SHARD_GC_KEYS = ("gc_collections", "gc_full_collections", "gc_pause_us")  # a shard's collector, summed since start
+SHARD_GC_KEYS = ("gc_collections", "gc_full_collections", "gc_pause_us", "gc_safe_point_collections")  # a shard's collector, summed since start
 MAX_QUEUED_DEFAULT = 4096  # GenerationLoop's max_queued (passed only when a pass has more requests)
 
 

@@ -470,11 +470,11 @@ def test_graph_deltas_and_arrivals():
     assert d["per_shard"]["1"]["completions_between_pieces"] == 3
     assert d["per_shard"]["1"]["captures"] == d["per_shard"]["1"]["captures_serving"] == 1
     assert d["total"]["piecewise_steps"] == 2 and d["serving_captures_ok"] is False
-    before["1"].update(gc_collections=7, gc_pause_us=900)
-    after["1"].update(gc_collections=10, gc_full_collections=1, gc_pause_us=1500)
+    before["1"].update(gc_collections=7, gc_pause_us=900, gc_safe_point_collections=2)
+    after["1"].update(gc_collections=10, gc_full_collections=1, gc_pause_us=1500, gc_safe_point_collections=4)
     assert serving.shard_gc_deltas(before, after) == {
-        "0": {"gc_collections": 0, "gc_full_collections": 0, "gc_pause_us": 0},
-        "1": {"gc_collections": 3, "gc_full_collections": 1, "gc_pause_us": 600}}
+        "0": {"gc_collections": 0, "gc_full_collections": 0, "gc_pause_us": 0, "gc_safe_point_collections": 0},
+        "1": {"gc_collections": 3, "gc_full_collections": 1, "gc_pause_us": 600, "gc_safe_point_collections": 2}}
     a = poisson_arrivals(2000, 8.0, 0)
     assert a[0] == 0 and np.all(np.diff(a) >= 0) and 2000 / 8 * 0.9 <= a[-1] <= 2000 / 8 * 1.1
     assert np.array_equal(a, poisson_arrivals(2000, 8.0, 0)) and not np.array_equal(a, poisson_arrivals(2000, 8.0, 1))
