@@ -389,9 +389,11 @@ class GenerationLoop:
 
     def _loop(self) -> None:
         while True:
+            self.gc.safe_point()  # nothing in flight (idle, or the pipeline drained): collect now, if due
             with self._lock:
-                while not self._stop and self.scheduler.pending() == 0:
+                if not self._stop and self.scheduler.pending() == 0:
                     self._wake.wait(timeout=1.0)
+                    continue  # (work came, or a second passed: look again after the safe point)
                 if self._stop:
                     return
             try:
