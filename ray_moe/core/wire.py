@@ -60,4 +60,24 @@ def unpack(payload: Mapping[str, Wire], device: torch.device | str = "cpu") -> d
     return {k: wire_to_tensor(a, d, device) for k, (a, d) in payload.items()}
 
 
-__all__ = ["tensor_to_wire", "wire_to_tensor", "as_tensor", "pack", "unpack"]
+#: an integer column's wire form: (NumPy dtype string, its bytes)
+IntColumn = tuple[str, bytes]
+
+
+def pack_ints(a: np.ndarray) -> IntColumn:
+    """[n] integers -> the narrowest of int16 / int32 / int64 that holds every value (exact), as bytes: the step
+    records' columns cross Ray every step, and arguments over 100 KB leave Ray's inline path."""
+    a = np.asarray(a)
+    lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    for code, bits in (("<i2", 16), ("<i4", 32)):
+        if -(1 << (bits - 1)) <= lo and hi < 1 << (bits - 1):
+            return code, a.astype(code).tobytes()
+    return "<i8", a.astype("<i8").tobytes()
+
+
+def unpack_ints(col: IntColumn) -> np.ndarray:
+    """``pack_ints``' inverse: [n] int64 (a new, writable array)."""
+    return np.frombuffer(col[1], dtype=col[0]).astype(np.int64)
+
+
+__all__ = ["tensor_to_wire", "wire_to_tensor", "as_tensor", "pack", "unpack", "IntColumn", "pack_ints", "unpack_ints"]

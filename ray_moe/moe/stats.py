@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ray_moe.core.wire import pack_ints, unpack_ints
 from ray_moe.placement.snapshot import PlacementSnapshot
 
 
@@ -50,6 +51,37 @@ def _layer_stats_from_wire(layer, accepted, remote, inter_node, counts, rank_rou
     return LayerStats(layer, accepted, remote, inter_node, arr(counts), arr(rank_routes),
                       dict(zip(np.frombuffer(ids, dtype=np.int64).tolist(), np.frombuffer(rows, dtype=np.int64).tolist())),
                       path, reason)
+
+
+def pack_layers(layers: Sequence[LayerStats]) -> tuple:
+    """A step's LayerStats (one per MoE layer) as one columnar wire form: every layer's arrays concatenated, each
+    column in the narrowest integer type (``core.wire.pack_ints``). A 48-layer result took ~150 KB as LayerStats
+    one by one, past Ray's 100 KB limit for values returned inline; ``unpack_layers`` inverts it exactly."""
+    n = len(layers)
+    scalars = np.array([(ls.layer, ls.accepted, ls.remote, ls.inter_node) for ls in layers],
+                       dtype=np.int64).reshape(n, 4)
+    counts = [np.asarray(ls.expert_counts, dtype=np.int64).reshape(-1) for ls in layers]
+    routes = [np.asarray(ls.rank_routes, dtype=np.int64).reshape(-1) for ls in layers]
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    ids = cat([np.fromiter(ls.slot_rows.keys(), dtype=np.int64, count=len(ls.slot_rows)) for ls in layers])
+    rows = cat([np.fromiter(ls.slot_rows.values(), dtype=np.int64, count=len(ls.slot_rows)) for ls in layers])
+    sizes = np.array([[c.size, r.size, len(ls.slot_rows)] for c, r, ls in zip(counts, routes, layers)],
+                     dtype=np.int64).reshape(n, 3)
+    return (pack_ints(scalars.reshape(-1)), pack_ints(sizes.reshape(-1)), pack_ints(cat(counts)),
+            pack_ints(cat(routes)), pack_ints(ids), pack_ints(rows),
+            [ls.path for ls in layers], [ls.fallback_reason for ls in layers])
+
+
+def unpack_layers(packed: tuple) -> tuple[LayerStats, ...]:
+    """``pack_layers``' inverse: the LayerStats, their arrays int64 and writable, as the sender's."""
+    scalars, sizes, counts, routes, ids, rows = (unpack_ints(c) for c in packed[:6])
+    paths, reasons = packed[6], packed[7]
+    n = len(paths)
+    scalars, sizes = scalars.reshape(n, 4).tolist(), sizes.reshape(n, 3)
+    cuts = [np.cumsum(sizes[:, j])[:-1] for j in range(3)]
+    parts = (np.split(counts, cuts[0]), np.split(routes, cuts[1]), np.split(ids, cuts[2]), np.split(rows, cuts[2]))
+    return tuple(LayerStats(s[0], s[1], s[2], s[3], c.copy(), r.copy(), dict(zip(i.tolist(), w.tolist())), p, why)
+                 for s, c, r, i, w, p, why in zip(scalars, *parts, paths, reasons))
 
 
 def merge_layer_stats(stats: Sequence[LayerStats]) -> tuple[LayerStats, ...]:

@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ray_moe.core.errors import RequestError
+from ray_moe.core.wire import IntColumn, pack_ints, unpack_ints
 from ray_moe.core.types import Phase
 from ray_moe.model.sampling import SampleSpec, TokenLogprobs
-from ray_moe.moe.stats import LayerStats
+from ray_moe.moe.stats import LayerStats, pack_layers, unpack_layers
 
 
 class StepKind(str, Enum):
@@ -156,7 +157,10 @@ class StepResult:
         return self.output.kind
 
     def __reduce__(self):
-        return (StepResult, _values(self))
+        """The layers as one columnar block (``moe.stats.pack_layers``): every step returns one result per rank."""
+        fields = list(_values(self))
+        fields[4] = pack_layers(fields[4])
+        return (_result_from_wire, tuple(fields))
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,10 @@ class ExpertOnlyOutput:
     marks: tuple[tuple[str, float, float], ...] = ()
 
 
+def _result_from_wire(rank, step_id, generation, output, layers, *rest) -> "StepResult":
+    return StepResult(rank, step_id, generation, output, unpack_layers(layers), *rest)
+
+
 def _values(record: Any) -> tuple:
     return tuple(getattr(record, f.name) for f in dataclasses.fields(record))
 
@@ -221,9 +229,10 @@ class GenerationInput:
     def __reduce__(self):
         """A columnar wire form: every step sends one of these per rank, and pickling its work items one
         dataclass at a time cost ~10 us each (1.2 ms for a batch of 128 decode items; ~0.3 ms this way). Integer
-        columns travel in int32 where every value fits, and the float columns as a table of their distinct rows
-        (bit for bit) with an index per item: 1,000 decode items take ~60 KB, under Ray's 100 KB limit for
-        arguments passed inline (a larger one goes through the object store: ~1 ms more per call, measured)."""
+        columns travel in the narrowest type that holds them (``core.wire.pack_ints``), the float columns as a
+        table of their distinct rows (bit for bit) with an index per item: 1,000 decode items take ~60 KB, under
+        Ray's 100 KB limit for arguments passed inline (a larger one goes through the object store: ~1 ms more per
+        call, measured)."""
         items = self.items
         n = len(items)
         # start, token count, flags, seed, sample position, prompt length, suppress_until, logprobs (-1: none),
@@ -253,38 +262,31 @@ class GenerationInput:
         tokens = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), dtype=np.int64,
                              count=int(ints[1].sum()))
         return (_input_from_wire, (self.free, self.units, self.steps, [it.seq_id for it in items],
-                                   tuple(_pack_ints(row) for row in ints), _pack_rows(floats), _pack_ints(tokens),
-                                   _pack_ints(np.asarray(suppress, dtype=np.int64)), _pack_ints(nbias),
-                                   _pack_ints(np.asarray(bias_ids, dtype=np.int64)),
+                                   tuple(pack_ints(row) for row in ints), _pack_rows(floats), pack_ints(tokens),
+                                   pack_ints(np.asarray(suppress, dtype=np.int64)), pack_ints(nbias),
+                                   pack_ints(np.asarray(bias_ids, dtype=np.int64)),
                                    np.asarray(bias, dtype=np.float64).tobytes()))
 
 
-def _pack_ints(a: np.ndarray) -> tuple[str, bytes]:
-    """[n] int64 -> (dtype, bytes): int32 when every value fits (exact either way)."""
-    if a.size and (int(a.min()) < -(1 << 31) or int(a.max()) >= 1 << 31):
-        return "<i8", a.astype("<i8").tobytes()
-    return "<i4", a.astype("<i4").tobytes()
+def _unpack_ints(col: IntColumn) -> list[int]:
+    return unpack_ints(col).tolist()
 
 
-def _unpack_ints(packed: tuple[str, bytes]) -> list[int]:
-    return np.frombuffer(packed[1], dtype=packed[0]).tolist()
-
-
-def _pack_rows(a: np.ndarray) -> tuple[bytes, tuple[str, bytes], int]:
+def _pack_rows(a: np.ndarray) -> tuple[bytes, IntColumn, int]:
     """[n, k] float64 -> (its distinct rows [u, k] as bytes, each row's index in them, k): rows compared bit for bit
     (a void view: -0.0 stays -0.0)."""
     n, k = a.shape
     if n == 0:
-        return b"", _pack_ints(np.zeros(0, dtype=np.int64)), k
+        return b"", pack_ints(np.zeros(0, dtype=np.int64)), k
     keys = np.ascontiguousarray(a).view(np.dtype((np.void, 8 * k))).reshape(n)
     table, index = np.unique(keys, return_inverse=True)
-    return table.tobytes(), _pack_ints(index.reshape(n).astype(np.int64)), k
+    return table.tobytes(), pack_ints(index.reshape(n).astype(np.int64)), k
 
 
-def _unpack_rows(packed: tuple[bytes, tuple[str, bytes], int]) -> list[list[float]]:
+def _unpack_rows(packed: tuple[bytes, IntColumn, int]) -> list[list[float]]:
     """``_pack_rows``' inverse: the columns [k][n] as lists."""
     table, index, k = packed
-    idx = np.frombuffer(index[1], dtype=index[0])
+    idx = unpack_ints(index)
     if idx.size == 0:
         return [[] for _ in range(k)]
     return np.frombuffer(table, dtype=np.float64).reshape(-1, k)[idx].T.tolist()

@@ -166,3 +166,40 @@ def test_a_thousand_decode_items_travel_inline_and_floats_bit_for_bit():
     assert back == req
     assert [math.copysign(1.0, it.sample.presence_penalty) for it in back.input.items[:4]] == [1.0, -1.0, 1.0, -1.0]
     assert [it.sample.seed for it in back.input.items] == [s.seed for s in specs]
+
+
+_big = st.integers(-(1 << 40), 1 << 40)
+_layer_stats = st.builds(
+    LayerStats, st.integers(0, 200), _big, _big, _big,
+    st.lists(_big, max_size=9).map(lambda xs: np.asarray(xs, dtype=np.int64)),
+    st.lists(st.integers(0, 1 << 20), max_size=4).map(lambda xs: np.asarray(xs, dtype=np.int64)),
+    st.dictionaries(st.integers(0, 1 << 33), _big, max_size=6),
+    st.sampled_from(["engine", "direct", "bucket", "bucket-graph"]), st.one_of(st.none(), st.text(max_size=6)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_layer_stats, max_size=6).map(tuple))
+def test_a_results_layers_round_trip_exactly_in_their_columnar_form(layers):
+    """Any number of layers, arrays of any length (empty too), values past int32, slot rows of any keys."""
+    res = StepResult(2, "s3", 1, GenerationOutput({"a": (1,)}), layers, 0.5)
+    for dumps in _DUMPS:
+        back = pickle.loads(dumps(res)).layers
+        assert len(back) == len(layers)
+        for x, y in zip(back, layers):
+            assert (x.layer, x.accepted, x.remote, x.inter_node, x.path, x.fallback_reason) == (
+                y.layer, y.accepted, y.remote, y.inter_node, y.path, y.fallback_reason)
+            assert x.slot_rows == y.slot_rows and list(x.slot_rows) == list(y.slot_rows)  # (order kept)
+            for a, b in ((x.expert_counts, y.expert_counts), (x.rank_routes, y.rank_routes)):
+                assert a.dtype == np.int64 and a.flags.writeable and np.array_equal(a, b)
+
+
+def test_a_48_layer_result_travels_inline():
+    """The whole Qwen3-30B-A3B shape's result (48 layers of 128 experts' counts and 130 slots' rows) pickles under
+    Ray's 100 KB limit for values returned inline (it took ~158 KB as LayerStats one by one)."""
+    rng = np.random.default_rng(0)
+    layers = tuple(LayerStats(l, 2048, 0, 0, rng.integers(0, 2048, 128), np.array([2048]),
+                              {s: int(rng.integers(0, 300)) for s in range(130)}, "bucket-graph", None)
+                   for l in range(48))
+    tokens = {f"req-{i}": (int(rng.integers(0, 151_936)), int(rng.integers(0, 151_936))) for i in range(1024)}
+    wire = pickle.dumps(StepResult(0, "s1", 0, GenerationOutput(tokens), layers, 0.01))
+    assert len(wire) < 100_000, len(wire)
