@@ -33,24 +33,13 @@ class LayerStats:
     fallback_reason: str | None = None
 
     def __reduce__(self):
-        """A compact wire form (every step returns one per layer): arrays as raw int64 bytes, the slot rows
-        as two of them; pickling numpy arrays one by one cost ~18 us each."""
-        ids = np.fromiter(self.slot_rows.keys(), dtype=np.int64, count=len(self.slot_rows))
-        rows = np.fromiter(self.slot_rows.values(), dtype=np.int64, count=len(self.slot_rows))
-        return (_layer_stats_from_wire, (self.layer, self.accepted, self.remote, self.inter_node,
-                                         _int64_bytes(self.expert_counts), _int64_bytes(self.rank_routes),
-                                         ids.tobytes(), rows.tobytes(), self.path, self.fallback_reason))
+        """A compact wire form: one layer's ``pack_layers`` (a step result packs all of its layers at once);
+        pickling numpy arrays one by one cost ~18 us each."""
+        return (_one_layer, (pack_layers((self,)),))
 
 
-def _int64_bytes(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, dtype=np.int64).tobytes()
-
-
-def _layer_stats_from_wire(layer, accepted, remote, inter_node, counts, rank_routes, ids, rows, path, reason):
-    arr = lambda b: np.frombuffer(b, dtype=np.int64).copy()  # noqa: E731 - writable, like the sender's
-    return LayerStats(layer, accepted, remote, inter_node, arr(counts), arr(rank_routes),
-                      dict(zip(np.frombuffer(ids, dtype=np.int64).tolist(), np.frombuffer(rows, dtype=np.int64).tolist())),
-                      path, reason)
+def _one_layer(packed: tuple) -> LayerStats:
+    return unpack_layers(packed)[0]
 
 
 def pack_layers(layers: Sequence[LayerStats]) -> tuple:
@@ -73,14 +62,15 @@ def pack_layers(layers: Sequence[LayerStats]) -> tuple:
 
 
 def unpack_layers(packed: tuple) -> tuple[LayerStats, ...]:
-    """``pack_layers``' inverse: the LayerStats, their arrays int64 and writable, as the sender's."""
+    """``pack_layers``' inverse: the LayerStats, their arrays int64 and writable, as the sender's (views of one
+    fresh array per column)."""
     scalars, sizes, counts, routes, ids, rows = (unpack_ints(c) for c in packed[:6])
     paths, reasons = packed[6], packed[7]
     n = len(paths)
     scalars, sizes = scalars.reshape(n, 4).tolist(), sizes.reshape(n, 3)
     cuts = [np.cumsum(sizes[:, j])[:-1] for j in range(3)]
     parts = (np.split(counts, cuts[0]), np.split(routes, cuts[1]), np.split(ids, cuts[2]), np.split(rows, cuts[2]))
-    return tuple(LayerStats(s[0], s[1], s[2], s[3], c.copy(), r.copy(), dict(zip(i.tolist(), w.tolist())), p, why)
+    return tuple(LayerStats(s[0], s[1], s[2], s[3], c, r, dict(zip(i.tolist(), w.tolist())), p, why)
                  for s, c, r, i, w, p, why in zip(scalars, *parts, paths, reasons))
 
 

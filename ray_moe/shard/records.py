@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ray_moe.core.errors import RequestError
-from ray_moe.core.wire import IntColumn, pack_ints, unpack_ints
 from ray_moe.core.types import Phase
+from ray_moe.core.wire import IntColumn, pack_ints, unpack_ints
 from ray_moe.model.sampling import SampleSpec, TokenLogprobs
 from ray_moe.moe.stats import LayerStats, pack_layers, unpack_layers
 
@@ -269,7 +269,8 @@ class GenerationInput:
 
 
 def _unpack_ints(col: IntColumn) -> list[int]:
-    return unpack_ints(col).tolist()
+    """``unpack_ints`` as Python ints, read straight from the bytes (no int64 copy first)."""
+    return np.frombuffer(col[1], dtype=col[0]).tolist()
 
 
 def _pack_rows(a: np.ndarray) -> tuple[bytes, IntColumn, int]:
